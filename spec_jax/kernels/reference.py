@@ -19,20 +19,25 @@ def attention_mask(q_positions, kv_lengths, seq_len: int, window=None, tree_mask
   j = jnp.arange(seq_len, dtype=jnp.int32)[None, None, :]  # [1,1,S]
   start = (kv_lengths - T)[:, None, None]  # [B,1,1] first new slot
   committed = j < start
-  if window is not None:
-    w = jnp.asarray(window, jnp.int32)
-    in_window = (q_positions[:, :, None] - j) < w
-    committed = committed & jnp.where(w > 0, in_window, True)
   new_idx = j - start  # t' for new slots
   is_new = (new_idx >= 0) & (new_idx < T)
+  t_new = jnp.clip(new_idx, 0, T - 1)
   if tree_mask is None:
     t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
     new_ok = new_idx <= t
   else:
     tm = jnp.asarray(tree_mask, bool)
-    new_ok = jnp.take_along_axis(
-        jnp.broadcast_to(tm[None], (B, T, T)),
-        jnp.broadcast_to(jnp.clip(new_idx, 0, T - 1), (B, T, seq_len)), axis=2)
+    new_ok = jnp.take_along_axis(jnp.broadcast_to(tm[None], (B, T, T)),
+                                 jnp.broadcast_to(t_new, (B, T, seq_len)), axis=2)
+  if window is not None:
+    # Committed slot j holds position j; a new slot holds its own token's position. The window matters for new
+    # slots only when T exceeds it (a long prefill chunk), never for verify.
+    w = jnp.asarray(window, jnp.int32)
+    new_pos = jnp.take_along_axis(q_positions, t_new[:, 0, :], axis=1)[:, None, :]  # [B,1,S]
+    key_pos = jnp.where(committed, j, new_pos)
+    in_window = (q_positions[:, :, None] - key_pos) < w
+    committed = committed & jnp.where(w > 0, in_window, True)
+    new_ok = new_ok & jnp.where(w > 0, in_window, True)
   return committed | (is_new & new_ok)
 
 

@@ -1,0 +1,189 @@
+"""A decoder-only transformer whose layers are stacked on a leading axis and scanned.
+
+The parameters are a plain dict pytree (names below); the NNX `Transformer` module owns them for users who want
+a module, and `forward` is the pure function that jitted code calls. Layer-varying settings (sliding window,
+RoPE base) are scanned inputs, so one compiled layer body serves Gemma 3's local and global layers and compile
+time stays flat in depth.
+
+Param names (L = layers, D = d_model, H/K = query/kv heads, d = head_dim, F = mlp_dim, V = vocab):
+  embed [V, D]; final_norm [D]; lm_head [D, V] (only when embeddings are not tied)
+  layers/attn_norm [L, D], q [L, D, H, d], k [L, D, K, d], v [L, D, K, d], o [L, H, d, D],
+         q_norm [L, d], k_norm [L, d] (qk_norm), q_bias [L, H, d], k_bias/v_bias [L, K, d] (qkv_bias),
+         post_attn_norm [L, D], mlp_norm [L, D], gate [L, D, F], up [L, D, F], down [L, F, D],
+         post_mlp_norm [L, D] (post_norms)
+Norm weights are plain multipliers (Gemma's 1 + w is folded in at load time).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from spec_jax import kernels
+from spec_jax.cache import KVCache
+from spec_jax.config import ModelConfig
+
+
+def param_shapes(config: ModelConfig) -> dict:
+  """The expected shape of every parameter: loaders check against this."""
+  c = config
+  L, D, H, K, d, F, V = (c.num_layers, c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim,
+                         c.vocab_size)
+  layers = {
+      "attn_norm": (L, D), "q": (L, D, H, d), "k": (L, D, K, d), "v": (L, D, K, d), "o": (L, H, d, D),
+      "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
+  }
+  if c.qk_norm:
+    layers.update(q_norm=(L, d), k_norm=(L, d))
+  if c.qkv_bias:
+    layers.update(q_bias=(L, H, d), k_bias=(L, K, d), v_bias=(L, K, d))
+  if c.post_norms:
+    layers.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
+  shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
+  if not c.tie_embeddings:
+    shapes["lm_head"] = (D, V)
+  return shapes
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+  """Random weights for tiny test models: fan-in scaled normals, norms near 1."""
+  shapes = param_shapes(config)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  keys = jax.random.split(key, len(flat))
+  leaves = []
+  for (path, shape), k in zip(flat, keys):
+    name = path[-1].key
+    if "norm" in name:
+      w = 1.0 + 0.1 * jax.random.normal(k, shape)
+    elif "bias" in name:
+      w = 0.1 * jax.random.normal(k, shape)
+    elif name == "embed":
+      w = jax.random.normal(k, shape) * (1.0 / math.sqrt(shape[-1]))
+    else:
+      fan_in = shape[1] if name != "o" else shape[1] * shape[2]
+      w = jax.random.normal(k, shape) / math.sqrt(fan_in)
+    leaves.append(w.astype(dtype))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class Transformer(nnx.Module):
+  """NNX owner of the params. Jitted code uses `nnx.split` once, then `forward` on the pure dict."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, params: dict | None = None):
+    self.config = config
+    p = params if params is not None else init_params(config, rngs.params(), dtype)
+    self.params = nnx.data(jax.tree.map(nnx.Param, p))
+
+  def pure_params(self) -> dict:
+    return jax.tree.map(lambda v: v[...], self.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def __call__(self, tokens, positions, cache, **kw):
+    return forward(self.pure_params(), tokens, positions, cache, config=self.config, **kw)
+
+
+def rms_norm(x, w, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, base):
+  """Rotate-half RoPE. x [B, T, H, d]; positions [B, T]; base a (traced) scalar."""
+  d = x.shape[-1]
+  inv_freq = jnp.exp(-jnp.log(base) * (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [d/2]
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, d/2]
+  cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _activation(name):
+  if name == "gelu_tanh":
+    return lambda x: jax.nn.gelu(x, approximate=True)
+  return jax.nn.silu
+
+
+def _layer(config: ModelConfig, impl: str, x, p, k_all, v_all, layer, window, base, positions, lengths):
+  """One decoder layer; writes this layer's new K/V into the full cache at each row's offset."""
+  c = config
+  B, T, _ = x.shape
+  h = rms_norm(x, p["attn_norm"], c.norm_eps)
+  q = jnp.einsum("btd,dhk->bthk", h, p["q"])
+  k = jnp.einsum("btd,dhk->bthk", h, p["k"])
+  v = jnp.einsum("btd,dhk->bthk", h, p["v"])
+  if c.qkv_bias:
+    q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+  if c.qk_norm:
+    q, k = rms_norm(q, p["q_norm"], c.norm_eps), rms_norm(k, p["k_norm"], c.norm_eps)
+  q, k = rope(q, positions, base), rope(k, positions, base)
+
+  slots = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+  rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
+  k_all = k_all.at[layer, rows, slots].set(k.astype(k_all.dtype), mode="drop")
+  v_all = v_all.at[layer, rows, slots].set(v.astype(v_all.dtype), mode="drop")
+  attn = kernels.attention(q, k_all[layer], v_all[layer], positions, lengths + T, scale=c.attn_scale,
+                           window=window, impl=impl)
+  o = jnp.einsum("bthk,hkd->btd", attn, p["o"])
+  if c.post_norms:
+    o = rms_norm(o, p["post_attn_norm"], c.norm_eps)
+  x = x + o
+
+  h = rms_norm(x, p["mlp_norm"], c.norm_eps)
+  m = _activation(c.activation)(h @ p["gate"]) * (h @ p["up"])
+  m = m @ p["down"]
+  if c.post_norms:
+    m = rms_norm(m, p["post_mlp_norm"], c.norm_eps)
+  return x + m, k_all, v_all
+
+
+def embed(params, tokens, config: ModelConfig):
+  x = jnp.take(params["embed"], tokens, axis=0)
+  if config.embed_scale:
+    x = x * jnp.asarray(math.sqrt(config.d_model), x.dtype)
+  return x
+
+
+def lm_head(params, hidden):
+  """hidden [..., D] (already final-normed) -> float32 logits [..., V]."""
+  w = params.get("lm_head")
+  if w is None:
+    return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+  return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, tokens, positions, cache: KVCache, *, config: ModelConfig, impl: str = "xla",
+            compute_logits: bool = True, return_layers: Sequence[int] = ()):
+  """tokens/positions [B, T] -> (logits [B, T, V] float32 | None, hidden [B, T, D], cache[, layer hiddens]).
+
+  The new K/V land at slots cache.lengths[b] + t; `cache.lengths` is not advanced (the caller commits).
+  `hidden` is the final-normed last hidden state (what the LM head reads). With `return_layers`, the outputs
+  of those layers (0-based, before the final norm) come back too as [len(return_layers), B, T, D].
+  """
+  c = config
+  x = embed(params, tokens, c)
+  windows = jnp.asarray(c.layer_windows())
+  bases = jnp.asarray(c.layer_rope_bases())
+  layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+  lengths = cache.lengths
+  collect = bool(return_layers)
+
+  def body(carry, xs):
+    x, k_all, v_all = carry
+    p, layer, window, base = xs
+    x, k_all, v_all = _layer(c, impl, x, p, k_all, v_all, layer, window, base, positions, lengths)
+    return (x, k_all, v_all), (x if collect else None)
+
+  (x, k_all, v_all), per_layer = jax.lax.scan(body, (x, cache.k, cache.v),
+                                              (params["layers"], layer_ids, windows, bases))
+  hidden = rms_norm(x, params["final_norm"], c.norm_eps)
+  logits = lm_head(params, hidden) if compute_logits else None
+  new_cache = cache.replace(k=k_all, v=v_all)
+  if collect:
+    return logits, hidden, new_cache, per_layer[np.asarray(return_layers)]
+  return logits, hidden, new_cache
