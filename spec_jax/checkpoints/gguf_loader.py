@@ -17,7 +17,7 @@ from spec_jax.checkpoints.file_cache import cache_path, fingerprint
 from spec_jax.config import ModelConfig
 
 CACHE_SUFFIX = ".spec_jax.safetensors"
-CACHE_FORMAT = "1"
+CACHE_FORMAT = "2"
 DEFAULT_MODEL_FILE = os.path.expanduser("~/.cache/spec_jax/gemma-3-270m-Q4_K_M.gguf")
 SUPPORTED_ARCHS = ("gemma3",)
 
@@ -138,8 +138,9 @@ def _dequantize_all(reader, config: ModelConfig, path: str) -> dict:
 
 
 def _flatten(params: dict) -> dict:
-  flat = {k: v for k, v in params.items() if k != "layers"}
-  flat.update({f"layers.{k}": v for k, v in params["layers"].items()})
+  # safetensors writes raw buffers: a transposed (non C-contiguous) array would be saved scrambled.
+  flat = {k: np.ascontiguousarray(v) for k, v in params.items() if k != "layers"}
+  flat.update({f"layers.{k}": np.ascontiguousarray(v) for k, v in params["layers"].items()})
   return flat
 
 
