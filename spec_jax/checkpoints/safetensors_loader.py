@@ -1,0 +1,426 @@
+"""Hugging Face checkpoints: a directory with config.json and *.safetensors (one file, or sharded).
+
+Supported model types: Llama, Qwen2, Gemma 3 text (`gemma3_text`) and the Gemma 3 multimodal wrapper (`gemma3`,
+whose text config sits under `text_config`; only the language model is loaded). HF Linear weights are
+[out, in]; ours are [in, ...out] with heads split out. Gemma stores norm weights w for a (1 + w) multiplier:
+the 1 is added here because our norms are plain multipliers.
+
+The safetensors files are read with a small header parser of our own (numpy has no bfloat16, so the
+safetensors numpy API cannot read the bf16 checkpoints most models ship as; ml_dtypes can).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from spec_jax.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text", "gemma3")
+INDEX_FILE = "model.safetensors.index.json"
+# Wrappers put the decoder under these; longest first so `model.language_model.` is not cut at `model.`.
+NAME_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_MAX_HEADER = 100 << 20  # a larger header means the length bytes are garbage
+
+# Gemma3TextConfig defaults, for keys that official config.json files leave out.
+_GEMMA3_DEFAULTS = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+    sliding_window=4096, sliding_window_pattern=6, tie_word_embeddings=True,
+)
+
+# HF name under `layers.{i}.` -> (our layer param, layout). Layouts: "vec" copied as is, "norm" likewise
+# (plus 1 for Gemma), "in" an [out, in] Linear, "bias" a flat per-head bias.
+_COMMON_LAYER = {
+    "input_layernorm.weight": ("attn_norm", "norm"),
+    "self_attn.q_proj.weight": ("q", "in"), "self_attn.k_proj.weight": ("k", "in"),
+    "self_attn.v_proj.weight": ("v", "in"), "self_attn.o_proj.weight": ("o", "in"),
+    "mlp.gate_proj.weight": ("gate", "in"), "mlp.up_proj.weight": ("up", "in"),
+    "mlp.down_proj.weight": ("down", "in"),
+}
+_LLAMA_LAYER = {
+    **_COMMON_LAYER,
+    "post_attention_layernorm.weight": ("mlp_norm", "norm"),  # Llama's pre-MLP norm despite the name
+    "self_attn.q_proj.bias": ("q_bias", "bias"), "self_attn.k_proj.bias": ("k_bias", "bias"),
+    "self_attn.v_proj.bias": ("v_bias", "bias"),
+}
+_GEMMA3_LAYER = {
+    **_COMMON_LAYER,
+    "self_attn.q_norm.weight": ("q_norm", "norm"), "self_attn.k_norm.weight": ("k_norm", "norm"),
+    "post_attention_layernorm.weight": ("post_attn_norm", "norm"),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", "norm"),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", "norm"),
+}
+
+
+# ----------------------------------------------------------------------------------------------- files
+
+
+class _SafetensorsFile:
+  """Header of one .safetensors file, validated up front; tensors are read on demand."""
+
+  def __init__(self, path: str):
+    self.path = path
+    size = os.path.getsize(path)
+    try:
+      with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+          raise ValueError(f"file is {size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _MAX_HEADER):
+          raise ValueError(f"header length {n} does not fit in a {size}-byte file")
+        header = json.loads(f.read(n))
+      if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+      self.base = 8 + n
+      self.entries = {}
+      for name, e in header.items():
+        if name == "__metadata__":
+          continue
+        self.entries[name] = self._check_entry(name, e, size - self.base)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+      raise ValueError(f"{path} is not a readable safetensors file: {e}") from e
+
+  @staticmethod
+  def _check_entry(name, e, data_size):
+    if not isinstance(e, dict) or e.get("dtype") not in _ST_DTYPES:
+      raise ValueError(f"tensor {name!r} has an unsupported or missing dtype: {e!r}")
+    shape, offsets = e.get("shape"), e.get("data_offsets")
+    if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
+        or not isinstance(offsets, list) or len(offsets) != 2):
+      raise ValueError(f"tensor {name!r} has a malformed header entry: {e!r}")
+    dtype = np.dtype(_ST_DTYPES[e["dtype"]])
+    begin, end = offsets
+    if not (0 <= begin <= end <= data_size) or end - begin != math.prod(shape) * dtype.itemsize:
+      raise ValueError(f"tensor {name!r} has data offsets {offsets} that do not match shape {shape} "
+                       f"({e['dtype']}) within {data_size} data bytes (truncated file?)")
+    return dtype, tuple(shape), begin, end
+
+  def read(self, name: str) -> np.ndarray:
+    dtype, shape, begin, end = self.entries[name]
+    with open(self.path, "rb") as f:
+      f.seek(self.base + begin)
+      buf = f.read(end - begin)
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+def _strip(name: str) -> str:
+  for p in NAME_PREFIXES:
+    if name.startswith(p):
+      return name[len(p):]
+  return name
+
+
+class _TensorIndex:
+  """Every tensor across the shards, by name with the wrapper prefix stripped."""
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    files = self._shard_files(directory)
+    self.where = {}  # stripped name -> (file, original name)
+    self.clashes = {}  # stripped name -> every original name that maps to it, when more than one does
+    for path in files:
+      st = _SafetensorsFile(path)
+      for name in st.entries:
+        key = _strip(name)
+        if key in self.where:  # only an error if that tensor is asked for (vision towers may clash)
+          self.clashes.setdefault(key, [self.label(key)]).append(f"{name!r} in {path}")
+        else:
+          self.where[key] = (st, name)
+
+  @staticmethod
+  def _shard_files(directory):
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.exists(index):
+      try:
+        with open(index) as f:
+          weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+      except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map' object): {e}") from e
+      files = [os.path.join(directory, n) for n in names]
+      for p in files:
+        if not os.path.exists(p):
+          raise FileNotFoundError(f"{index} lists shard {os.path.basename(p)!r}, which is missing: {p}")
+      if not files:
+        raise ValueError(f"{index} has an empty weight_map")
+      return files
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+      raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    return files
+
+  def has(self, key: str) -> bool:
+    return key in self.where
+
+  def get(self, key: str) -> np.ndarray:
+    if key in self.clashes:
+      raise ValueError(f"{self.directory}: tensors {', '.join(self.clashes[key])} all map to {key!r}; "
+                       "cannot tell which to load")
+    if key not in self.where:
+      raise ValueError(f"{self.directory}: tensor {key!r} is missing (looked for it with or without the "
+                       f"prefixes {NAME_PREFIXES})")
+    st, name = self.where[key]
+    return st.read(name)
+
+  def label(self, key: str) -> str:
+    st, name = self.where[key]
+    return f"{name!r} in {st.path}"
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def _rope_spec(cfg: dict, path: str, default_theta: float, default_local: float):
+  """-> (global theta, local theta), from the transformers 4 keys or 5's `rope_parameters`.
+
+  Only plain RoPE is supported: any scaling (linear, llama3, yarn, ...) changes the frequencies in ways one
+  base cannot express, so it is refused rather than silently ignored.
+  """
+  rp = cfg.get("rope_parameters") or {}
+  if not isinstance(rp, dict):
+    raise ValueError(f"{path}: rope_parameters must be an object, got {rp!r}")
+  if "full_attention" in rp or "sliding_attention" in rp:  # per layer type (Gemma 3 in transformers 5)
+    full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+  else:
+    full, local = rp, {}
+  for spec in (full, local, cfg.get("rope_scaling") or {}):
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind not in (None, "default"):
+      raise ValueError(f"{path}: RoPE scaling {spec!r} is not supported (only plain RoPE)")
+  theta = float(full.get("rope_theta", cfg.get("rope_theta", default_theta)))
+  local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", default_local)))
+  return theta, local_theta
+
+
+def _global_every(cfg: dict, num_layers: int, path: str) -> int:
+  """Our config says layer i is global when (i + 1) % global_every == 0; derive that from HF's pattern."""
+  types = cfg.get("layer_types")
+  if types is not None:
+    allowed = ("sliding_attention", "full_attention")
+    if len(types) != num_layers or any(t not in allowed for t in types):
+      raise ValueError(f"{path}: layer_types must list {num_layers} entries from {allowed}, got {types!r}")
+    is_global = [t == "full_attention" for t in types]
+    for g in range(1, num_layers + 2):  # num_layers + 1 means no global layer at all
+      if is_global == [(i + 1) % g == 0 for i in range(num_layers)]:
+        return g
+    raise ValueError(f"{path}: layer_types {types!r} is not 'every N-th layer is full attention', "
+                     "the only pattern this model supports")
+  n = cfg.get("sliding_window_pattern", _GEMMA3_DEFAULTS["sliding_window_pattern"])
+  if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    raise ValueError(f"{path}: sliding_window_pattern must be a positive integer, got {n!r}")
+  return n
+
+
+def _token_ids(cfg: dict, text: dict) -> dict:
+  """bos/eos/pad ids; a wrapper's own ids (what its generation uses) win over its text config's."""
+  out = {}
+  def pick(key):
+    for src in (cfg, text):
+      if src.get(key) is not None:
+        return src[key]
+    return None
+  bos, eos, pad = pick("bos_token_id"), pick("eos_token_id"), pick("pad_token_id")
+  if bos is not None:
+    out["bos_id"] = int(bos)
+  if eos is not None:
+    out["eos_ids"] = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+  if pad is not None:
+    out["pad_id"] = int(pad)
+  return out
+
+
+def _get(cfg: dict, key: str, path: str, default=None):
+  v = cfg.get(key)
+  if v is None:
+    v = default
+  if v is None:
+    raise ValueError(f"{path}: config key {key!r} is missing")
+  return v
+
+
+def config_from_hf(cfg: dict, path: str = "config.json", name: str = "hf") -> ModelConfig:
+  """A parsed config.json -> ModelConfig (raises ValueError for what this model cannot express)."""
+  model_type = cfg.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(f"{path}: unknown model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+  text = cfg
+  if model_type == "gemma3":
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+      raise ValueError(f"{path}: model_type 'gemma3' needs a 'text_config' object")
+  gemma = model_type in ("gemma3", "gemma3_text")
+  defaults = _GEMMA3_DEFAULTS if gemma else {}
+  g = lambda key: _get(text, key, path, defaults.get(key))
+
+  for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+    if text.get(key) is not None:
+      raise ValueError(f"{path}: {key}={text[key]} is not supported")
+  D, H = int(g("hidden_size")), int(g("num_attention_heads"))
+  head_dim = int(text.get("head_dim") or defaults.get("head_dim") or D // H)
+  num_layers = int(g("num_hidden_layers"))
+  common = dict(
+      vocab_size=int(g("vocab_size")), d_model=D, num_layers=num_layers, num_heads=H,
+      num_kv_heads=int(text.get("num_key_value_heads") or defaults.get("num_key_value_heads") or H),
+      head_dim=head_dim, mlp_dim=int(g("intermediate_size")),
+      norm_eps=float(_get(text, "rms_norm_eps", path, 1e-6)),
+      max_seq_len=int(_get(text, "max_position_embeddings", path, 32768)),
+      name=name, **_token_ids(cfg, text),
+  )
+
+  if gemma:
+    act = text.get("hidden_activation") or text.get("hidden_act") or defaults["hidden_activation"]
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+      raise ValueError(f"{path}: hidden_activation {act!r} is not supported for Gemma 3 (gelu_pytorch_tanh)")
+    theta, local_theta = _rope_spec(text, path, defaults["rope_theta"], defaults["rope_local_base_freq"])
+    window = text.get("sliding_window", defaults["sliding_window"])
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return ModelConfig(
+        **common, activation="gelu_tanh", post_norms=True, qk_norm=True, qkv_bias=False,
+        rope_base=theta, rope_base_local=local_theta,
+        sliding_window=None if window is None else int(window),
+        global_every=_global_every(text, num_layers, path),
+        query_pre_attn_scalar=float(g("query_pre_attn_scalar")), embed_scale=True, tie_embeddings=bool(tie),
+    )
+
+  act = text.get("hidden_act", "silu")
+  if act != "silu":
+    raise ValueError(f"{path}: hidden_act {act!r} is not supported for {model_type} (silu)")
+  if model_type == "qwen2" and text.get("use_sliding_window"):
+    raise ValueError(f"{path}: Qwen2 with use_sliding_window=true is not supported (its per-layer window "
+                     "schedule differs from Gemma's); only full attention")
+  if text.get("mlp_bias"):
+    raise ValueError(f"{path}: mlp_bias=true is not supported")
+  theta, _ = _rope_spec(text, path, 10_000.0, 10_000.0)
+  return ModelConfig(
+      **common, activation="silu", post_norms=False, qk_norm=False,
+      qkv_bias=model_type == "qwen2" or bool(text.get("attention_bias", False)),
+      rope_base=theta, rope_base_local=theta, sliding_window=None, query_pre_attn_scalar=None,
+      embed_scale=False, tie_embeddings=bool(text.get("tie_word_embeddings", False)),
+  )
+
+
+# ---------------------------------------------------------------------------------------------- params
+
+
+def _convert(w: np.ndarray, layout: str, ours: str, want: tuple) -> np.ndarray | None:
+  """HF tensor -> our layout, or None when its shape is not the one that maps to `want`."""
+  if w.size != math.prod(want):
+    return None
+  if layout == "in":
+    if ours == "o":  # HF [D, H*d] -> [H, d, D]
+      return w.T.reshape(want) if w.shape == (want[-1], math.prod(want[:-1])) else None
+    # HF [out, in] -> [in, *out]: q/k/v split heads; gate/up/down/lm_head are plain transposes
+    return w.T.reshape(want) if w.shape == (math.prod(want[1:]), want[0]) else None
+  if layout == "bias":
+    return w.reshape(want) if w.shape == (math.prod(want),) else None
+  return w if w.shape == want else None
+
+
+def _expected_hf(layout: str, ours: str, want: tuple) -> tuple:
+  if layout == "in":
+    if ours == "o":
+      return (want[-1], math.prod(want[:-1]))
+    return (math.prod(want[1:]), want[0])
+  if layout == "bias":
+    return (math.prod(want),)
+  return want
+
+
+def _merge_generation_eos(config: ModelConfig, directory: str, own_eos: bool) -> ModelConfig:
+  """Chat models often list their end-of-turn token only in generation_config.json: stop on those too.
+
+  `own_eos` says whether config.json named any; if not, ModelConfig's (Gemma) default is replaced."""
+  path = os.path.join(directory, "generation_config.json")
+  if not os.path.exists(path):
+    return config
+  try:
+    with open(path) as f:
+      eos = json.load(f).get("eos_token_id")
+  except (ValueError, UnicodeDecodeError, AttributeError) as e:
+    raise ValueError(f"{path} is not a valid generation config: {e}") from e
+  if eos is None:
+    return config
+  extra = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+  base = list(config.eos_ids) if own_eos else []
+  return config.replace(eos_ids=tuple(dict.fromkeys([*base, *extra])))
+
+
+def load_hf(directory: str, dtype=jnp.float32):
+  """-> (ModelConfig, params as jnp arrays of `dtype`) from a Hugging Face checkpoint directory."""
+  from spec_jax.models.transformer import param_shapes
+
+  directory = str(directory)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+  cfg_path = os.path.join(directory, "config.json")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"config.json not found in {directory}")
+  try:
+    with open(cfg_path) as f:
+      cfg = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+  if not isinstance(cfg, dict):
+    raise ValueError(f"{cfg_path} is not a JSON object")
+  config = config_from_hf(cfg, cfg_path, name=os.path.basename(os.path.normpath(directory)))
+  own_eos = "eos_ids" in _token_ids(cfg, cfg.get("text_config") or cfg)
+  config = _merge_generation_eos(config, directory, own_eos)
+  tensors = _TensorIndex(directory)
+  gemma = config.post_norms  # only the Gemma types have them (see config_from_hf)
+  shapes = param_shapes(config)
+
+  def fetch(key, ours, layout, want):
+    w = tensors.get(key)
+    out = _convert(w, layout, ours, want)
+    if out is None:
+      raise ValueError(f"{directory}: tensor {tensors.label(key)} has shape {tuple(w.shape)}, expected "
+                       f"{_expected_hf(layout, ours, want)}")
+    out = np.asarray(out, np.float32)
+    if layout == "norm" and gemma:
+      out = out + np.float32(1.0)  # Gemma's (1 + w) multiplier
+    return out
+
+  layer_map = _GEMMA3_LAYER if gemma else _LLAMA_LAYER
+  layers = {}
+  for suffix, (ours, layout) in layer_map.items():
+    if ours not in shapes["layers"]:
+      continue  # e.g. biases on a model without them
+    full = shapes["layers"][ours]
+    stacked = np.empty(full, np.float32)
+    for i in range(config.num_layers):
+      stacked[i] = fetch(f"layers.{i}.{suffix}", ours, layout, full[1:])
+    layers[ours] = jnp.asarray(stacked, dtype)
+    del stacked
+  missing = set(shapes["layers"]) - set(layers)
+  assert not missing, missing  # the maps above cover every param the config asks for
+
+  if not gemma:
+    # An o_proj bias (Llama with attention_bias) has no place in our model: refuse unless it is all zeros.
+    for i in range(config.num_layers):
+      key = f"layers.{i}.self_attn.o_proj.bias"
+      if tensors.has(key) and np.any(tensors.get(key) != 0):
+        raise ValueError(f"{directory}: tensor {tensors.label(key)} is a nonzero o_proj bias, which this model "
+                         "does not support")
+
+  params = {
+      "embed": jnp.asarray(fetch("embed_tokens.weight", "embed", "vec", shapes["embed"]), dtype),
+      "final_norm": jnp.asarray(fetch("norm.weight", "final_norm", "norm", shapes["final_norm"]), dtype),
+      "layers": layers,
+  }
+  if not config.tie_embeddings:
+    params["lm_head"] = jnp.asarray(fetch("lm_head.weight", "lm_head", "in", shapes["lm_head"]), dtype)
+  return config, params
