@@ -182,7 +182,8 @@ class GenerationResult:
   token_ids: list  # list[list[int]] new tokens per prompt
   finish_reasons: list  # "stop" | "length"
   stats: dict  # summarize() over all real rows
-  row_stats: list  # summarize() per row
+  raw_stats: Stats  # the counters as numpy arrays, real rows only (for aggregating across batches)
+  row_time_s: list  # per row: prefill plus the decode time until the row finished
   wall_s: float  # prefill + decode, excluding compile (the run is warmed unless warm=False)
   prefill_s: float
   decode_s: float
@@ -275,13 +276,18 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
                   stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every)
   params = {"target": target_params, "proposer": proposer_params if proposer_params is not None else {}}
 
+  def start():
+    cache = KVCache.init(config, B, S, dtype)
+    prompts_dev, lens_dev = jnp.asarray(buf[:, :P]), jnp.asarray(prompt_lens)
+    cache, hidden = prefill(target_params, prompts_dev, lens_dev, cache, config=config, impl=impl, chunk=chunk)
+    pstate0 = (proposer.prefill(params["proposer"], prompts_dev, lens_dev, S, chunk)
+               if hasattr(proposer, "prefill") else None)
+    return _start_state(params, spec, jnp.asarray(buf), lens_dev, jnp.asarray(max_new), cache, hidden, sampling,
+                        jax.random.PRNGKey(seed), n, jnp.asarray(costs_now, jnp.float32), pstate0)
+
   def run():
     t0 = time.perf_counter()
-    cache = KVCache.init(config, B, S, dtype)
-    cache, hidden = prefill(target_params, jnp.asarray(buf[:, :P]), jnp.asarray(prompt_lens), cache,
-                            config=config, impl=impl, chunk=chunk)
-    state = _start_state(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new), cache,
-                         hidden, sampling, jax.random.PRNGKey(seed), n, costs_now)
+    state = start()
     jax.block_until_ready(state.tokens)
     t1 = time.perf_counter()
     state = decode_loop(params, state, spec)
@@ -290,12 +296,7 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
 
   costs_now = list(costs) if costs is not None else [1.0 + 0.25 * k for k in ks]
   if len(ks) > 1 and costs is None:
-    probe_state = _start_state(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new),
-                               *prefill(target_params, jnp.asarray(buf[:, :P]), jnp.asarray(prompt_lens),
-                                        KVCache.init(config, B, S, dtype), config=config, impl=impl, chunk=chunk),
-                               sampling, jax.random.PRNGKey(seed), n, costs_now)
-    costs_now = measure_costs(params, probe_state, spec)
-    del probe_state
+    costs_now = measure_costs(params, start(), spec)
   if warm:
     run()
   state, prefill_s, decode_s = run()
@@ -305,13 +306,15 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
   out = [tokens[i, lens[i]:lengths[i]].tolist() for i in range(n)]
   return GenerationResult(
       token_ids=out, finish_reasons=[FINISH_NAMES[int(f)] for f in finish[:n]],
-      stats=summarize(state.stats, range(n)), row_stats=[summarize(state.stats, [i]) for i in range(n)],
+      stats=summarize(state.stats, range(n)), raw_stats=jax.tree.map(lambda x: np.asarray(x)[:n], state.stats),
+      row_time_s=[prefill_s + decode_s * int(d) / max(int(state.step), 1) for d in np.asarray(state.done_step)[:n]],
       wall_s=prefill_s + decode_s, prefill_s=prefill_s, decode_s=decode_s, steps=int(state.step),
       option_uses=np.asarray(state.adapt.uses).tolist(), ks=ks, costs=list(map(float, costs_now)))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "n_real"))
-def _start_state(params, spec: LoopSpec, buf, prompt_lens, max_new, cache, hidden, sampling, key, n_real, costs):
+def _start_state(params, spec: LoopSpec, buf, prompt_lens, max_new, cache, hidden, sampling, key, n_real, costs,
+                 pstate0=None):
   """Sample the first token from the prefill hidden state and build the loop state."""
   B = buf.shape[0]
   key, k0 = jax.random.split(key)
@@ -327,7 +330,7 @@ def _start_state(params, spec: LoopSpec, buf, prompt_lens, max_new, cache, hidde
   ctx = ProposeContext(tokens, lengths, sampling, hidden)
   state = DecodeState(
       tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, max_new=max_new, cache=cache,
-      pstate=spec.proposer.init(params["proposer"], ctx), key=key, done=done, finish=finish, sampling=sampling,
+      pstate=pstate0 if pstate0 is not None else spec.proposer.init(params["proposer"], ctx), key=key, done=done, finish=finish, sampling=sampling,
       stats=Stats.zeros(B, spec.k_max), adapt=adaptive.AdaptState.init(B, costs), last_hidden=hidden,
       step=jnp.zeros((), jnp.int32), done_step=jnp.zeros((B,), jnp.int32))
   return state

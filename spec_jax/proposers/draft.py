@@ -1,0 +1,84 @@
+"""A draft model with the target's vocabulary: its own KV cache, k autoregressive steps inside the step.
+
+Cache bookkeeping without copies: before drafting, the draft cache is trusted up to lengths-2 and the step
+re-feeds the last two committed tokens (T = 2), so whatever the verifier accepted, every slot the next step
+reads was written for the token that is now committed there. The T = 2 first feed also keeps XLA:CPU off its
+slow single-row bfloat16 path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.cache import KVCache
+from spec_jax.config import ModelConfig
+from spec_jax.models.transformer import forward
+from spec_jax.proposers.base import Draft
+from spec_jax.sampling import sample, warped_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelProposer:
+  config: ModelConfig  # the draft's config (same vocabulary as the target)
+  k: int = 4
+  impl: str = "xla"
+  name: str = "draft"
+
+  def prefill(self, params, prompt_tokens, prompt_lens, max_len: int, chunk: int):
+    """Fill the draft cache with the prompts (host-side, before the loop)."""
+    from spec_jax.decode import prefill
+    cache = KVCache.init(self.config, prompt_tokens.shape[0], max_len, params["final_norm"].dtype)
+    cache, _ = prefill(params, prompt_tokens, prompt_lens, cache, config=self.config, impl=self.impl, chunk=chunk)
+    return cache
+
+  def init(self, params, ctx):
+    raise AssertionError("DraftModelProposer state comes from prefill()")
+
+  def propose(self, params, cache: KVCache, ctx, k, key):
+    B = ctx.lengths.shape[0]
+    start = ctx.lengths - 2
+    feed = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
+    pos = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+    run = functools.partial(forward, config=self.config, impl=self.impl)
+    logits, _, cache = run(params, feed, pos, cache.replace(lengths=start))
+    cache = cache.replace(lengths=ctx.lengths)
+    keys = jax.random.split(key, k)
+
+    def draw(logits, key):
+      return sample(key, logits, ctx.sampling), warped_probs(logits, ctx.sampling)
+
+    def step(carry, key):
+      logits, cache = carry
+      tok, q = draw(logits, key)
+      nxt, _, cache = run(params, tok[:, None], cache.lengths[:, None], cache)
+      return (nxt[:, 0], cache.replace(lengths=cache.lengths + 1)), (tok, q)
+
+    (logits, cache), (toks, qs) = jax.lax.scan(step, (logits[:, 1], cache), keys[:k - 1])
+    last_tok, last_q = draw(logits, keys[k - 1])
+    tokens = jnp.concatenate([toks.T.reshape(B, k - 1), last_tok[:, None]], axis=1)
+    probs = jnp.concatenate([jnp.swapaxes(qs, 0, 1), last_q[:, None]], axis=1)
+    return Draft(tokens=tokens.astype(jnp.int32), probs=probs), cache
+
+  def update(self, params, cache, result):
+    return cache
+
+
+def early_exit_params(target_params: dict, num_layers: int) -> dict:
+  """The target's first `num_layers` layers with its final norm and tied head: a free self-draft."""
+  return {
+      "embed": target_params["embed"], "final_norm": target_params["final_norm"],
+      "layers": jax.tree.map(lambda x: x[:num_layers], target_params["layers"]),
+      **({"lm_head": target_params["lm_head"]} if "lm_head" in target_params else {}),
+  }
+
+
+def early_exit_proposer(target_config: ModelConfig, target_params: dict, num_layers: int, k: int,
+                        impl: str = "xla"):
+  if not 1 <= num_layers < target_config.num_layers:
+    raise ValueError(f"early-exit draft needs 1 <= draft_layers < {target_config.num_layers}, got {num_layers}")
+  cfg = target_config.replace(num_layers=num_layers, name=f"{target_config.name}-exit{num_layers}")
+  return DraftModelProposer(config=cfg, k=k, impl=impl), early_exit_params(target_params, num_layers)

@@ -1,0 +1,202 @@
+"""The generation loop on tiny random models: exactness against a cache-free reference, batch invariance,
+lossless speculation, stop tokens inside accepted chunks, exact token limits and adaptive speculation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax import adaptive
+from spec_jax.cache import KVCache
+from spec_jax.config import SamplingParams
+from spec_jax.decode import generate
+from spec_jax.models.transformer import forward, init_params
+from spec_jax.proposers.base import NoneProposer
+from spec_jax.proposers.draft import DraftModelProposer, early_exit_proposer
+from spec_jax.proposers.ngram import NgramProposer
+from tests.conftest import tiny_gemma_config, tiny_llama_config
+
+CONFIG = tiny_gemma_config(eos_ids=(1,))
+
+
+@functools.lru_cache(maxsize=None)
+def _params(seed=0, config=CONFIG):
+  return init_params(config, jax.random.PRNGKey(seed))
+
+
+def _prompts(rng, lengths, vocab=CONFIG.vocab_size):
+  return [[2] + rng.integers(3, vocab, n - 1).tolist() for n in lengths]
+
+
+def _reference_greedy(params, config, prompt, n_new, stop_ids=()):
+  """Recompute the whole sequence every token: no cache, no batching, obviously correct."""
+  fwd = jax.jit(lambda p, t: forward(p, t, jnp.arange(t.shape[1])[None], KVCache.init(config, 1, t.shape[1]),
+                                     config=config)[0])
+  seq = list(prompt)
+  out = []
+  for _ in range(n_new):
+    tok = int(jnp.argmax(fwd(params, jnp.asarray(seq)[None])[0, -1]))
+    out.append(tok)
+    seq.append(tok)
+    if tok in stop_ids or tok in config.eos_ids:
+      break
+  return out
+
+
+def test_baseline_greedy_matches_cache_free_reference():
+  params = _params()
+  rng = np.random.default_rng(0)
+  prompts = _prompts(rng, [5, 12, 3])  # different lengths; 12 + 10 runs past the 8-token window
+  res = generate(params, CONFIG, prompts, max_new_tokens=10, warm=False)
+  for p, got in zip(prompts, res.token_ids):
+    assert got == _reference_greedy(params, CONFIG, p, 10)
+
+
+def test_batch_invariance_float32():
+  params = _params()
+  prompts = _prompts(np.random.default_rng(1), [7, 4, 11, 6])
+  batched = generate(params, CONFIG, prompts, max_new_tokens=12, warm=False).token_ids
+  for i, p in enumerate(prompts):
+    alone = generate(params, CONFIG, [p], max_new_tokens=12, warm=False).token_ids[0]
+    assert alone == batched[i]
+
+
+def _repetitive_prompts(rng, n, vocab=CONFIG.vocab_size):
+  """Prompts with repeated spans, so n-gram drafts get accepted and rejected."""
+  out = []
+  for i in range(n):
+    span = rng.integers(3, vocab, 4 + i).tolist()
+    out.append([2] + span * 3 + rng.integers(3, vocab, 2).tolist())
+  return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_greedy_is_lossless(seed):
+  params = _params(seed)
+  rng = np.random.default_rng(seed)
+  prompts = _repetitive_prompts(rng, 3) + _prompts(rng, [6])
+  base = generate(params, CONFIG, prompts, max_new_tokens=20, warm=False)
+  spec = generate(params, CONFIG, prompts, max_new_tokens=20, proposer=NgramProposer(k=4, ngram_max=3),
+                  adaptive_k=False, warm=False)
+  assert spec.token_ids == base.token_ids
+  assert spec.finish_reasons == base.finish_reasons
+  assert spec.stats["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_draft_model_greedy_is_lossless(seed):
+  params = _params(seed)
+  rng = np.random.default_rng(10 + seed)
+  prompts = _prompts(rng, [5, 9, 3])
+  base = generate(params, CONFIG, prompts, max_new_tokens=16, warm=False)
+  proposer, pparams = early_exit_proposer(CONFIG, params, 2, k=3)
+  spec = generate(params, CONFIG, prompts, max_new_tokens=16, proposer=proposer, proposer_params=pparams,
+                  adaptive_k=False, warm=False)
+  assert spec.token_ids == base.token_ids
+  assert spec.stats["accepted_tokens"] > 0  # the early exit agrees sometimes: the accept path runs
+  # An independent draft model (another random model, Llama layout, same vocab) for a different acceptance.
+  dcfg = tiny_llama_config(vocab_size=CONFIG.vocab_size)
+  other = DraftModelProposer(config=dcfg, k=4)
+  spec2 = generate(params, CONFIG, prompts, max_new_tokens=16, proposer=other,
+                   proposer_params=init_params(dcfg, jax.random.PRNGKey(99)), adaptive_k=False, warm=False)
+  assert spec2.token_ids == base.token_ids
+
+
+def test_stop_token_inside_accepted_chunk_and_exact_max_tokens():
+  params = _params(0)
+  prompts = _repetitive_prompts(np.random.default_rng(5), 3)
+  base = generate(params, CONFIG, prompts, max_new_tokens=24, warm=False)
+  spec = generate(params, CONFIG, prompts, max_new_tokens=24, proposer=NgramProposer(k=6), adaptive_k=False,
+                  warm=False)
+  assert spec.token_ids == base.token_ids
+  assert spec.stats["mean_acceptance_length"] > 1.2  # multi-token commits happen
+  # Stop at a token the run emits mid-output: the output is cut right after its first occurrence.
+  out = base.token_ids[0]
+  stop = out[len(out) // 2]
+  cut = out.index(stop) + 1
+  res = generate(params, CONFIG, prompts, max_new_tokens=24, proposer=NgramProposer(k=6), adaptive_k=False,
+                 stop_ids=(stop,), warm=False)
+  assert res.token_ids[0] == out[:cut]
+  assert res.finish_reasons[0] == "stop"
+  # Per-row token limits are exact, whatever the chunk sizes.
+  limits = [1, 7, 13]
+  res = generate(params, CONFIG, prompts, max_new_tokens=limits, proposer=NgramProposer(k=6), adaptive_k=False,
+                 warm=False)
+  for got, want, lim, why in zip(res.token_ids, base.token_ids, limits, res.finish_reasons):
+    assert got == want[:lim]
+    assert len(got) == lim or why == "stop"
+
+
+def test_adaptive_controller_switches_off_and_back_on():
+  ks = adaptive.option_set(4, True)
+  assert ks == (0, 2, 4)
+  st = adaptive.AdaptState.init(2, [1.0, 2.0, 2.5])
+  active = jnp.array([True, True])
+  # Nothing accepted: speculation stops paying and is switched off.
+  for _ in range(5):
+    st = adaptive.observe(st, 2, 4, active, jnp.array([0, 0]))
+  assert int(adaptive.choose(st, active, ks, probe_every=3)) == 0
+  for _ in range(3):
+    st = adaptive.observe(st, 0, 0, active, jnp.array([0, 0]))
+  assert int(adaptive.choose(st, active, ks, probe_every=3)) == 1  # a probe
+  # The probe and following steps accept everything: the controller goes back to full k.
+  for _ in range(6):
+    st = adaptive.observe(st, 2, 4, active, jnp.array([4, 4]))
+  assert int(adaptive.choose(st, active, ks, probe_every=3)) == 2
+
+
+def test_adaptive_generation_stays_lossless_and_uses_several_k():
+  params = _params(1)
+  rng = np.random.default_rng(3)
+  prompts = _repetitive_prompts(rng, 2)
+  base = generate(params, CONFIG, prompts, max_new_tokens=40, warm=False)
+  # Drafting is made to look expensive, so the controller drops to k = 0 and then probes.
+  spec = generate(params, CONFIG, prompts, max_new_tokens=40, proposer=NgramProposer(k=4), adaptive_k=True,
+                  costs=[1.0, 1.6, 2.2], probe_every=4, warm=False)
+  assert spec.token_ids == base.token_ids
+  assert spec.ks == (0, 2, 4)
+  assert sum(u > 0 for u in spec.option_uses) >= 2
+
+
+def test_speculative_sampling_matches_plain_sampling_distribution():
+  """The first 3 sampled tokens have the same distribution with and without a (sampling) draft model."""
+  from scipy.stats import chi2_contingency
+  config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))  # a tiny vocab: enough samples per cell
+  params = init_params(config, jax.random.PRNGKey(3))
+  n = 3000
+  prompts = [[2, 5, 6, 7]] * n
+  samp = SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
+  plain = np.array(generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=1, warm=False).token_ids)
+  dcfg = config.replace(num_layers=1)
+  draft = DraftModelProposer(config=dcfg, k=2)
+  dparams = init_params(dcfg, jax.random.PRNGKey(4))
+  spec = generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=2, proposer=draft,
+                  proposer_params=dparams, adaptive_k=False, warm=False)
+  specd = np.array(spec.token_ids)
+  assert 0.1 < spec.stats["acceptance_rate"] < 0.95  # both accept and reject paths are exercised
+  for cols in ([0], [1], [2], [0, 1], [1, 2]):
+    a = [tuple(r) for r in plain[:, cols]]
+    b = [tuple(r) for r in specd[:, cols]]
+    cats = sorted(set(a) | set(b))
+    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]]) + 0
+    table = table[:, table.sum(0) > 0]
+    p = chi2_contingency(table)[1]
+    assert p > 1e-4, f"token positions {cols}: p = {p}"
+
+
+def test_bad_generation_input():
+  params = _params()
+  with pytest.raises(ValueError, match="empty"):
+    generate(params, CONFIG, [[2, 5], []], max_new_tokens=4, warm=False)
+  with pytest.raises(ValueError, match="exceeds the model's context"):
+    generate(params, CONFIG, [[2] * 250], max_new_tokens=20, warm=False)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    generate(params, CONFIG, [[2, 5]], max_new_tokens=0, warm=False)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams.make(1, temperature=-0.5)
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams.make(1, top_p=0.0)
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams.make(1, top_p=1.5)
