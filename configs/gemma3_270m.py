@@ -1,0 +1,23 @@
+"""Batch generation on Gemma 3 270M (the packaged GGUF). Flags of serve.generate override these fields."""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.model = ""  # "" = the packaged Gemma 3 270M GGUF; or a .gguf path, or an HF safetensors directory
+  c.dtype = "bfloat16"
+  c.attention_impl = "auto"
+  c.max_new_tokens = 64
+  c.temperature = 0.0
+  c.top_k = 0
+  c.top_p = 1.0
+  c.seed = 0
+  c.batch_size = 1
+  c.method = "ngram"
+  c.num_speculative_tokens = 4
+  c.ngram_min = 1
+  c.ngram_max = 3
+  c.draft_layers = 6  # early-exit self-draft: the target's first N layers
+  c.adaptive = True
+  return c

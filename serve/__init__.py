@@ -1,0 +1,1 @@
+"""Command-line generation, evaluation and benchmarks over the spec_jax library."""

@@ -1,0 +1,150 @@
+"""Batch generation, optionally speculative, optionally A/B against the baseline in one warmed process.
+
+  python -m serve.generate                                  # default demo prompts, Gemma 3 270M
+  python -m serve.generate --compare --method=ngram --prompts=../shared/data/specbench/spec_bench_question.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_270m.py"),
+    "ml_collections config file: model, proposer and run settings.")
+flags.DEFINE_string("prompts", None, "JSONL prompts: 'prompt' or 'turns', optional 'id' and 'category'.")
+flags.DEFINE_string("output", None, "JSONL output, one line per prompt.")
+flags.DEFINE_string("summary_json", None, "Write aggregate metrics here.")
+flags.DEFINE_integer("limit", 0, "Use only the first N prompts (0: all).")
+flags.DEFINE_list("categories", [], "Keep only prompts of these categories.")
+flags.DEFINE_bool("compare", False, "Run the baseline, then the method, on the same prompts.")
+flags.DEFINE_bool("progress", True, "Progress bar on stderr.")
+# Run settings: when given, they override the config file.
+flags.DEFINE_string("model", None, "A .gguf file or HF safetensors directory ('' = packaged Gemma 3 270M).")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weights and activations dtype.")
+flags.DEFINE_enum("attention_impl", None, ["auto", "xla", "pallas_gpu", "pallas_tpu"], "Attention kernel.")
+flags.DEFINE_integer("max_new_tokens", None, "New tokens per prompt.")
+flags.DEFINE_float("temperature", None, "0 is greedy.")
+flags.DEFINE_integer("top_k", None, "0 is off.")
+flags.DEFINE_float("top_p", None, "1 is off.")
+flags.DEFINE_integer("seed", None, "Sampling seed.")
+flags.DEFINE_integer("batch_size", None, "Prompts per batch.")
+flags.DEFINE_enum("method", None, ["none", "ngram", "draft"], "Draft source.")
+flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
+flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
+flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
+flags.DEFINE_integer("draft_layers", None, "Layers of the early-exit self-draft.")
+flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
+
+FLAGS = flags.FLAGS
+_OVERRIDABLE = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers",
+                "adaptive")
+
+
+def settings() -> dict:
+  cfg = dict(_CONFIG.value)
+  for name in _OVERRIDABLE:
+    if FLAGS[name].present or (FLAGS[name].value is not None and name not in cfg):
+      cfg[name] = FLAGS[name].value
+  return cfg
+
+
+def validate(cfg: dict) -> None:
+  from spec_jax.config import validate_sampling
+  validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
+  if cfg["max_new_tokens"] < 1:
+    raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
+  if cfg["batch_size"] < 1:
+    raise ValueError(f"--batch_size must be >= 1, got {cfg['batch_size']}")
+
+
+def main(argv):
+  del argv
+  cfg = settings()
+  try:
+    validate(cfg)
+    run(cfg)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run(cfg: dict) -> dict:
+  from serve.prompts import load_prompts
+  from serve.runner import category_table, format_table, run_prompts
+  from spec_jax.checkpoints.load import load_model
+  from spec_jax.kernels import resolve_impl
+  from spec_jax.proposers.registry import build_proposer
+
+  impl = resolve_impl(cfg["attention_impl"])
+  config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"])
+  prompts = load_prompts(FLAGS.prompts, tokenizer)
+  if FLAGS.categories:
+    prompts = [p for p in prompts if p.category in FLAGS.categories]
+  if FLAGS.limit:
+    prompts = prompts[:FLAGS.limit]
+  if not prompts:
+    raise ValueError("no prompts left after --categories/--limit")
+  prompt_ids = [tokenizer.encode(p.text) for p in prompts]
+  for p, ids in zip(prompts, prompt_ids):
+    if len(ids) + cfg["max_new_tokens"] + cfg["num_speculative_tokens"] + 1 > config.max_seq_len:
+      raise ValueError(f"prompt {p.id!r} has {len(ids)} tokens; with {cfg['max_new_tokens']} new tokens it "
+                       f"exceeds the context of {config.max_seq_len}")
+  proposer, proposer_params = build_proposer(
+      cfg["method"], target_config=config, target_params=params, k=cfg["num_speculative_tokens"],
+      ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl)
+  common = dict(batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
+                sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
+                adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=impl, progress=FLAGS.progress)
+  from spec_jax.proposers.base import NoneProposer
+  base = None
+  if FLAGS.compare and proposer.k:
+    base = run_prompts(params, config, tokenizer, prompts, prompt_ids, proposer=NoneProposer(), proposer_params={},
+                       label="baseline", **common)
+  main_run = run_prompts(params, config, tokenizer, prompts, prompt_ids, proposer=proposer,
+                         proposer_params=proposer_params, label=proposer.name, **common)
+
+  records = main_run.records
+  if base is not None:
+    for r, b in zip(records, base.records):
+      r["baseline_token_ids"] = b["token_ids"]
+      r["baseline_time_s"] = b["time_s"]
+  if FLAGS.output:
+    with open(FLAGS.output, "w", encoding="utf-8") as f:
+      for r in records:
+        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+  run_info = {"method": proposer.name, "dtype": cfg["dtype"], "batch_size": cfg["batch_size"],
+              "num_speculative_tokens": proposer.k, "adaptive": cfg["adaptive"], "attention_impl": impl}
+  if base is not None:
+    summary = {"baseline": base.summary, "speculative": main_run.summary, "run": run_info,
+               "speedup": main_run.summary["output_tokens_per_s"] / max(base.summary["output_tokens_per_s"], 1e-9),
+               "categories": category_table(base, main_run)}
+    table = format_table(summary["categories"])
+  else:
+    summary = dict(main_run.summary, run=run_info)
+    table = format_table(category_table(main_run, None))
+  if FLAGS.summary_json:
+    with open(FLAGS.summary_json, "w") as f:
+      json.dump(summary, f, indent=1)
+  if not FLAGS.output:
+    for r in records[:8]:
+      print(f"--- {r['id']} ({r['finish_reason']}, {len(r['token_ids'])} tokens)\n{r['text']}")
+  print()
+  print(table)
+  s = main_run.summary
+  line = f"{proposer.name}: {s['output_tokens']} tokens in {s['wall_s']:.2f} s = {s['output_tokens_per_s']:.1f} tok/s"
+  if proposer.k:
+    line += f", mean acceptance length {s['mean_acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}"
+  if base is not None:
+    line += (f"; baseline {base.summary['output_tokens_per_s']:.1f} tok/s; speedup {summary['speedup']:.2f}x")
+  print(line)
+  return summary
+
+
+if __name__ == "__main__":
+  app.run(main)
