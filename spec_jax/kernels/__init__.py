@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from spec_jax.kernels.reference import attention_xla, attention_mask
 
@@ -36,7 +37,8 @@ def check_attention_args(q, k_cache, v_cache, q_positions, kv_lengths, window, t
     raise ValueError(f"kv_lengths must be [B] = {(B,)}, got {kv_lengths.shape}")
   if T > S:
     raise ValueError(f"T={T} new tokens do not fit in a cache of {S} slots")
-  if isinstance(window, int) and window > 0 and T > window:
+  # numpy ints count as static too (configs loaded from .npz/json often hold them); bools are not windows.
+  if isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window > 0 and T > window:
     raise ValueError(f"T={T} new tokens exceed the sliding window {window}")
   if tree_mask is not None and tuple(tree_mask.shape) != (T, T):
     raise ValueError(f"tree_mask must be [T, T] = {(T, T)}, got {tuple(tree_mask.shape)}")
