@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from spec_jax.kernels.reference import attention_xla, attention_mask
+from spec_jax.kernels.reference import attention_mask, attention_xla, attention_xla_split
 
 IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 
@@ -64,4 +64,4 @@ def attention(q, k_cache, v_cache, q_positions, kv_lengths, *, scale, window=Non
                               tree_mask=tree_mask, interpret=interpret)
 
 
-__all__ = ["attention", "attention_xla", "attention_mask", "resolve_impl", "IMPLS"]
+__all__ = ["attention", "attention_xla", "attention_xla_split", "attention_mask", "resolve_impl", "IMPLS"]

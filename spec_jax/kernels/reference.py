@@ -52,3 +52,38 @@ def attention_xla(q, k_cache, v_cache, q_positions, kv_lengths, *, scale, window
   p = jax.nn.softmax(s, axis=-1)
   o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
   return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def attention_xla_split(q, k_cache, v_cache, k_new, v_new, q_positions, kv_lengths, *, scale, window=None,
+                        tree_mask=None):
+  """The same attention as `attention_xla`, with the T new keys/values passed beside the cache instead of in it.
+
+  Row b's committed slots are j < kv_lengths[b] - T of k_cache/v_cache[B, S, Hkv, D]; the new tokens are
+  k_new/v_new[B, T, Hkv, D]. One softmax runs over both. XLA:CPU cannot update a cache slice in place and then
+  read it in the same scanned layer without copying the cache, so the model's XLA path writes the cache after
+  the layer scan and attends through this form.
+  """
+  B, T, Hq, D = q.shape
+  S, Hkv = k_cache.shape[1], k_cache.shape[2]
+  G = Hq // Hkv
+  qg = q.reshape(B, T, Hkv, G, D)
+  s_old = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * scale
+  s_new = jnp.einsum("btkgd,bukd->bkgtu", qg, k_new, preferred_element_type=jnp.float32) * scale
+  j = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+  committed = j < (kv_lengths - T)[:, None, None]
+  t = jnp.arange(T, dtype=jnp.int32)
+  new_ok = (t[None, :] <= t[:, None]) if tree_mask is None else jnp.asarray(tree_mask, bool)
+  new_ok = jnp.broadcast_to(new_ok[None], (B, T, T))
+  if window is not None:
+    w = jnp.asarray(window, jnp.int32)
+    on = w > 0
+    committed = committed & jnp.where(on, (q_positions[:, :, None] - j) < w, True)
+    new_ok = new_ok & jnp.where(on, (q_positions[:, :, None] - q_positions[:, None, :]) < w, True)
+  s_old = jnp.where(committed[:, None, None], s_old, NEG_INF)
+  s_new = jnp.where(new_ok[:, None, None], s_new, NEG_INF)
+  p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
+  o = (jnp.einsum("bkgts,bskd->btkgd", p[..., :S].astype(v_cache.dtype), v_cache,
+                  preferred_element_type=jnp.float32)
+       + jnp.einsum("bkgtu,bukd->btkgd", p[..., S:].astype(v_new.dtype), v_new,
+                    preferred_element_type=jnp.float32))
+  return o.reshape(B, T, Hq, D).astype(q.dtype)

@@ -1,0 +1,89 @@
+"""Plain decode speed of Gemma 3 270M against the memory-bandwidth floor, and the loop's own overhead.
+
+  python benchmarks/decode.py [--new_tokens=64] [--json_out=PATH]
+
+For each dtype and batch size: tokens/s of the jitted while-loop decode (prefill excluded), the time of one
+bare forward step of the same shape, and their difference per step (what the loop adds: sampling, commit,
+bookkeeping). The floor is the weight bytes read per step over the measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.cache import KVCache
+from spec_jax.checkpoints.gguf_loader import load_gguf
+from spec_jax.decode import generate
+from spec_jax.models.transformer import forward
+
+
+def read_bandwidth_gbs() -> float:
+  x = jnp.ones((256 * 1024 * 1024 // 4,), jnp.float32)  # 256 MiB
+  f = jax.jit(jnp.sum)
+  f(x).block_until_ready()
+  best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
+  return x.nbytes / best / 1e9
+
+
+def _timed(fn):
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
+def bare_step_ms(params, config, batch, ctx_len, reps=10):
+  cache = KVCache.init(config, batch, ctx_len + 128, params["final_norm"].dtype)
+  cache = cache.replace(lengths=jnp.full((batch,), ctx_len, jnp.int32))
+  tok = jnp.zeros((batch, 1), jnp.int32)
+  pos = jnp.full((batch, 1), ctx_len, jnp.int32)
+  f = jax.jit(lambda p, t, q, c: forward(p, t, q, c, config=config)[0])
+  f(params, tok, pos, cache).block_until_ready()
+  return 1e3 * min(_timed(lambda: f(params, tok, pos, cache).block_until_ready()) for _ in range(reps))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--new_tokens", type=int, default=64)
+  ap.add_argument("--batches", default="1,8")
+  ap.add_argument("--dtypes", default="float32,bfloat16")
+  ap.add_argument("--json_out", default=None)
+  args = ap.parse_args()
+  bw = read_bandwidth_gbs()
+  print(f"read bandwidth: {bw:.1f} GB/s (backend {jax.default_backend()}, {jax.device_count()} device(s))")
+  rows = []
+  prompt = [2] + list(range(1000, 1100))  # 101 tokens
+  for dtype_name in args.dtypes.split(","):
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
+    config, params = load_gguf(dtype=dtype)
+    config = config.replace(eos_ids=())  # fixed-length runs
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    floor_ms = weight_bytes / (bw * 1e9) * 1e3
+    for b in map(int, args.batches.split(",")):
+      res = generate(params, config, [prompt] * b, max_new_tokens=args.new_tokens)
+      steps = res.steps
+      step_ms = res.decode_s / steps * 1e3
+      rows_in_step = max(b, 2) if (dtype == jnp.bfloat16 and jax.default_backend() == "cpu") else b
+      bare = bare_step_ms(params, config, rows_in_step, len(prompt) + args.new_tokens // 2)
+      row = {"dtype": dtype_name, "batch": b, "tok_s": b * steps / res.decode_s, "step_ms": step_ms,
+             "bare_forward_ms": bare, "loop_overhead_ms": step_ms - bare, "floor_ms": floor_ms,
+             "floor_tok_s": b * 1e3 / floor_ms, "vs_floor": step_ms / floor_ms}
+      rows.append(row)
+      print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+  print()
+  print(f"{'dtype':9} {'batch':>5} {'tok/s':>8} {'ms/step':>8} {'forward':>8} {'loop':>6} {'floor ms':>8} {'x floor':>7}")
+  for r in rows:
+    print(f"{r['dtype']:9} {r['batch']:>5} {r['tok_s']:>8.1f} {r['step_ms']:>8.1f} {r['bare_forward_ms']:>8.1f} "
+          f"{r['loop_overhead_ms']:>6.1f} {r['floor_ms']:>8.1f} {r['vs_floor']:>7.2f}")
+  if args.json_out:
+    with open(args.json_out, "w") as f:
+      json.dump({"bandwidth_gbs": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,397 @@
+"""Logits -> warped distribution (temperature, then top-k, then top-p), sampling and greedy.
+
+Everything is jittable and vectorized over rows, with per-row `SamplingParams`: logits are `[B, ..., V]` and the
+parameters `[B]`, broadcast over the middle axes (so verification logits `[B, k+1, V]` work too).
+
+Semantics
+- Tokens are ranked by (logit descending, index ascending), comparing floats as floats (-0.0 == +0.0). Temperature
+  does not change the ranking, so it is taken on the raw logits.
+- temperature 0 is greedy: the warped distribution is one-hot on the first token of that ranking, i.e. the argmax
+  with the lowest index among equal maxima, like `jnp.argmax`.
+- Otherwise the logits are divided by the temperature, then top-k (0 or >= V is off) keeps exactly the first k
+  tokens of the ranking (a tie at the boundary goes to the lower index), then top-p (1 is off) keeps the shortest
+  prefix of the ranking whose mass, under the distribution renormalized over the top-k set, is >= top_p: the token
+  that crosses the threshold is kept, and at least one token always is.
+- NaN logits are not supported.
+
+Every row's kept set is a prefix of the ranking, so it is stored as a boundary (the logit and index of the last kept
+token) and never materialized: the warped logits, the probabilities, and a draw are single fused passes over the
+logits. On CPU with V = 262144 memory traffic is the cost, and a full sort of V costs hundreds of ms, so there is
+no sort at all:
+- all rows greedy: a lax.cond takes an argmax-only path.
+- no sampling row uses top-k or top-p: a lax.cond skips filtering (temperature only).
+- filtering: `lax.top_k` with `candidates` (256) entries per row resolves every row whose kept set fits in the
+  candidates (top_k <= 256; or top-p alone whose nucleus has <= 256 tokens). Only if some row does not fit does a
+  lax.cond take the exact fallback, a bisection on the order-preserving integer keys of the logits (about 50
+  masked reductions over V per filter): the same kept set as a sort, without the sort. (The fallback also takes
+  the rare rows whose boundary logit is exactly 0, because lax.top_k ranks -0.0 below +0.0.)
+- a draw is two-level: per-block masses over V, one categorical over the blocks, one inside the chosen block
+  (about 2 sqrt(V) random numbers per row instead of V for Gumbel-max over V).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from spec_jax.config import SamplingParams
+
+# Number of top candidates for the fast filtering path.
+DEFAULT_CANDIDATES = 256
+
+_NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ranking helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sort_key(x: jax.Array) -> jax.Array:
+  """uint32 key with the order of the float32 values (-0.0 just below +0.0). Only used on per-row scalars:
+  elementwise over V it is much slower than float compares on XLA:CPU."""
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _key_to_float(key: jax.Array) -> jax.Array:
+  bits = jnp.where((key >> 31) == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _vocab_iota(shape) -> jax.Array:
+  return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+
+
+def _block_size(v: int) -> int:
+  """A divisor of v near sqrt(v), or 0 if there is none worth using."""
+  r = int(math.isqrt(v))
+  for s in range(r, max(1, r // 4) - 1, -1):
+    if v % s == 0:
+      return s
+  return 0
+
+
+def argmax(x: jax.Array) -> jax.Array:
+  """int32 argmax over the last axis, the lowest index among equal maxima (as jnp.argmax, for non-NaN input).
+
+  Blocked: one pass of block maxima over V, then only the first block holding the maximum is searched. About 10x
+  faster than jnp.argmax's variadic reduction on XLA:CPU.
+  """
+  shape, v = x.shape, x.shape[-1]
+  x = x.reshape(-1, v)
+  n = x.shape[0]
+  s = _block_size(v)
+  if s <= 1:
+    m = jnp.max(x, axis=-1, keepdims=True)
+    out = jnp.min(jnp.where(x == m, _vocab_iota(x.shape), v), axis=-1)
+  else:
+    xb = x.reshape(n, v // s, s)
+    block_max = jnp.max(xb, axis=-1)  # [n, nb]
+    m = jnp.max(block_max, axis=-1, keepdims=True)
+    nb_iota = _vocab_iota(block_max.shape)
+    block = jnp.min(jnp.where(block_max == m, nb_iota, v // s), axis=-1)
+    inner = jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0]  # [n, s]
+    out = block * s + jnp.min(jnp.where(inner == m, _vocab_iota(inner.shape), s), axis=-1)
+  return jnp.minimum(out, v - 1).astype(jnp.int32).reshape(shape[:-1])
+
+
+class RowWarp(NamedTuple):
+  """The warped distribution of each row of logits [N, V], without materializing anything of size V.
+
+  Row n keeps the tokens with logit `x > v_last[n]`, or `x == v_last[n]` and `index <= i_last[n]`; the warped
+  logits are `x / temperature` there, and the probabilities `exp(x / temperature - lse)`.
+  """
+
+  temperature: jax.Array  # float32[N], 1 for greedy rows
+  v_last: jax.Array  # float32[N], -inf keeps everything
+  i_last: jax.Array  # int32[N]; for a greedy row the argmax
+  top: jax.Array  # float32[N], the largest logit of the row
+  lse: Optional[jax.Array]  # float32[N], log sum over the kept tokens of exp(x / temperature); None if not asked
+
+
+def keep(x: jax.Array, index: jax.Array, w: RowWarp) -> jax.Array:
+  """Whether tokens with logits x at `index` are kept. x, index: [N, ...] with the rows of w first."""
+  vl, il = _bcast(w.v_last, x.ndim), _bcast(w.i_last, x.ndim)
+  x = x.astype(jnp.float32)
+  return (x > vl) | ((x == vl) & (index <= il))
+
+
+def _bcast(a: jax.Array, ndim: int) -> jax.Array:
+  return a.reshape((-1,) + (1,) * (ndim - 1))
+
+
+def probs_at(x: jax.Array, index: jax.Array, w: RowWarp) -> jax.Array:
+  """Warped probabilities of tokens with logits x at `index` (w needs lse). x, index: [N, ...]."""
+  t, lse = _bcast(w.temperature, x.ndim), _bcast(w.lse, x.ndim)
+  return jnp.where(keep(x, index, w), jnp.exp(x.astype(jnp.float32) / t - lse), 0.0)
+
+
+def _weights(x: jax.Array, index: jax.Array, w: RowWarp) -> jax.Array:
+  """Unnormalized warped probabilities in (0, 1], 0 outside the kept set."""
+  t, top = _bcast(w.temperature, x.ndim), _bcast(w.top, x.ndim)
+  return jnp.where(keep(x, index, w), jnp.exp((x.astype(jnp.float32) - top) / t), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Filtering
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _prefix_bisect(x, weights, target):
+  """Boundary of the shortest prefix of the ranking of x [N, V] whose total weight is >= target [N] > 0.
+
+  weights [N, V] (or a scalar) >= 0. Returns (v_last float32[N], i_last int32[N]). The bisection runs on the
+  integer keys of per-row scalars; every pass over V is a float compare and a masked sum. Assumes the total weight
+  is >= target; if rounding makes it fall short, everything is kept.
+  """
+  n, v = x.shape
+  iota = _vocab_iota((n, v))
+  weights = jnp.broadcast_to(weights, (n, v))
+  zero = jnp.zeros((), weights.dtype)
+  tgt = target.astype(weights.dtype)
+
+  def mass(mask):
+    return jnp.sum(jnp.where(mask, weights, zero), axis=-1)
+
+  # Largest key s with W(x >= value(s)) >= target: value(s) is the logit of the last kept token.
+  lo = sort_key(jnp.min(x, axis=-1))  # condition true (assumed)
+  hi = sort_key(jnp.max(x, axis=-1)) + jnp.uint32(1)  # condition false (W = 0 < target)
+
+  def value_step(_, c):
+    lo, hi = c
+    mid = lo + (hi - lo) // jnp.uint32(2)
+    ok = mass(x >= _key_to_float(mid)[:, None]) >= tgt
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  s, _ = lax.fori_loop(0, 32, value_step, (lo, hi))
+  v_last = _key_to_float(s)
+  above = mass(x > v_last[:, None])
+  tie = x == v_last[:, None]
+
+  # Smallest index i such that the tokens above plus the ties with index <= i reach the target.
+  def index_step(_, c):
+    lo, hi = c
+    mid = (lo + hi) // 2
+    ok = above + mass(tie & (iota <= mid[:, None])) >= tgt
+    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+  steps = max(1, math.ceil(math.log2(v + 1)))
+  _, last = lax.fori_loop(0, steps, index_step, (jnp.full((n,), -1, jnp.int32), jnp.full((n,), v - 1, jnp.int32)))
+  return v_last, last
+
+
+def _keep_all(n, v):
+  return jnp.full((n,), _NEG_INF, jnp.float32), jnp.full((n,), v - 1, jnp.int32)
+
+
+def _bounds_bisect(x, t, top, kk, filt_k, top_p, filt_p):
+  """Exact fallback: per-row boundary from bisection over V, no sort."""
+  n, v = x.shape
+  all_v, all_i = _keep_all(n, v)
+
+  def top_k_bounds():
+    vl, il = _prefix_bisect(x, jnp.ones((), jnp.int32), kk)
+    return jnp.where(filt_k, vl, all_v), jnp.where(filt_k, il, all_i)
+
+  vk, ik = lax.cond(jnp.any(filt_k), top_k_bounds, lambda: (all_v, all_i))
+
+  def top_p_bounds():
+    weights = _weights(x, _vocab_iota(x.shape), RowWarp(t, vk, ik, top, None))
+    vl, il = _prefix_bisect(x, weights, top_p * jnp.sum(weights, axis=-1))
+    return jnp.where(filt_p, vl, all_v), jnp.where(filt_p, il, all_i)
+
+  vp, ip = lax.cond(jnp.any(filt_p), top_p_bounds, lambda: (all_v, all_i))
+  # Both are prefixes of the same ranking: the intersection is the shorter one.
+  p_first = (vp > vk) | ((vp == vk) & (ip < ik))
+  return jnp.where(p_first, vp, vk), jnp.where(p_first, ip, ik)
+
+
+def _lse_full(x, w: RowWarp):
+  """log sum of exp(x / t) over the kept tokens: one pass over V."""
+  s = jnp.sum(_weights(x, _vocab_iota(x.shape), w), axis=-1)
+  return jnp.log(s) + w.top / w.temperature
+
+
+def _warp_filtered(x, t, kk, filt_k, top_p, filt_p, candidates, with_lse):
+  """Rows where some filter is on (greedy rows are top-1). x: [N, V]."""
+  n, v = x.shape
+  c = min(candidates, v)
+  # The first c tokens of the ranking. The barrier keeps XLA from folding later slices into the sort that top_k
+  # becomes, which turns XLA:CPU's fast top-k into a full sort of V (100x slower).
+  cv, ci = lax.optimization_barrier(lax.top_k(x, c))
+  top = cv[:, 0]
+  z = cv / t[:, None]
+  j = _vocab_iota((n, c))
+  in_k = kk <= c
+  # top-p mass is relative to the top-k set: normalize over the first kk candidates, or over V when top-k is off.
+  lse_cand = jax.nn.logsumexp(jnp.where(j < kk[:, None], z, _NEG_INF), axis=-1)
+  need_full = filt_p & ~in_k & (kk >= v)
+  all_v, all_i = _keep_all(n, v)
+  lse_v = lax.cond(jnp.any(need_full), lambda: _lse_full(x, RowWarp(t, all_v, all_i, top, None)),
+                   lambda: jnp.zeros((n,), jnp.float32))
+  lse_norm = jnp.where(in_k, lse_cand, lse_v)
+  cum = jnp.cumsum(jnp.where(j < kk[:, None], jnp.exp(z - lse_norm[:, None]), 0.0), axis=-1)
+  n_p = 1 + jnp.sum(cum < top_p[:, None], axis=-1)  # c + 1 when the candidates do not reach top_p
+  n_keep = jnp.where(filt_k, kk, v)
+  n_keep = jnp.where(filt_p, jnp.minimum(n_keep, n_p), n_keep)
+  need = filt_k | filt_p
+  pos = jnp.clip(n_keep - 1, 0, c - 1)[:, None]
+  v_c = jnp.take_along_axis(cv, pos, axis=-1)[:, 0]
+  i_c = jnp.take_along_axis(ci, pos, axis=-1)[:, 0]
+  # The kept set is within the candidates. A boundary at 0 is left to the fallback: lax.top_k puts +0.0 before
+  # -0.0, which is not our index order among equal logits.
+  within = (~filt_k | in_k) & (n_keep <= c)
+  fast_ok = ~need | (within & (v_c != 0))
+  v_last, i_last = lax.cond(
+      jnp.all(fast_ok),
+      lambda: (jnp.where(need, v_c, all_v), jnp.where(need, i_c, all_i)),
+      lambda: _bounds_bisect(x, t, top, kk, filt_k, top_p, filt_p))
+  w = RowWarp(t, v_last, i_last, top, None)
+  if not with_lse:
+    return w
+  lse_kept = jax.nn.logsumexp(jnp.where(j < n_keep[:, None], z, _NEG_INF), axis=-1)
+  lse = lax.cond(jnp.all(within & fast_ok), lambda: lse_kept, lambda: _lse_full(x, w))
+  return w._replace(lse=lse)
+
+
+def _warp_unfiltered(x, t, greedy, with_lse):
+  """No filters: sampling rows keep everything, greedy rows keep the argmax."""
+  n, v = x.shape
+  top = jnp.max(x, axis=-1)
+  all_v, all_i = _keep_all(n, v)
+  i_arg = lax.cond(jnp.any(greedy), lambda: argmax(x), lambda: all_i)
+  w = RowWarp(t, jnp.where(greedy, top, all_v), jnp.where(greedy, i_arg, all_i), top, None)
+  return w._replace(lse=_lse_full(x, w)) if with_lse else w
+
+
+def _warp_greedy(x, with_lse):
+  n, _ = x.shape
+  i_arg = argmax(x)
+  top = jnp.take_along_axis(x, i_arg[:, None], axis=-1)[:, 0]
+  return RowWarp(jnp.ones((n,), jnp.float32), top, i_arg, top, top if with_lse else None)
+
+
+def warp_rows(x: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+              candidates: int = DEFAULT_CANDIDATES, with_lse: bool = True) -> RowWarp:
+  """The warped distribution of logits x [N, V] with per-row parameters [N], as a RowWarp.
+
+  `candidates` only changes speed, never the result (up to float32 rounding of the top-p mass).
+  """
+  n, v = x.shape
+  x = x.astype(jnp.float32)
+  greedy = temperature <= 0
+  t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
+  kk = jnp.where((top_k > 0) & (top_k < v), top_k, v).astype(jnp.int32)
+  kk = jnp.where(greedy, 1, kk)
+  filt_p = ~greedy & (top_p < 1.0)
+  filt_k = ~greedy & (kk < v)
+
+  def general():
+    return lax.cond(
+        jnp.any(filt_k | filt_p),
+        lambda: _warp_filtered(x, t, kk, greedy | filt_k, top_p.astype(jnp.float32), filt_p, candidates, with_lse),
+        lambda: _warp_unfiltered(x, t, greedy, with_lse),
+    )
+
+  return lax.cond(jnp.all(greedy), lambda: _warp_greedy(x, with_lse), general)
+
+
+def rows(logits: jax.Array, params: SamplingParams):
+  """Flatten [B, ..., V] to [N, V] and broadcast the per-row params to [N]."""
+  b, v = logits.shape[0], logits.shape[-1]
+  per = math.prod(logits.shape[1:-1])
+
+  def rep(a):
+    return jnp.broadcast_to(jnp.asarray(a).reshape(b, 1), (b, per)).reshape(-1)
+
+  return logits.reshape(-1, v), rep(params.temperature), rep(params.top_k), rep(params.top_p)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Drawing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _categorical_two_level(key, x, weight_fn):
+  """int32[N] draws with probability proportional to weight_fn(x_part, index_part) >= 0 for x [N, V].
+
+  A block of the vocabulary is drawn with probability proportional to its mass, then a token inside it with
+  probability proportional to its weight. weight_fn is elementwise, so the block masses are one fused pass over x
+  and only the chosen block is evaluated again. A zero-weight token is never drawn.
+  """
+  n, v = x.shape
+  s = _block_size(v)
+  index = _vocab_iota((n, v))
+  if s == 0:  # no good divisor: pad with zero weight
+    s = max(1, math.isqrt(v))
+    nb = -(-v // s)
+    w = jnp.pad(weight_fn(x, index), ((0, 0), (0, nb * s - v)))
+    x, index, weight_fn = w, jnp.pad(index, ((0, 0), (0, nb * s - v))), lambda w_, i_: w_
+  nb = x.shape[1] // s
+  xb, ib = x.reshape(n, nb, s), index.reshape(n, nb, s)
+  k_block, k_tok = jax.random.split(key)
+  mass = jnp.sum(weight_fn(xb, ib), axis=-1)  # [N, nb]
+  block = jax.random.categorical(k_block, jnp.log(mass), axis=-1)
+  pick = lambda a: jnp.take_along_axis(a, block[:, None, None], axis=1)[:, 0]  # [N, s]
+  tok = jax.random.categorical(k_tok, jnp.log(weight_fn(pick(xb), pick(ib))), axis=-1)
+  return (block * s + tok).astype(jnp.int32)
+
+
+def categorical_from_weights(key: jax.Array, weights: jax.Array) -> jax.Array:
+  """int32[N] draws from unnormalized weights [N, V] >= 0 (each row needs some positive weight)."""
+  return _categorical_two_level(key, weights.astype(jnp.float32), lambda w, i: w)
+
+
+def sample_rows(key: jax.Array, x: jax.Array, w: RowWarp) -> jax.Array:
+  """int32[N] draws from the warped distribution w of logits x [N, V]."""
+  return _categorical_two_level(key, x, lambda xp, ip: _weights(xp, ip, w))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API on [B, ..., V]
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def warp_logits(logits: jax.Array, params: SamplingParams, *, candidates: int = DEFAULT_CANDIDATES) -> jax.Array:
+  """float32 logits [B, ..., V] of the warped distribution: logits / temperature on the kept set, -inf elsewhere.
+
+  Greedy rows keep only the argmax (with its raw logit), so their distribution is one-hot.
+  """
+  x, t, k, p = rows(logits, params)
+  w = warp_rows(x, t, k, p, candidates=candidates, with_lse=False)
+  out = jnp.where(keep(x, _vocab_iota(x.shape), w), x.astype(jnp.float32) / w.temperature[:, None], _NEG_INF)
+  return out.reshape(logits.shape)
+
+
+def warped_probs(logits: jax.Array, params: SamplingParams, *, candidates: int = DEFAULT_CANDIDATES) -> jax.Array:
+  """float32 probabilities [B, ..., V] of the warped distribution (exactly one-hot for greedy rows)."""
+  x, t, k, p = rows(logits, params)
+  w = warp_rows(x, t, k, p, candidates=candidates, with_lse=True)
+  return probs_at(x, _vocab_iota(x.shape), w).reshape(logits.shape)
+
+
+def sample(key: jax.Array, logits: jax.Array, params: SamplingParams, *,
+           candidates: int = DEFAULT_CANDIDATES) -> jax.Array:
+  """int32 tokens [B, ...] for logits [B, ..., V]: argmax for greedy rows, a draw from the warped distribution
+  for the others."""
+  x, t, k, p = rows(logits, params)
+  out = lax.cond(
+      jnp.all(t <= 0),
+      lambda: argmax(x),
+      lambda: sample_rows(key, x, warp_rows(x, t, k, p, candidates=candidates, with_lse=False)),
+  )
+  return out.reshape(logits.shape[:-1])
+
+
+def sample_with_probs(key: jax.Array, logits: jax.Array, params: SamplingParams, *,
+                      candidates: int = DEFAULT_CANDIDATES) -> tuple[jax.Array, jax.Array]:
+  """`sample` and `warped_probs` of the same logits sharing one warp (what a draft model needs)."""
+  x, t, k, p = rows(logits, params)
+  w = warp_rows(x, t, k, p, candidates=candidates, with_lse=True)
+  tokens = lax.cond(jnp.all(t <= 0), lambda: w.i_last, lambda: sample_rows(key, x, w))
+  return tokens.reshape(logits.shape[:-1]), probs_at(x, _vocab_iota(x.shape), w).reshape(logits.shape)
