@@ -43,11 +43,15 @@ def parse_record(rec: dict, where: str, tokenizer) -> Prompt:
   if "prompt" in rec:
     if not isinstance(rec["prompt"], str):
       raise ValueError(f"{where}: 'prompt' must be a string")
+    if not rec["prompt"]:
+      raise ValueError(f"{where}: prompt {str(pid)!r} is empty")
     return Prompt(str(pid) if pid is not None else "", rec["prompt"], category)
   if "turns" in rec:
     turns = rec["turns"]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
       raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+    if not turns[0]:
+      raise ValueError(f"{where}: the first turn of prompt {str(pid)!r} is empty")
     # Only the first turn: later turns need the model's own answers, which a batch run does not have.
     return Prompt(str(pid) if pid is not None else "", tokenizer.apply_chat_template([turns[0]]), category, True)
   raise ValueError(f"{where}: a line needs 'prompt' or 'turns' (got keys {sorted(rec)})")

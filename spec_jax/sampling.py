@@ -67,6 +67,25 @@ def _vocab_iota(shape) -> jax.Array:
   return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
 
 
+ROW_GROUP = 8  # rows per chunk of the passes over V, see _map_rows
+
+
+def _map_rows(fn, *args):
+  """fn(*args) for per-row arrays args [N, ...], run over chunks of up to ROW_GROUP rows with lax.map.
+
+  On XLA:CPU a pass over V for many rows at once can allocate a temporary of N * V floats; beyond glibc's mmap
+  threshold (32 MB, e.g. 40 rows of V = 262144) every call then faults fresh pages in, about 5x slower than
+  chunks of 8 rows. fn must treat rows independently (lax.cond predicates then hold per chunk).
+  """
+  n = args[0].shape[0]
+  group = next((g for g in range(ROW_GROUP, 1, -1) if n % g == 0), 1)
+  if n <= ROW_GROUP or group == 1:
+    return fn(*args)
+  chunks = [a.reshape((n // group, group) + a.shape[1:]) for a in args]
+  out = lax.map(lambda xs: fn(*xs), chunks)
+  return jax.tree.map(lambda o: o.reshape((n,) + o.shape[2:]), out)
+
+
 def _block_size(v: int) -> int:
   """A divisor of v near sqrt(v), or 0 if there is none worth using."""
   r = int(math.isqrt(v))
@@ -217,6 +236,13 @@ def _lse_full(x, w: RowWarp):
   return jnp.log(s) + w.top / w.temperature
 
 
+def _lse_all(x, t, top):
+  """log sum of exp(x / t) over every token. No mask: XLA:CPU fuses this pass into its reduction, while a masked
+  one materializes an N x V temporary first."""
+  s = jnp.sum(jnp.exp((x - top[:, None]) / t[:, None]), axis=-1)
+  return jnp.log(s) + top / t
+
+
 def _warp_filtered(x, t, kk, filt_k, top_p, filt_p, candidates, with_lse):
   """Rows where some filter is on (greedy rows are top-1). x: [N, V]."""
   n, v = x.shape
@@ -232,8 +258,7 @@ def _warp_filtered(x, t, kk, filt_k, top_p, filt_p, candidates, with_lse):
   lse_cand = jax.nn.logsumexp(jnp.where(j < kk[:, None], z, _NEG_INF), axis=-1)
   need_full = filt_p & ~in_k & (kk >= v)
   all_v, all_i = _keep_all(n, v)
-  lse_v = lax.cond(jnp.any(need_full), lambda: _lse_full(x, RowWarp(t, all_v, all_i, top, None)),
-                   lambda: jnp.zeros((n,), jnp.float32))
+  lse_v = lax.cond(jnp.any(need_full), lambda: _lse_all(x, t, top), lambda: jnp.zeros((n,), jnp.float32))
   lse_norm = jnp.where(in_k, lse_cand, lse_v)
   cum = jnp.cumsum(jnp.where(j < kk[:, None], jnp.exp(z - lse_norm[:, None]), 0.0), axis=-1)
   n_p = 1 + jnp.sum(cum < top_p[:, None], axis=-1)  # c + 1 when the candidates do not reach top_p
@@ -254,8 +279,14 @@ def _warp_filtered(x, t, kk, filt_k, top_p, filt_p, candidates, with_lse):
   w = RowWarp(t, v_last, i_last, top, None)
   if not with_lse:
     return w
+  # Rows kept within the candidates: from the candidates. Rows without a filter: an unmasked pass. Others (the
+  # fallback, or a nucleus beyond the candidates): a masked pass.
   lse_kept = jax.nn.logsumexp(jnp.where(j < n_keep[:, None], z, _NEG_INF), axis=-1)
-  lse = lax.cond(jnp.all(within & fast_ok), lambda: lse_kept, lambda: _lse_full(x, w))
+  from_cands = need & within & fast_ok
+  zeros = jnp.zeros((n,), jnp.float32)
+  lse_open = lax.cond(jnp.any(~need), lambda: _lse_all(x, t, top), lambda: zeros)
+  lse_masked = lax.cond(jnp.any(need & ~from_cands), lambda: _lse_full(x, w), lambda: zeros)
+  lse = jnp.where(from_cands, lse_kept, jnp.where(need, lse_masked, lse_open))
   return w._replace(lse=lse)
 
 
@@ -266,7 +297,8 @@ def _warp_unfiltered(x, t, greedy, with_lse):
   all_v, all_i = _keep_all(n, v)
   i_arg = lax.cond(jnp.any(greedy), lambda: argmax(x), lambda: all_i)
   w = RowWarp(t, jnp.where(greedy, top, all_v), jnp.where(greedy, i_arg, all_i), top, None)
-  return w._replace(lse=_lse_full(x, w)) if with_lse else w
+  # A greedy row's one kept token has x = top and t = 1.
+  return w._replace(lse=jnp.where(greedy, top, _lse_all(x, t, top))) if with_lse else w
 
 
 def _warp_greedy(x, with_lse):
@@ -282,6 +314,11 @@ def warp_rows(x: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax
 
   `candidates` only changes speed, never the result (up to float32 rounding of the top-p mass).
   """
+  return _map_rows(lambda *a: _warp_rows(*a, candidates=candidates, with_lse=with_lse),
+                   x, temperature, top_k, top_p)
+
+
+def _warp_rows(x, temperature, top_k, top_p, *, candidates, with_lse):
   n, v = x.shape
   x = x.astype(jnp.float32)
   greedy = temperature <= 0
@@ -317,8 +354,9 @@ def rows(logits: jax.Array, params: SamplingParams):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _categorical_two_level(key, x, weight_fn):
-  """int32[N] draws with probability proportional to weight_fn(x_part, index_part) >= 0 for x [N, V].
+def _categorical_two_level(keys, x, weight_fn):
+  """int32[N] draws with probability proportional to weight_fn(x_part, index_part) >= 0 for x [N, V], one PRNG key
+  per row.
 
   A block of the vocabulary is drawn with probability proportional to its mass, then a token inside it with
   probability proportional to its weight. weight_fn is elementwise, so the block masses are one fused pass over x
@@ -334,22 +372,29 @@ def _categorical_two_level(key, x, weight_fn):
     x, index, weight_fn = w, jnp.pad(index, ((0, 0), (0, nb * s - v))), lambda w_, i_: w_
   nb = x.shape[1] // s
   xb, ib = x.reshape(n, nb, s), index.reshape(n, nb, s)
-  k_block, k_tok = jax.random.split(key)
-  mass = jnp.sum(weight_fn(xb, ib), axis=-1)  # [N, nb]
-  block = jax.random.categorical(k_block, jnp.log(mass), axis=-1)
+  k_block, k_tok = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+  draw = jax.vmap(lambda k, logits: jax.random.categorical(k, logits))
+  block = draw(k_block, jnp.log(jnp.sum(weight_fn(xb, ib), axis=-1)))  # [N]
   pick = lambda a: jnp.take_along_axis(a, block[:, None, None], axis=1)[:, 0]  # [N, s]
-  tok = jax.random.categorical(k_tok, jnp.log(weight_fn(pick(xb), pick(ib))), axis=-1)
+  tok = draw(k_tok, jnp.log(weight_fn(pick(xb), pick(ib))))
   return (block * s + tok).astype(jnp.int32)
 
 
 def categorical_from_weights(key: jax.Array, weights: jax.Array) -> jax.Array:
   """int32[N] draws from unnormalized weights [N, V] >= 0 (each row needs some positive weight)."""
-  return _categorical_two_level(key, weights.astype(jnp.float32), lambda w, i: w)
+  keys = jax.random.split(key, weights.shape[0])
+  return _map_rows(lambda k, w: _categorical_two_level(k, w.astype(jnp.float32), lambda wp, ip: wp), keys, weights)
 
 
 def sample_rows(key: jax.Array, x: jax.Array, w: RowWarp) -> jax.Array:
   """int32[N] draws from the warped distribution w of logits x [N, V]."""
-  return _categorical_two_level(key, x, lambda xp, ip: _weights(xp, ip, w))
+  keys = jax.random.split(key, x.shape[0])
+
+  def draw(k, xr, *wr):
+    wr = RowWarp(*wr, None)
+    return _categorical_two_level(k, xr, lambda xp, ip: _weights(xp, ip, wr))
+
+  return _map_rows(draw, keys, x, w.temperature, w.v_last, w.i_last, w.top)
 
 
 # ----------------------------------------------------------------------------------------------------------------

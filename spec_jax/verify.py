@@ -29,6 +29,8 @@ def verify_chain(
     draft_probs: Optional[jax.Array],
     key: jax.Array,
     params: SamplingParams,
+    *,
+    candidates: int = sampling.DEFAULT_CANDIDATES,
 ) -> tuple[jax.Array, jax.Array]:
   """Verify k drafted tokens per row against the target model.
 
@@ -44,6 +46,7 @@ def verify_chain(
       and commit the argmax after that; sampling rows accept draft x_i with probability min(1, p_i(x_i)/q_i(x_i))
       and, at the first rejection, sample from normalize(max(p_i - q_i, 0)) (falling back to p_i if that is all
       zero). Rows of both kinds mix in one batch.
+    candidates: top-k candidates of the warp's fast path (speed only, see spec_jax.sampling).
 
   Returns:
     tokens int32 [B, k+1] (PAD after the committed ones) and num_accepted int32 [B] in [0, k].
@@ -82,12 +85,14 @@ def verify_chain(
     k_accept, k_resid = jax.random.split(key)
     # The warped target at every position, as per-position statistics: nothing of size V is materialized here.
     x, t, top_k, top_p = sampling.rows(target_logits, params)
-    w = sampling.warp_rows(x, t, top_k, top_p, with_lse=True)
+    w = sampling.warp_rows(x, t, top_k, top_p, candidates=candidates, with_lse=True)
     w = jax.tree.map(lambda a: a.reshape(b, k1), w)  # fields [B, k+1]
     target = w.i_last  # the argmax, for greedy rows
 
     # p_i(x_i) at the drafts.
-    x_d = jnp.take_along_axis(target_logits[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, k]
+    # (Gathered from the full logits: slicing [:, :k] first would copy B * k * V floats.)
+    d_ext = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    x_d = jnp.take_along_axis(target_logits, d_ext[..., None], axis=-1)[:, :k, 0]  # [B, k]
     w_d = jax.tree.map(lambda a: a[:, :k].reshape(-1), w)
     p_x = sampling.probs_at(x_d.reshape(-1), drafts.reshape(-1), w_d).reshape(b, k)
     if draft_probs is None:

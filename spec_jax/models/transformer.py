@@ -153,12 +153,16 @@ def _layer(config: ModelConfig, impl: str, x, p, k_layer, v_layer, window, base,
 def write_rows(buf, new, lengths):
   """buf[L, B, S, K, d] with new[L, B, T, K, d] written at slots lengths[b] .. lengths[b]+T-1 of each row.
 
-  One dynamic_update_slice per row updates in place inside loops (XLA:CPU copies the whole buffer for a
+  A loop of one dynamic_update_slice per row updates in place (XLA:CPU copies the whole buffer for a
   scatter). Callers size buffers so that lengths[b] + T fits: dynamic_update_slice clamps an overflow.
   """
-  for b in range(new.shape[1]):
-    buf = jax.lax.dynamic_update_slice(buf, new[:, b:b + 1].astype(buf.dtype), (0, b, lengths[b], 0, 0))
-  return buf
+  new = new.astype(buf.dtype)
+
+  def one_row(b, buf):
+    row = jax.lax.dynamic_slice_in_dim(new, b, 1, axis=1)
+    return jax.lax.dynamic_update_slice(buf, row, (0, b, lengths[b], 0, 0))
+
+  return jax.lax.fori_loop(0, new.shape[1], one_row, buf)
 
 
 def embed(params, tokens, config: ModelConfig):

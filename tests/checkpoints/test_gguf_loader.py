@@ -1,0 +1,98 @@
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax.checkpoints import gguf_loader
+from spec_jax.checkpoints.gguf_loader import load_gguf
+from spec_jax.models.transformer import init_params
+from tests.checkpoints.gguf_writer import write_tiny_gguf
+from tests.conftest import tiny_gemma_config
+
+CONFIG = tiny_gemma_config(num_layers=6, global_every=6, query_pre_attn_scalar=256.0, eos_ids=(1, 106))
+
+
+@pytest.fixture()
+def tiny(tmp_path):
+  params = jax.tree.map(np.asarray, init_params(CONFIG, jax.random.PRNGKey(0)))
+  path = tmp_path / "tiny.gguf"
+  write_tiny_gguf(path, CONFIG, params)
+  return path, params
+
+
+def _assert_params_equal(a, b):
+  for (pa, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(pa))
+
+
+def test_round_trip_config_and_params(tiny):
+  path, params = tiny
+  config, loaded = load_gguf(str(path), use_cache=False)
+  for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                "sliding_window", "rope_base", "bos_id"):
+    assert getattr(config, field) == getattr(CONFIG, field), field
+  _assert_params_equal(loaded, params)
+
+
+def test_cache_is_exact_and_notices_a_changed_file(tiny, tmp_path):
+  path, params = tiny
+  load_gguf(str(path))  # builds the cache
+  cache_file = str(path) + gguf_loader.CACHE_SUFFIX
+  assert os.path.exists(cache_file)
+  _, cached = load_gguf(str(path))
+  _assert_params_equal(cached, params)
+  # Replace the GGUF with different weights: the cache must not be served.
+  other = jax.tree.map(np.asarray, init_params(CONFIG, jax.random.PRNGKey(1)))
+  write_tiny_gguf(path, CONFIG, other)
+  _, reloaded = load_gguf(str(path))
+  _assert_params_equal(reloaded, other)
+
+
+def test_bfloat16_load(tiny):
+  path, params = tiny
+  _, p16 = load_gguf(str(path), dtype=jnp.bfloat16, use_cache=False)
+  assert p16["embed"].dtype == jnp.bfloat16
+
+
+def test_missing_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    load_gguf(str(tmp_path / "nope.gguf"))
+
+
+def test_corrupt_file(tmp_path):
+  bad = tmp_path / "bad.gguf"
+  bad.write_bytes(b"GGUF" + os.urandom(200))
+  with pytest.raises(ValueError, match="bad.gguf"):
+    load_gguf(str(bad), use_cache=False)
+  trunc = tmp_path / "trunc.gguf"
+  trunc.write_bytes(b"not a gguf at all")
+  with pytest.raises(ValueError, match="trunc.gguf"):
+    load_gguf(str(trunc), use_cache=False)
+
+
+def test_unknown_architecture(tmp_path):
+  params = jax.tree.map(np.asarray, init_params(CONFIG, jax.random.PRNGKey(0)))
+  path = tmp_path / "mamba.gguf"
+  write_tiny_gguf(path, CONFIG, params, arch="mamba")
+  with pytest.raises(ValueError, match="unknown architecture 'mamba'"):
+    load_gguf(str(path), use_cache=False)
+
+
+def test_missing_tensor(tmp_path):
+  params = jax.tree.map(np.asarray, init_params(CONFIG, jax.random.PRNGKey(0)))
+  path = tmp_path / "missing.gguf"
+  write_tiny_gguf(path, CONFIG, params, drop=("blk.3.ffn_up.weight",))
+  with pytest.raises(ValueError, match="blk.3.ffn_up.weight.*missing"):
+    load_gguf(str(path), use_cache=False)
+
+
+def test_misshapen_tensor(tmp_path):
+  params = jax.tree.map(np.asarray, init_params(CONFIG, jax.random.PRNGKey(0)))
+  path = tmp_path / "shape.gguf"
+  n = CONFIG.d_model
+  write_tiny_gguf(path, CONFIG, params, reshape={"blk.2.attn_norm.weight": (n // 2, 2)})
+  with pytest.raises(ValueError, match="blk.2.attn_norm.weight.*shape"):
+    load_gguf(str(path), use_cache=False)
