@@ -69,8 +69,8 @@ class DecodeState:
 
 # ---------------------------------------------------------------------------------------------------- prefill
 
-@functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
-def _prefill_chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, impl):
+@functools.partial(jax.jit, static_argnames=("config", "impl", "collect"), donate_argnames=("cache",))
+def _prefill_chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, impl, collect=False):
   B, C = chunk.shape
   positions = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
   cache = cache.replace(lengths=jnp.full((B,), start, jnp.int32))
@@ -78,20 +78,30 @@ def _prefill_chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, con
   idx = prompt_lens - 1 - start
   here = (idx >= 0) & (idx < C)
   h = jnp.take_along_axis(hidden, jnp.clip(idx, 0, C - 1)[:, None, None], axis=1)[:, 0]
-  return cache, jnp.where(here[:, None], h, last_hidden)
+  out = cache, jnp.where(here[:, None], h, last_hidden)
+  return out + (hidden,) if collect else out
 
 
 def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *, config: ModelConfig,
-            impl: str = "xla", chunk: int = 512):
-  """Right-padded prompts [B, P] (P a multiple of `chunk`) -> (cache with lengths = prompt_lens, hidden[B, D])."""
+            impl: str = "xla", chunk: int = 512, return_all: bool = False):
+  """Right-padded prompts [B, P] (P a multiple of `chunk`) -> (cache with lengths = prompt_lens, hidden[B, D]).
+
+  With `return_all`, the hidden states of every prompt position [B, P, D] come back third (EAGLE reads them).
+  """
   B, P = tokens.shape
   if P % chunk:
     raise ValueError(f"padded prompt length {P} is not a multiple of the prefill chunk {chunk}")
   last_hidden = jnp.zeros((B, config.d_model), params["final_norm"].dtype)
+  every = []
   for start in range(0, P, chunk):
-    cache, last_hidden = _prefill_chunk(params, tokens[:, start:start + chunk], jnp.int32(start), cache,
-                                        prompt_lens, last_hidden, config=config, impl=impl)
-  return cache.replace(lengths=prompt_lens.astype(jnp.int32)), last_hidden
+    out = _prefill_chunk(params, tokens[:, start:start + chunk], jnp.int32(start), cache, prompt_lens,
+                         last_hidden, config=config, impl=impl, collect=return_all)
+    cache, last_hidden = out[:2]
+    every.extend(out[2:])
+  cache = cache.replace(lengths=prompt_lens.astype(jnp.int32))
+  if return_all:
+    return cache, last_hidden, jnp.concatenate(every, axis=1)
+  return cache, last_hidden
 
 
 # ------------------------------------------------------------------------------------------------------- step
@@ -280,9 +290,14 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
   def start():
     cache = KVCache.init(config, B, S, dtype)
     prompts_dev, lens_dev = jnp.asarray(buf[:, :P]), jnp.asarray(prompt_lens)
-    cache, hidden = prefill(target_params, prompts_dev, lens_dev, cache, config=config, impl=impl, chunk=chunk)
-    pstate0 = (proposer.prefill(params["proposer"], prompts_dev, lens_dev, S, chunk)
-               if hasattr(proposer, "prefill") else None)
+    if getattr(proposer, "needs_prompt_hidden", False):  # EAGLE: hidden states of every prompt position
+      cache, hidden, every = prefill(target_params, prompts_dev, lens_dev, cache, config=config, impl=impl,
+                                     chunk=chunk, return_all=True)
+      pstate0 = proposer.prefill(params["proposer"], prompts_dev, lens_dev, S, chunk, prompt_hidden=every)
+    else:
+      cache, hidden = prefill(target_params, prompts_dev, lens_dev, cache, config=config, impl=impl, chunk=chunk)
+      pstate0 = (proposer.prefill(params["proposer"], prompts_dev, lens_dev, S, chunk)
+                 if hasattr(proposer, "prefill") else None)
     return _start_state(params, spec, jnp.asarray(buf), lens_dev, jnp.asarray(max_new), cache, hidden, sampling,
                         jax.random.PRNGKey(seed), n, jnp.asarray(costs_now, jnp.float32), pstate0)
 
@@ -329,6 +344,8 @@ def _start_state(params, spec: LoopSpec, buf, prompt_lens, max_new, cache, hidde
   finish = jnp.where(stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE)).astype(jnp.int32)
   done = stop | hit_len | is_pad
   ctx = ProposeContext(tokens, lengths, sampling, hidden)
+  if pstate0 is not None and hasattr(spec.proposer, "start"):  # a prefilled state learns the first token
+    pstate0 = spec.proposer.start(params["proposer"], pstate0, ctx)
   state = DecodeState(
       tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, max_new=max_new, cache=cache,
       pstate=pstate0 if pstate0 is not None else spec.proposer.init(params["proposer"], ctx), key=key, done=done, finish=finish, sampling=sampling,

@@ -27,6 +27,8 @@ no sort at all:
   the rare rows whose boundary logit is exactly 0, because lax.top_k ranks -0.0 below +0.0.)
 - a draw is two-level: per-block masses over V, one categorical over the blocks, one inside the chosen block
   (about 2 sqrt(V) random numbers per row instead of V for Gumbel-max over V).
+- the passes over V run in chunks of 8 rows (see _map_rows), so [B, k+1, V] verification logits do not allocate
+  B (k+1) V temporaries.
 """
 
 from __future__ import annotations
@@ -73,9 +75,11 @@ ROW_GROUP = 8  # rows per chunk of the passes over V, see _map_rows
 def _map_rows(fn, *args):
   """fn(*args) for per-row arrays args [N, ...], run over chunks of up to ROW_GROUP rows with lax.map.
 
-  On XLA:CPU a pass over V for many rows at once can allocate a temporary of N * V floats; beyond glibc's mmap
-  threshold (32 MB, e.g. 40 rows of V = 262144) every call then faults fresh pages in, about 5x slower than
-  chunks of 8 rows. fn must treat rows independently (lax.cond predicates then hold per chunk).
+  On XLA:CPU (jax 0.10) a masked pass over V is not fused into its reduction: it materializes an N x V temporary.
+  For 40 rows of V = 262144 (42 MB) such a pass measured about 5x slower than the same work in chunks of 8 rows,
+  most likely because allocations above glibc's 32 MB mmap threshold fault in fresh pages on every call. fn must
+  treat rows independently (its lax.cond predicates then hold per chunk, so one chunk's fallback does not slow
+  the others).
   """
   n = args[0].shape[0]
   group = next((g for g in range(ROW_GROUP, 1, -1) if n % g == 0), 1)

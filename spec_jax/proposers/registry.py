@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.ngram import NgramProposer
 
-METHODS = ("none", "ngram", "draft")
+METHODS = ("none", "ngram", "draft", "medusa", "eagle")
+HEADS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "heads")
+
+
+def default_heads_path(method: str) -> str:
+  """The shipped checkpoint for Gemma 3 270M: heads/<method>_gemma3_270m.{safetensors,json}."""
+  return os.path.normpath(os.path.join(HEADS_DIR, f"{method}_gemma3_270m"))
 
 
 def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngram_min: int = 1,
-                   ngram_max: int = 3, draft_layers: int = 6, impl: str = "xla"):
-  """-> (proposer, proposer_params)."""
+                   ngram_max: int = 3, draft_layers: int = 6, impl: str = "xla", heads_path: str | None = None):
+  """-> (proposer, proposer_params). medusa/eagle load `heads_path` ('' or None: the shipped checkpoint)."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
   if method == "none":
@@ -19,5 +27,11 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngr
     raise ValueError(f"num_speculative_tokens must be >= 1 for method {method!r}, got {k}")
   if method == "ngram":
     return NgramProposer(k=k, ngram_min=ngram_min, ngram_max=ngram_max), {}
+  if method == "medusa":
+    from spec_jax.proposers.medusa import load_medusa
+    return load_medusa(heads_path or default_heads_path(method), target_config, target_params, k)
+  if method == "eagle":
+    from spec_jax.proposers.eagle import load_eagle
+    return load_eagle(heads_path or default_heads_path(method), target_config, target_params, k, impl)
   from spec_jax.proposers.draft import early_exit_proposer
   return early_exit_proposer(target_config, target_params, draft_layers, k, impl)

@@ -1,0 +1,172 @@
+"""Checkpoints of trained draft heads: `<stem>.safetensors` (bfloat16 weights, int32 d2t) + `<stem>.json`.
+
+The JSON names the kind (medusa / eagle / draft), the target model and a fingerprint of the target's
+architecture, the shapes the head was built with, and the reduced draft vocabulary size. Loading checks all of
+it against the target at hand, so a head trained for another model fails loudly instead of drafting garbage
+(which would still be lossless, only slow).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from spec_jax.config import ModelConfig
+
+FORMAT_VERSION = 1
+_ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                "activation", "post_norms", "qk_norm", "qkv_bias", "rope_base", "rope_base_local",
+                "sliding_window", "global_every", "query_pre_attn_scalar", "embed_scale", "tie_embeddings")
+_ST_NAMES = {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}
+
+
+def target_fingerprint(config: ModelConfig) -> str:
+  """A short hash of the target's architecture (not its name or context length)."""
+  arch = {f: getattr(config, f) for f in _ARCH_FIELDS}
+  return hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _paths(path: str) -> tuple[str, str]:
+  stem = path[:-len(".safetensors")] if path.endswith(".safetensors") else path
+  stem = stem[:-len(".json")] if stem.endswith(".json") else stem
+  return stem + ".safetensors", stem + ".json"
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    name = f"{prefix}{k}"
+    if isinstance(v, dict):
+      out.update(_flatten(v, name + "/"))
+    else:
+      out[name] = v
+  return out
+
+
+def _unflatten(flat: dict) -> dict:
+  out: dict = {}
+  for name, v in flat.items():
+    *parents, leaf = name.split("/")
+    node = out
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return out
+
+
+def write_safetensors(path: str, arrays: dict) -> None:
+  """A safetensors file: 8-byte little-endian header length, JSON header, raw little-endian data."""
+  header, blobs, offset = {}, [], 0
+  for name in sorted(arrays):
+    a = np.ascontiguousarray(arrays[name])
+    if a.dtype not in _ST_NAMES:
+      raise ValueError(f"tensor {name!r}: unsupported dtype {a.dtype}")
+    b = a.tobytes()
+    header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
+    blobs.append(b)
+    offset += len(b)
+  head = json.dumps(header, separators=(",", ":")).encode()
+  head += b" " * (-len(head) % 8)  # keeps the data 8-byte aligned
+  with open(path, "wb") as f:
+    f.write(len(head).to_bytes(8, "little"))
+    f.write(head)
+    for b in blobs:
+      f.write(b)
+
+
+def read_safetensors(path: str) -> dict:
+  from spec_jax.checkpoints.safetensors_loader import _SafetensorsFile
+  st = _SafetensorsFile(path)
+  return {name: st.read(name) for name in st.entries}
+
+
+def save_heads(path: str, kind: str, params: dict, target_config: ModelConfig, meta: dict | None = None,
+               d2t=None) -> str:
+  """Weights in bfloat16 (d2t stays int32). Returns the .safetensors path."""
+  st_path, json_path = _paths(path)
+  os.makedirs(os.path.dirname(os.path.abspath(st_path)), exist_ok=True)
+  flat = {k: np.asarray(jnp.asarray(v, jnp.float32)).astype(ml_dtypes.bfloat16)
+          for k, v in _flatten(jax.device_get(params)).items()}
+  if d2t is not None:
+    flat["d2t"] = np.asarray(d2t, np.int32)
+  write_safetensors(st_path, flat)
+  info = {
+      "format_version": FORMAT_VERSION, "kind": kind, "target_name": target_config.name,
+      "target_fingerprint": target_fingerprint(target_config), "hidden_size": target_config.d_model,
+      "vocab_size": target_config.vocab_size, "draft_vocab_size": int(len(d2t)) if d2t is not None else None,
+      **(meta or {}),
+  }
+  with open(json_path, "w") as f:
+    json.dump(info, f, indent=1, sort_keys=True)
+  return st_path
+
+
+def load_heads(path: str, target_config: ModelConfig, kind: str, dtype=jnp.float32):
+  """-> (meta, params, d2t | None), checked against the target. Raises ValueError naming what does not fit."""
+  st_path, json_path = _paths(path)
+  for p in (st_path, json_path):
+    if not os.path.exists(p):
+      raise FileNotFoundError(f"head checkpoint file {p} does not exist")
+  with open(json_path) as f:
+    meta = json.load(f)
+  if meta.get("kind") != kind:
+    raise ValueError(f"{json_path}: a {meta.get('kind')!r} head checkpoint, but a {kind!r} head was asked for")
+  fp = target_fingerprint(target_config)
+  if meta.get("target_fingerprint") != fp:
+    raise ValueError(f"{json_path}: trained for target {meta.get('target_name')!r} (fingerprint "
+                     f"{meta.get('target_fingerprint')}), but the target is {target_config.name!r} (fingerprint {fp})")
+  for field, want in (("hidden_size", target_config.d_model), ("vocab_size", target_config.vocab_size)):
+    if meta.get(field) != want:
+      raise ValueError(f"{json_path}: {field} is {meta.get(field)}, the target's is {want}")
+  flat = read_safetensors(st_path)
+  d2t = flat.pop("d2t", None)
+  if d2t is not None:
+    check_d2t(d2t, target_config.vocab_size, where=st_path)
+    if meta.get("draft_vocab_size") != len(d2t):
+      raise ValueError(f"{st_path}: d2t has {len(d2t)} entries, the metadata says {meta.get('draft_vocab_size')}")
+  params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32), dtype), _unflatten(flat))
+  return meta, params, (jnp.asarray(d2t, jnp.int32) if d2t is not None else None)
+
+
+def check_shapes(params: dict, want: dict, where: str) -> None:
+  """want: the same tree of shape tuples. Names the first missing, extra or mis-shaped tensor."""
+  got = {k: tuple(np.shape(v)) for k, v in _flatten(params).items()}
+  need = _flatten(want)
+  for k in sorted(set(need) | set(got)):
+    if k not in got:
+      raise ValueError(f"{where}: tensor {k!r} is missing (expected shape {need[k]})")
+    if k not in need:
+      raise ValueError(f"{where}: unexpected tensor {k!r} of shape {got[k]}")
+    if got[k] != tuple(need[k]):
+      raise ValueError(f"{where}: tensor {k!r} has shape {got[k]}, expected {tuple(need[k])}")
+
+
+def check_d2t(d2t, vocab_size: int, where: str = "d2t") -> None:
+  d2t = np.asarray(d2t)
+  if d2t.ndim != 1 or d2t.size == 0:
+    raise ValueError(f"{where}: d2t must be a non-empty 1-D array, got shape {d2t.shape}")
+  if d2t.min() < 0 or d2t.max() >= vocab_size:
+    raise ValueError(f"{where}: d2t ids must lie in [0, {vocab_size}), got [{d2t.min()}, {d2t.max()}]")
+  if len(np.unique(d2t)) != len(d2t):
+    raise ValueError(f"{where}: d2t holds duplicate target ids")
+
+
+def make_d2t(token_counts, n: int) -> np.ndarray:
+  """The n most frequent target ids (ties to the lower id), sorted by id: draft id -> target id."""
+  counts = np.asarray(token_counts, np.int64)
+  n = min(n, len(counts))
+  order = np.lexsort((np.arange(len(counts)), -counts))[:n]
+  return np.sort(order).astype(np.int32)
+
+
+def t2d(d2t, vocab_size: int) -> np.ndarray:
+  """Target id -> draft id, -1 for ids outside the draft vocabulary."""
+  out = np.full((vocab_size,), -1, np.int32)
+  out[np.asarray(d2t)] = np.arange(len(d2t), dtype=np.int32)
+  return out

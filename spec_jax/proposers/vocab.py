@@ -1,0 +1,37 @@
+"""Output projection and drafting over a (possibly reduced) draft vocabulary.
+
+A head projects its hidden state to logits with frozen rows of the target's output matrix: all V rows, or only
+the rows `d2t[N]` of a reduced draft vocabulary (EAGLE-3's most frequent tokens). Draws happen over the N draft
+ids; the token goes back to its target id through d2t and the distribution q is scattered into the full
+vocabulary (zero outside d2t), so the verifier still works over all V tokens and stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.sampling import sample, warped_probs
+
+
+def output_rows(target_params: dict, d2t: Optional[jax.Array] = None) -> jax.Array:
+  """[N, D] rows of the target's output projection (tied embedding or lm_head), restricted to d2t if given."""
+  w = target_params["lm_head"].T if "lm_head" in target_params else target_params["embed"]
+  return w if d2t is None else jnp.take(w, d2t, axis=0)
+
+
+def project(hidden: jax.Array, rows: jax.Array) -> jax.Array:
+  """hidden [..., D] -> float32 logits [..., N]."""
+  return jnp.einsum("...d,nd->...n", hidden, rows.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def draw(key, logits, sampling, d2t: Optional[jax.Array], vocab_size: int):
+  """logits [B, ..., N] -> (target ids int32 [B, ...], q float32 [B, ..., V] over the full vocabulary)."""
+  tok = sample(key, logits, sampling)
+  q = warped_probs(logits, sampling)
+  if d2t is None:
+    return tok.astype(jnp.int32), q
+  full = jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., d2t].set(q)
+  return jnp.take(d2t, tok).astype(jnp.int32), full
