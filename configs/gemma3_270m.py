@@ -20,4 +20,5 @@ def get_config():
   c.ngram_max = 3
   c.draft_layers = 6  # early-exit self-draft: the target's first N layers
   c.adaptive = True
+  c.heads = ""  # medusa/eagle head checkpoint; "" = the shipped heads/<method>_gemma3_270m
   return c

@@ -33,7 +33,8 @@ flags.DEFINE_integer("top_k", None, "0 is off.")
 flags.DEFINE_float("top_p", None, "1 is off.")
 flags.DEFINE_integer("seed", None, "Sampling seed.")
 flags.DEFINE_integer("batch_size", None, "Prompts per batch.")
-flags.DEFINE_enum("method", None, ["none", "ngram", "draft"], "Draft source.")
+flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle"], "Draft source.")
+flags.DEFINE_string("heads", None, "Medusa/EAGLE head checkpoint (path stem); '' = the shipped one in heads/.")
 flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
 flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
 flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
@@ -43,7 +44,7 @@ flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step
 FLAGS = flags.FLAGS
 _OVERRIDABLE = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                 "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers",
-                "adaptive")
+                "adaptive", "heads")
 
 
 def settings() -> dict:
@@ -97,7 +98,8 @@ def run(cfg: dict) -> dict:
                        f"exceeds the context of {config.max_seq_len}")
   proposer, proposer_params = build_proposer(
       cfg["method"], target_config=config, target_params=params, k=cfg["num_speculative_tokens"],
-      ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl)
+      ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl,
+      heads_path=cfg.get("heads") or None)
   common = dict(batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
                 sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
                 adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=impl, progress=FLAGS.progress)

@@ -150,31 +150,19 @@ def _layer(config: ModelConfig, impl: str, x, p, k_layer, v_layer, window, base,
   return x + m, k, v
 
 
-def _as_bits(tree):
-  """bfloat16 leaves viewed as uint16. XLA:CPU upcasts a bfloat16 array that a loop slices (the stacked weights,
-  the cache) to float32 once per call, a full copy of every layer's weights; sliced as uint16 it is left alone."""
-  return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a,
-                      tree)
-
-
-def _from_bits(tree, like):
-  return jax.tree.map(lambda a, l: jax.lax.bitcast_convert_type(a, jnp.bfloat16) if l.dtype == jnp.bfloat16 else a,
-                      tree, like)
-
-
 def write_rows(buf, new, lengths):
   """buf[L, B, S, K, d] with new[L, B, T, K, d] written at slots lengths[b] .. lengths[b]+T-1 of each row.
 
   A loop of one dynamic_update_slice per row updates in place (XLA:CPU copies the whole buffer for a
   scatter). Callers size buffers so that lengths[b] + T fits: dynamic_update_slice clamps an overflow.
   """
-  new = _as_bits(new.astype(buf.dtype))
+  new = new.astype(buf.dtype)
 
-  def one_row(b, bits):
+  def one_row(b, buf):
     row = jax.lax.dynamic_slice_in_dim(new, b, 1, axis=1)
-    return jax.lax.dynamic_update_slice(bits, row, (0, b, lengths[b], 0, 0))
+    return jax.lax.dynamic_update_slice(buf, row, (0, b, lengths[b], 0, 0))
 
-  return _from_bits(jax.lax.fori_loop(0, new.shape[1], one_row, _as_bits(buf)), buf)
+  return jax.lax.fori_loop(0, new.shape[1], one_row, buf)
 
 
 def embed(params, tokens, config: ModelConfig):
@@ -207,17 +195,13 @@ def forward(params: dict, tokens, positions, cache: KVCache, *, config: ModelCon
   lengths = cache.lengths
   collect = bool(return_layers)
 
-  sliced = (params["layers"], cache.k, cache.v)
-  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), sliced)
-
   def body(x, xs):
-    bits, window, base = xs
-    p, k_layer, v_layer = _from_bits(bits, like)
+    p, k_layer, v_layer, window, base = xs
     x, k_new, v_new = _layer(c, impl, x, p, k_layer, v_layer, window, base, positions, lengths)
     return x, (k_new, v_new, x if collect else None)
 
   # The cache is read-only inside the scan; all layers' new entries are written after it, in place.
-  x, (k_new, v_new, per_layer) = jax.lax.scan(body, x, (_as_bits(sliced), windows, bases))
+  x, (k_new, v_new, per_layer) = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v, windows, bases))
   k_all = write_rows(cache.k, k_new, lengths)
   v_all = write_rows(cache.v, v_new, lengths)
   hidden = rms_norm(x, params["final_norm"], c.norm_eps)
