@@ -8,11 +8,13 @@ import numpy as np
 from spec_jax.kernels.reference import attention_mask, attention_xla, attention_xla_split
 
 IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+INTERPRET = ":interpret"  # "pallas_gpu:interpret" runs the kernel in Pallas interpret mode (CPU tests)
 
 
 def resolve_impl(impl: str) -> str:
-  if impl not in IMPLS:
-    raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLS}")
+  if impl.removesuffix(INTERPRET) not in IMPLS or (impl.endswith(INTERPRET) and not impl.startswith("pallas")):
+    raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLS} (pallas ones may end in "
+                     f"{INTERPRET!r})")
   if impl != "auto":
     return impl
   backend = jax.default_backend()
@@ -52,6 +54,8 @@ def attention(q, k_cache, v_cache, q_positions, kv_lengths, *, scale, window=Non
   """
   check_attention_args(q, k_cache, v_cache, q_positions, kv_lengths, window, tree_mask)
   impl = resolve_impl(impl)
+  if impl.endswith(INTERPRET):
+    impl, interpret = impl.removesuffix(INTERPRET), True
   if impl == "xla":
     return attention_xla(q, k_cache, v_cache, q_positions, kv_lengths, scale=scale, window=window,
                          tree_mask=tree_mask)

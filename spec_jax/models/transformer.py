@@ -189,6 +189,7 @@ def forward(params: dict, tokens, positions, cache: KVCache, *, config: ModelCon
   of those layers (0-based, before the final norm) come back too as [len(return_layers), B, T, D].
   """
   c = config
+  impl = kernels.resolve_impl(impl)
   x = embed(params, tokens, c)
   windows = jnp.asarray(c.layer_windows())
   bases = jnp.asarray(c.layer_rope_bases())

@@ -18,7 +18,7 @@ from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.base import Draft
-from spec_jax.sampling import sample, warped_probs
+from spec_jax.sampling import sample_with_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class DraftModelProposer:
     keys = jax.random.split(key, k)
 
     def draw(logits, key):
-      return sample(key, logits, ctx.sampling), warped_probs(logits, ctx.sampling)
+      return sample_with_probs(key, logits, ctx.sampling)
 
     def step(carry, key):
       logits, cache = carry
