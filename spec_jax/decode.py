@@ -287,7 +287,7 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
                   stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every)
   params = {"target": target_params, "proposer": proposer_params if proposer_params is not None else {}}
 
-  def start():
+  def start(max_new=max_new):
     cache = KVCache.init(config, B, S, dtype)
     prompts_dev, lens_dev = jnp.asarray(buf[:, :P]), jnp.asarray(prompt_lens)
     if getattr(proposer, "needs_prompt_hidden", False):  # EAGLE: hidden states of every prompt position
@@ -301,9 +301,9 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
     return _start_state(params, spec, jnp.asarray(buf), lens_dev, jnp.asarray(max_new), cache, hidden, sampling,
                         jax.random.PRNGKey(seed), n, jnp.asarray(costs_now, jnp.float32), pstate0)
 
-  def run():
+  def run(max_new=max_new):
     t0 = time.perf_counter()
-    state = start()
+    state = start(max_new)
     jax.block_until_ready(state.tokens)
     t1 = time.perf_counter()
     state = decode_loop(params, state, spec)
@@ -313,8 +313,8 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
   costs_now = list(costs) if costs is not None else [1.0 + 0.25 * k for k in ks]
   if len(ks) > 1 and costs is None:
     costs_now = measure_costs(params, start(), spec)
-  if warm:
-    run()
+  if warm:  # compile every program at these shapes; one new token per row keeps the warm-up short
+    run(np.ones_like(max_new))
   state, prefill_s, decode_s = run()
 
   tokens, lengths = np.asarray(state.tokens), np.asarray(state.lengths)
