@@ -6,19 +6,7 @@ import numpy as np
 import pytest
 
 from spec_jax.kernels import attention_xla, attention_xla_split
-
-
-def _random_tree(rng, T):
-  parent = [-1] + [int(rng.integers(0, t)) for t in range(1, T)]
-  m = np.zeros((T, T), bool)
-  depth = np.zeros(T, np.int32)
-  for t in range(T):
-    a = t
-    while a >= 0:
-      m[t, a] = True
-      a = parent[a]
-    depth[t] = m[t].sum() - 1
-  return m, depth
+from tests.kernels.test_pallas_attention import random_tree
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -30,7 +18,7 @@ def test_split_equals_contract_form(seed):
   committed = rng.integers(0, S - T, B)
   kv_lengths = committed + T
   if use_tree:
-    tree, depth = _random_tree(rng, T)
+    tree, depth = random_tree(rng, T)
     pos = committed[:, None] + depth[None, :]
   else:
     tree = None
