@@ -19,6 +19,7 @@ import numpy as np
 
 from spec_jax.cache import KVCache
 from spec_jax.checkpoints.gguf_loader import load_gguf
+from spec_jax.checkpoints.load import cpu_layout
 from spec_jax.decode import generate
 from spec_jax.models.transformer import forward
 
@@ -69,6 +70,7 @@ def main():
   for dtype_name in args.dtypes.split(","):
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
     config, params = load_gguf(dtype=dtype)
+    params = cpu_layout(params) if dtype == jnp.bfloat16 else params
     config = config.replace(eos_ids=())  # fixed-length runs
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3

@@ -66,6 +66,9 @@ def main():
       results["runs"][label] = {"summary": run.summary, "categories": table, "identical_to_baseline": lossless}
       print(f"\n== {label} (identical to baseline: {lossless})")
       print(format_table(table), flush=True)
+      if args.json_out:  # written after every run, so a partial benchmark still leaves its numbers
+        with open(args.json_out, "w") as f:
+          json.dump(results, f, indent=1)
   results["wall_s"] = time.time() - t0
   results["settings"] = vars(args)
   if args.json_out:

@@ -166,7 +166,8 @@ def write_rows(buf, new, lengths):
 
 
 def embed(params, tokens, config: ModelConfig):
-  x = jnp.take(params["embed"], tokens, axis=0)
+  """Activations take the layers' dtype (final_norm's), which may differ from the embedding table's."""
+  x = jnp.take(params["embed"], tokens, axis=0).astype(params["final_norm"].dtype)
   if config.embed_scale:
     x = x * jnp.asarray(math.sqrt(config.d_model), x.dtype)
   return x
@@ -175,9 +176,11 @@ def embed(params, tokens, config: ModelConfig):
 def lm_head(params, hidden):
   """hidden [..., D] (already final-normed) -> float32 logits [..., V]."""
   w = params.get("lm_head")
+  # Cast the activations, never the weights: promoting a bfloat16 head would copy all 262k rows every step.
   if w is None:
-    return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
-  return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+    w = params["embed"]
+    return jnp.einsum("...d,vd->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+  return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 def forward(params: dict, tokens, positions, cache: KVCache, *, config: ModelConfig, impl: str = "xla",

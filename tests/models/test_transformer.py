@@ -98,3 +98,17 @@ def test_return_layers_and_bfloat16():
   l16, h16, c16 = forward(p16, toks, pos, KVCache.init(config, 1, 8, jnp.bfloat16), config=config)
   assert h16.dtype == jnp.bfloat16 and c16.k.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(l16), np.asarray(logits), atol=0.15)
+
+
+def test_bfloat16_head_with_float32_layers():
+  """The CPU bfloat16 layout (checkpoints.load.cpu_layout): bf16 embedding/head, f32 layers and activations."""
+  from spec_jax.checkpoints.load import cpu_layout
+  config = tiny_gemma_config()
+  params = init_params(config, jax.random.PRNGKey(3))
+  p16 = cpu_layout(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+  assert p16["embed"].dtype == jnp.bfloat16 and p16["layers"]["q"].dtype == jnp.float32
+  toks, pos = jnp.asarray([[5, 6, 7, 8]]), jnp.arange(4)[None]
+  want, _, _ = forward(params, toks, pos, KVCache.init(config, 1, 8), config=config)
+  got, hidden, cache = forward(p16, toks, pos, KVCache.init(config, 1, 8), config=config)
+  assert hidden.dtype == jnp.float32 and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.15)
