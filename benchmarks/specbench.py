@@ -34,7 +34,7 @@ def main():
   ap.add_argument("--k", type=int, default=4)
   ap.add_argument("--draft_layers", type=int, default=6)
   ap.add_argument("--batch_size", type=int, default=1)
-  ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--adaptive", default="on,off")
   ap.add_argument("--json_out", default=None)
   args = ap.parse_args()

@@ -6,7 +6,7 @@ import ml_collections
 def get_config():
   c = ml_collections.ConfigDict()
   c.model = ""  # "" = the packaged Gemma 3 270M GGUF; or a .gguf path, or an HF safetensors directory
-  c.dtype = "float32"  # on XLA:CPU float32 decodes faster than bfloat16 today (BENCHMARKS.md)
+  c.dtype = "bfloat16"  # on CPU: bf16 embedding/head, f32 layers (checkpoints/load.py cpu_layout)
   c.attention_impl = "auto"
   c.max_new_tokens = 64
   c.temperature = 0.0

@@ -29,6 +29,7 @@ def run_prompts(params, config, tokenizer, prompts, prompt_ids, *, batch_size, m
   records = [None] * len(prompts)
   stat_rows = [None] * len(prompts)
   wall = 0.0
+  uses, costs, ks = None, None, None
   bar = None
   if progress:
     from tqdm import tqdm
@@ -40,6 +41,8 @@ def run_prompts(params, config, tokenizer, prompts, prompt_ids, *, batch_size, m
                    sampling=sampling, proposer=proposer, proposer_params=proposer_params, adaptive_k=adaptive_k,
                    stop_ids=stop_ids, seed=seed + bi, impl=impl)
     wall += res.wall_s
+    uses = res.option_uses if uses is None else [a + b for a, b in zip(uses, res.option_uses)]
+    costs, ks = res.costs, res.ks
     for j, i in enumerate(batch):
       toks = res.token_ids[j]
       records[i] = {
@@ -59,6 +62,8 @@ def run_prompts(params, config, tokenizer, prompts, prompt_ids, *, batch_size, m
              "output_tokens_per_s": out_tokens / wall if wall else 0.0}
   if proposer.k:
     summary.update(_acceptance(summarize(stats)))
+    # What the adaptive controller saw and chose: step cost per k (relative to k = 0) and steps per k.
+    summary.update(draft_lengths=list(ks), step_costs=[round(c, 3) for c in costs], steps_per_draft_length=uses)
   return RunResult(records, summary, stats)
 
 

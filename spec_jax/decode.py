@@ -218,21 +218,21 @@ def _prefill_shape(max_prompt: int, chunk: int) -> tuple[int, int]:
 _COST_CACHE: dict = {}
 
 
-def measure_costs(params, state: DecodeState, spec: LoopSpec, reps: int = 3) -> list:
+def measure_costs(params, state: DecodeState, spec: LoopSpec, reps: int = 5) -> list:
   """Wall time of one step with each k in spec.ks, relative to the smallest: adaptive's cost model."""
   # The ratio depends on the batch and dtype, hardly on the cache length: measure once per batch size.
   ckey = (spec, state.tokens.shape[0], params["target"]["final_norm"].dtype)
   if ckey in _COST_CACHE:
     return _COST_CACHE[ckey]
-  times = []
   for i in range(len(spec.ks)):
     jax.block_until_ready(_one_step(params, state, spec, i))  # compile
-    best = float("inf")
-    for _ in range(reps):
+  # Round-robin and keep each option's best: a burst of other load then hits all options alike.
+  times = [float("inf")] * len(spec.ks)
+  for _ in range(reps):
+    for i in range(len(spec.ks)):
       t0 = time.perf_counter()
       jax.block_until_ready(_one_step(params, state, spec, i).lengths)
-      best = min(best, time.perf_counter() - t0)
-    times.append(best)
+      times[i] = min(times[i], time.perf_counter() - t0)
   costs = [t / times[0] for t in times]
   _COST_CACHE[ckey] = costs
   return costs
