@@ -200,3 +200,22 @@ def test_bad_generation_input():
     SamplingParams.make(1, top_p=0.0)
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams.make(1, top_p=1.5)
+
+
+def test_draft_catches_up_after_steps_without_drafting():
+  """After adaptive k = 0 steps the draft must not read cache slots it never wrote: its proposal equals a
+  cache-free greedy continuation by the draft model of the committed tokens."""
+  from spec_jax.proposers.base import ProposeContext
+  params = _params(0)
+  proposer, dparams = early_exit_proposer(CONFIG, params, 2, k=3)
+  rng = np.random.default_rng(7)
+  committed = [2] + rng.integers(3, CONFIG.vocab_size, 40).tolist()
+  S, prompt_len = 64, 6
+  tokens = np.zeros((1, S), np.int32)
+  tokens[0, :len(committed)] = committed
+  cache = proposer.prefill(dparams, jnp.asarray(tokens[:, :8]), jnp.asarray([prompt_len]), S, 8)
+  ctx = ProposeContext(jnp.asarray(tokens), jnp.asarray([len(committed)], jnp.int32), SamplingParams.make(1),
+                       jnp.zeros((1, CONFIG.d_model)))
+  draft, _ = jax.jit(lambda c: proposer.propose(dparams, c, ctx, 3, jax.random.PRNGKey(0)))(cache)
+  want = _reference_greedy(dparams, proposer.config.replace(eos_ids=()), committed, 3)
+  assert draft.tokens[0].tolist() == want

@@ -1,9 +1,11 @@
 """A draft model with the target's vocabulary: its own KV cache, k autoregressive steps inside the step.
 
-Cache bookkeeping without copies: before drafting, the draft cache is trusted up to lengths-2 and the step
-re-feeds the last two committed tokens (T = 2), so whatever the verifier accepted, every slot the next step
-reads was written for the token that is now committed there. The T = 2 first feed also keeps XLA:CPU off its
-slow single-row bfloat16 path.
+Cache bookkeeping without copies: the state is the draft's KV cache, whose `lengths` say how many leading slots
+hold entries for committed tokens. Drafting re-feeds the last two committed tokens (T = 2), so whatever the
+verifier accepted, every slot the next step reads was written for the token now committed there; after a
+drafting step the cache is valid up to lengths-2. Steps that draft nothing (adaptive k = 0) do not run the
+draft, so before drafting again it catches up on the tokens committed meanwhile, W at a time. The T = 2 feed
+also keeps XLA:CPU off its slow single-row bfloat16 path.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.base import Draft
 from spec_jax.sampling import sample_with_probs
+
+
+CATCH_UP = 16  # tokens per catch-up forward after steps that drafted nothing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +43,28 @@ class DraftModelProposer:
   def init(self, params, ctx):
     raise AssertionError("DraftModelProposer state comes from prefill()")
 
+  def catch_up(self, params, cache: KVCache, tokens, upto, width: int = CATCH_UP):
+    """Feed committed tokens until cache.lengths >= upto[b] in every row (a no-op when already there)."""
+    S = tokens.shape[1]
+    width = min(width, S)
+    iota = jnp.arange(width, dtype=jnp.int32)[None, :]
+
+    def body(c):
+      old = c.lengths
+      # A window may re-feed valid slots (same entries again) and run past `upto` (slots rewritten later
+      # before they are read); it never crosses the buffer's end, where dynamic_update_slice would clamp.
+      s = jnp.minimum(jnp.minimum(c.lengths, upto), S - width)
+      feed = jnp.take_along_axis(tokens, s[:, None] + iota, axis=1)
+      _, _, c = forward(params, feed, s[:, None] + iota, c.replace(lengths=s), config=self.config,
+                        impl=self.impl, compute_logits=False)
+      return c.replace(lengths=jnp.maximum(jnp.minimum(s + width, upto), old))
+
+    return jax.lax.while_loop(lambda c: jnp.any(c.lengths < upto), body, cache)
+
   def propose(self, params, cache: KVCache, ctx, k, key):
     B = ctx.lengths.shape[0]
     start = ctx.lengths - 2
+    cache = self.catch_up(params, cache, ctx.tokens, start)
     feed = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
     pos = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
     run = functools.partial(forward, config=self.config, impl=self.impl)
@@ -64,7 +88,9 @@ class DraftModelProposer:
     return Draft(tokens=tokens.astype(jnp.int32), probs=probs), cache
 
   def update(self, params, cache, result):
-    return cache
+    if result.tokens.shape[1] == 1:  # a k = 0 step: the draft did not run, its cache is unchanged
+      return cache
+    return cache.replace(lengths=jnp.where(result.emitted > 0, result.new_lengths - 2, cache.lengths))
 
 
 def early_exit_params(target_params: dict, num_layers: int) -> dict:

@@ -64,7 +64,8 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
 
   params needs "embed" (the target's frozen token embedding) beside the EAGLE weights.
   """
-  e = tfm.embed(params, toks, cfg)
+  # The target's embedding (and scale), in the EAGLE layer's dtype.
+  e = tfm.embed({"embed": params["embed"], "final_norm": params["out_norm"]}, toks, cfg).astype(params["fc"].dtype)
   f = tfm.rms_norm(feats.astype(e.dtype), params["feat_norm"], cfg.norm_eps)
   e = tfm.rms_norm(e, params["emb_norm"], cfg.norm_eps)
   x = tfm._dot("btd,de->bte", jnp.concatenate([f, e], axis=-1), params["fc"])

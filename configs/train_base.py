@@ -1,0 +1,34 @@
+"""Shared training settings (see train/main.py); the per-kind configs override these."""
+
+import ml_collections
+
+
+def get_config(kind: str = "medusa"):
+  c = ml_collections.ConfigDict()
+  c.kind = kind  # medusa | eagle | draft
+  c.model = ""  # "" = the packaged Gemma 3 270M GGUF; "tiny" = a small random target (tests)
+  c.dtype = "float32"
+  c.tiny = ml_collections.ConfigDict(dict(
+      vocab_size=97, d_model=32, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=8, mlp_dim=64,
+      sliding_window=8, global_every=2, query_pre_attn_scalar=8.0, max_seq_len=256, bos_id=2, eos_ids=(1,),
+      pad_id=0, name="tiny-train"))
+  c.tiny_seed = 0
+  c.cache_dir = "/tmp/spec_jax_data"
+  c.data_parallel = True  # shard the batch over all devices when there are several
+  c.draft_vocab = 8192  # reduced draft vocabulary (0: the full vocabulary)
+  c.num_heads = 4  # medusa
+  c.mlp_dim = 1024  # eagle layer's MLP width (0: the target's)
+  c.noise = 0.0  # eagle feature noise
+  c.reg_weight = 1.0
+  c.ce_weight = 1.0
+  c.draft_layers = 6  # distilled draft
+  c.export = ""  # head checkpoint stem to write at the end ("" = none)
+  c.export_best = True
+  c.data = ml_collections.ConfigDict(dict(
+      num_prompts=480, num_text=128, text_chars=1000, max_new_tokens=96, temperatures=(0.0, 0.7, 1.0),
+      gen_batch=16, seq_len=192, eval_fraction=0.05, seed=0))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=500, batch_size=8, lr=2e-3, warmup=30, end_lr_fraction=0.05, weight_decay=0.0, clip=1.0,
+      eval_every=100, eval_batches=4, save_every=100, keep=2, log_every=10, seed=0,
+      workdir=f"/tmp/spec_jax_train/{kind}", progress=True, cache_features=True))
+  return c

@@ -1,0 +1,9 @@
+"""Train the eagle head(s) for Gemma 3 270M: python -m train.main --config=configs/train_eagle_gemma3_270m.py"""
+
+from configs.train_base import get_config as _base
+
+
+def get_config():
+  c = _base("eagle")
+  c.export = "heads/eagle_gemma3_270m"
+  return c

@@ -1,0 +1,170 @@
+"""Deterministic training data for heads and drafts on a frozen target.
+
+Sources (never Spec-Bench): prompts from /work/shared/data/train/*.jsonl (gsm8k `question`, mbpp `text`,
+self-instruct `instruction` + `input`), answered by the frozen target itself with the project's batched
+`spec_jax.decode.generate` at a mix of temperatures (self-distillation: the heads learn the target's own
+continuations), plus plain-text prefixes of the Python standard library's sources (docstrings and code, files
+in sorted order). Token sequences are cached as .npz under a cache dir keyed by every setting that shapes them.
+
+Batches are a pure function of (seed, step), so resuming at step s reads exactly what an uninterrupted run
+would have read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+TRAIN_DATA_DIR = "/work/shared/data/train"
+
+
+def _prompt_text(rec: dict) -> Optional[str]:
+  if "question" in rec:  # gsm8k
+    return rec["question"]
+  if "text" in rec and "code" in rec:  # mbpp
+    return rec["text"]
+  if "instruction" in rec:  # self-instruct seed tasks
+    inst = rec["instruction"]
+    inp = (rec.get("instances") or [{}])[0].get("input", "") or ""
+    return inst + ("\n\n" + inp if inp.strip() else "")
+  return None
+
+
+def load_prompts(data_dir: str = TRAIN_DATA_DIR) -> list:
+  """All prompt texts of the training jsonl files, in a fixed order (files sorted, lines in order)."""
+  out = []
+  for path in sorted(glob.glob(os.path.join(data_dir, "*.jsonl"))):
+    if "spec_bench" in os.path.basename(path).lower():
+      continue
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        if line.strip():
+          t = _prompt_text(json.loads(line))
+          if t:
+            out.append(t)
+  return out
+
+
+def stdlib_texts(n: int, chars: int, seed: int) -> list:
+  """n plain-text chunks of `chars` characters from the stdlib's .py files (sorted paths, seeded picks)."""
+  root = sysconfig.get_paths()["stdlib"]
+  files = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                 if "site-packages" not in p and "/test" not in p[len(root):])
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in rng.permutation(len(files)):
+    if len(out) >= n:
+      break
+    with open(files[i], encoding="utf-8", errors="replace") as f:
+      text = f.read()
+    if len(text) < chars:
+      continue
+    start = int(rng.integers(0, len(text) - chars + 1))
+    out.append(text[start:start + chars])
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  num_prompts: int = 256  # self-distilled prompts
+  num_text: int = 128  # stdlib text chunks
+  text_chars: int = 1200
+  max_new_tokens: int = 96
+  temperatures: tuple = (0.0, 0.7, 1.0)  # cycled over prompt batches
+  gen_batch: int = 16
+  seq_len: int = 192  # sequences are cut / padded to this
+  eval_fraction: float = 0.05
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class Dataset:
+  tokens: np.ndarray  # int32 [N, T], padded with 0
+  mask: np.ndarray  # bool [N, T], real tokens
+  eval_tokens: np.ndarray
+  eval_mask: np.ndarray
+
+  def token_counts(self, vocab_size: int) -> np.ndarray:
+    return np.bincount(self.tokens[self.mask], minlength=vocab_size)
+
+
+def self_distill(generate_fn: Callable, prompts: Sequence[Sequence[int]], spec: DataSpec) -> list:
+  """generate_fn(prompt_ids, temperature, seed) -> new token lists. Returns prompt + continuation per prompt."""
+  out = []
+  for b, i in enumerate(range(0, len(prompts), spec.gen_batch)):
+    batch = [list(p) for p in prompts[i:i + spec.gen_batch]]
+    temp = spec.temperatures[b % len(spec.temperatures)]
+    new = generate_fn(batch, temp, spec.seed + b)
+    out.extend(p + n for p, n in zip(batch, new))
+  return out
+
+
+def pack(seqs: Sequence[Sequence[int]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Cut to seq_len and right-pad with 0 (one sequence per row: position 0 is always its BOS)."""
+  toks = np.zeros((len(seqs), seq_len), np.int32)
+  mask = np.zeros((len(seqs), seq_len), bool)
+  for i, s in enumerate(seqs):
+    s = list(s)[:seq_len]
+    toks[i, :len(s)] = s
+    mask[i, :len(s)] = True
+  return toks, mask
+
+
+def split(toks, mask, spec: DataSpec) -> Dataset:
+  rng = np.random.default_rng(spec.seed)
+  order = rng.permutation(len(toks))
+  n_eval = max(1, int(round(len(toks) * spec.eval_fraction)))
+  ev, tr = order[:n_eval], order[n_eval:]
+  return Dataset(toks[tr], mask[tr], toks[ev], mask[ev])
+
+
+def cache_key(spec: DataSpec, target_name: str, extra: str = "") -> str:
+  blob = json.dumps([dataclasses.asdict(spec), target_name, extra], sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_text: Callable,
+          generate_fn: Callable, cache_dir: str, prompts: Optional[list] = None, texts: Optional[list] = None,
+          log=print) -> Dataset:
+  """The full pipeline with an .npz cache. `encode_prompt(text) -> ids` (BOS and chat template included);
+  `encode_text(text) -> ids` (BOS included) for the plain-text chunks."""
+  os.makedirs(cache_dir, exist_ok=True)
+  path = os.path.join(cache_dir, f"seqs-{cache_key(spec, target_name)}.npz")
+  if os.path.exists(path):
+    z = np.load(path)
+    log(f"data: cached sequences {path}")
+    return split(z["tokens"], z["mask"], spec)
+  if prompts is None:
+    prompts = load_prompts()
+    prompts = [prompts[i] for i in np.random.default_rng(spec.seed).permutation(len(prompts))[:spec.num_prompts]]
+  if texts is None:
+    texts = stdlib_texts(spec.num_text, spec.text_chars, spec.seed)
+  prompt_ids = [encode_prompt(p)[:spec.seq_len // 2] for p in prompts]
+  # Similar lengths share a generation batch (less padding); the result order is fixed by the sort.
+  prompt_ids.sort(key=len)
+  seqs = self_distill(generate_fn, prompt_ids, spec)
+  seqs += [encode_text(t) for t in texts]
+  toks, mask = pack(seqs, spec.seq_len)
+  np.savez(path, tokens=toks, mask=mask)
+  log(f"data: {len(seqs)} sequences, {int(mask.sum())} tokens -> {path}")
+  return split(toks, mask, spec)
+
+
+def batch_at(data_tokens: np.ndarray, data_mask: np.ndarray, step: int, batch_size: int, seed: int):
+  """-> (tokens, mask, row indices) of a global step: a seeded permutation per epoch, so any step can be read
+  directly."""
+  n = len(data_tokens)
+  per_epoch = max(n // batch_size, 1)
+  epoch, i = divmod(step, per_epoch)
+  perm = np.random.default_rng([seed, epoch]).permutation(n)
+  idx = perm[i * batch_size:(i + 1) * batch_size]
+  if len(idx) < batch_size:  # fewer sequences than a batch: wrap around
+    idx = np.resize(perm, batch_size)
+  return data_tokens[idx], data_mask[idx], idx

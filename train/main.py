@@ -1,0 +1,158 @@
+"""Train Medusa heads, an EAGLE head or a distilled draft on a frozen target, then export the head checkpoint.
+
+  python -m train.main --config=configs/train_eagle_gemma3_270m.py
+  python -m train.main --config=configs/train_medusa_gemma3_270m.py --config.train.steps=600
+
+Re-running the same command resumes from the latest checkpoint in `workdir` (exactly: params, optimizer state,
+data position and rng). `model = "tiny"` trains on a small random target with synthetic prompts (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections training config.", lock_config=True)
+flags.DEFINE_integer("stop_after", None, "Stop (without finishing) after this global step: for tests.")
+FLAGS = flags.FLAGS
+
+
+def load_target(cfg):
+  import jax
+  import jax.numpy as jnp
+  from spec_jax.config import ModelConfig
+  from spec_jax.models.transformer import init_params
+  if cfg.model == "tiny":
+    config = ModelConfig(**dict(cfg.tiny))
+    return config, init_params(config, jax.random.PRNGKey(cfg.tiny_seed), jnp.float32), None
+  from spec_jax.checkpoints.load import load_model
+  return load_model(cfg.model or None, cfg.dtype)
+
+
+def build_data(cfg, config, params, tokenizer, log):
+  import numpy as np
+  from spec_jax.config import SamplingParams
+  from spec_jax.decode import generate
+  from train import data as data_lib
+  spec = data_lib.DataSpec(**dict(cfg.data))
+
+  def generate_fn(batch, temperature, seed):
+    res = generate(params, config, batch, max_new_tokens=spec.max_new_tokens, warm=False, seed=seed,
+                   sampling=SamplingParams.make(len(batch), temperature=temperature),
+                   stop_ids=tokenizer.stop_ids if tokenizer else ())
+    return res.token_ids
+
+  if tokenizer is None:  # tiny random target: random-token prompts and "texts"
+    rng = np.random.default_rng(spec.seed)
+    prompts = [rng.integers(3, config.vocab_size, int(rng.integers(3, 12))).tolist()
+               for _ in range(spec.num_prompts)]
+    texts = [rng.integers(3, config.vocab_size, spec.text_chars).tolist() for _ in range(spec.num_text)]
+    return data_lib.build(spec, target_name=config.name, encode_prompt=lambda p: [config.bos_id] + p,
+                          encode_text=lambda t: [config.bos_id] + t, generate_fn=generate_fn,
+                          cache_dir=cfg.cache_dir, prompts=prompts, texts=texts, log=log)
+  return data_lib.build(spec, target_name=config.name,
+                        encode_prompt=lambda t: tokenizer.encode(tokenizer.apply_chat_template([t])),
+                        encode_text=lambda t: tokenizer.encode(t, parse_special=False),
+                        generate_fn=generate_fn, cache_dir=cfg.cache_dir, log=log)
+
+
+def build_task(cfg, config, params, d2t):
+  """-> (Task, initial trainable params, frozen pytree, export meta)."""
+  import jax
+  import jax.numpy as jnp
+  from spec_jax.proposers import eagle, heads_io, medusa, vocab
+  from spec_jax.proposers.draft import early_exit_params
+  from train import losses
+  from train.trainer import Task
+  key = jax.random.PRNGKey(cfg.train.seed)
+  features = lambda frozen, toks: losses.target_features(frozen["target"], config, toks)
+  rows = vocab.output_rows(params, None if d2t is None else jnp.asarray(d2t))
+  if cfg.kind == "medusa":
+    frozen = {"target": params, "rows": rows}
+    if d2t is not None:
+      frozen["t2d"] = jnp.asarray(heads_io.t2d(d2t, config.vocab_size))
+    init = medusa.init_params(key, config.d_model, cfg.num_heads, jnp.float32)
+    task = Task("medusa", features, lambda p, fz, f, t, m, k: losses.medusa_loss(p, fz, f, t, m))
+    return task, init, frozen, {"num_heads": cfg.num_heads}
+  if cfg.kind == "eagle":
+    ecfg = eagle.layer_config(config, cfg.mlp_dim or None)
+    frozen = {"target": params, "embed": params["embed"], "rows": rows}
+    init = eagle.init_params(key, ecfg, jnp.float32, target_params=params)
+    loss = functools.partial(losses.eagle_loss, cfg=ecfg, noise=cfg.noise, reg_weight=cfg.reg_weight,
+                             ce_weight=cfg.ce_weight)
+    task = Task("eagle", features, lambda p, fz, f, t, m, k: loss(p, fz, f, t, m, key=k))
+    return task, init, frozen, {"mlp_dim": ecfg.mlp_dim}
+  if cfg.kind == "draft":
+    if not 1 <= cfg.draft_layers < config.num_layers:
+      raise ValueError(f"draft_layers must be in [1, {config.num_layers}), got {cfg.draft_layers}")
+    dcfg = config.replace(num_layers=cfg.draft_layers, name=f"{config.name}-distill{cfg.draft_layers}")
+    start = early_exit_params(params, cfg.draft_layers)
+    init = {"layers": start["layers"], "final_norm": start["final_norm"]}
+    frozen = {"target": params, "embed": params["embed"],
+              **({"lm_head": params["lm_head"]} if "lm_head" in params else {})}
+
+    def teacher(frozen, toks):
+      from spec_jax.cache import KVCache
+      from spec_jax.models.transformer import forward
+      B, T = toks.shape
+      pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+      logits, _, _ = forward(frozen["target"], toks, pos, KVCache.init(config, B, T), config=config)
+      return logits
+
+    def loss(p, fz, f, t, m, k):
+      rest = {n: v for n, v in fz.items() if n != "target"}
+      return losses.draft_kl_loss(p, rest, f, t, m, cfg=dcfg)
+    return Task("draft", teacher, loss), init, frozen, {"num_layers": cfg.draft_layers}
+  raise ValueError(f"unknown kind {cfg.kind!r}: medusa, eagle or draft")
+
+
+def run(cfg, stop_after=None, log=None):
+  import jax
+  import numpy as np
+  from spec_jax.proposers import heads_io
+  from train.trainer import Trainer, TrainSpec
+  log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+  t0 = time.time()
+  config, params, tokenizer = load_target(cfg)
+  data = build_data(cfg, config, params, tokenizer, log)
+  t_data = time.time() - t0
+  d2t = heads_io.make_d2t(data.token_counts(config.vocab_size), cfg.draft_vocab) if cfg.draft_vocab else None
+  task, init, frozen, meta = build_task(cfg, config, params, d2t)
+  mesh = None
+  if cfg.data_parallel and jax.device_count() > 1:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  trainer = Trainer(task, TrainSpec(**dict(cfg.train)), mesh=mesh, log=log)
+  final, ev = trainer.fit(init, frozen, data, stop_after=stop_after)
+  if stop_after is not None and int(trainer.ckpt.latest_step() or 0) < cfg.train.steps:
+    return final, None
+  flat = heads_io._flatten(jax.device_get(final))
+  np.savez(os.path.join(cfg.train.workdir, "final_params.npz"), **{k.replace("/", "."): v for k, v in flat.items()})
+  out = {"final": final}
+  if cfg.export and cfg.kind in ("medusa", "eagle"):
+    best = trainer.best_params(final) if cfg.export_best else None
+    meta = dict(meta, train_steps=cfg.train.steps, train_time_s=round(time.time() - t0, 1),
+                data_time_s=round(t_data, 1), eval=ev, data=dict(cfg.data), draft_vocab=cfg.draft_vocab)
+    path = heads_io.save_heads(cfg.export, cfg.kind, best if best is not None else final, config, meta, d2t)
+    log(f"exported {path}")
+    out["export"] = path
+  with open(os.path.join(cfg.train.workdir, "summary.json"), "w") as f:
+    json.dump({"eval": ev, "time_s": round(time.time() - t0, 1), "data_time_s": round(t_data, 1),
+               "devices": jax.device_count() if mesh is not None else 1}, f, indent=1)
+  return final, ev
+
+
+def main(argv):
+  del argv
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  run(_CONFIG.value, FLAGS.stop_after)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,234 @@
+"""A small trainer for heads and drafts on a frozen target.
+
+optax AdamW with linear warmup then cosine decay and global-norm clipping; jitted train and eval steps; the frozen
+target's features computed on the fly inside the step; orbax checkpoints (the last `keep` plus the best by eval
+loss) holding params, optimizer state, step and rng. The batch of step s is a pure function of (seed, s), so a
+run resumed from a checkpoint reads exactly the batches an uninterrupted run would have, and its final params are
+bitwise equal. With a Mesh, the batch is sharded over its 'data' axis and everything else is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import struct
+
+from train import data as data_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+  steps: int = 1000
+  batch_size: int = 8
+  lr: float = 1e-3
+  warmup: int = 50
+  end_lr_fraction: float = 0.05
+  weight_decay: float = 0.0
+  clip: float = 1.0
+  eval_every: int = 200
+  eval_batches: int = 4
+  save_every: int = 200
+  keep: int = 2
+  log_every: int = 10
+  seed: int = 0
+  workdir: str = "/tmp/spec_jax_train"
+  progress: bool = True
+  cache_features: bool = False  # run the frozen target once over the data instead of at every step
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """features(frozen, tokens) -> per-batch frozen-model features (jittable, no gradient);
+  loss(params, frozen, features, tokens, mask, key) -> (scalar loss, metrics dict of scalars)."""
+
+  name: str
+  features: Callable
+  loss: Callable
+
+
+@struct.dataclass
+class TrainState:
+  params: Any
+  opt: Any
+  step: jax.Array
+  rng: jax.Array
+
+
+def make_optimizer(spec: TrainSpec):
+  sched = optax.warmup_cosine_decay_schedule(0.0, spec.lr, max(spec.warmup, 1), max(spec.steps, spec.warmup + 1),
+                                             end_value=spec.lr * spec.end_lr_fraction)
+  return optax.chain(optax.clip_by_global_norm(spec.clip),
+                     optax.adamw(sched, weight_decay=spec.weight_decay)), sched
+
+
+def _train_step(task: Task, tx, state: TrainState, frozen, tokens, mask, feats=None):
+  rng, key = jax.random.split(state.rng)
+  if feats is None:
+    feats = task.features(frozen, tokens)
+  feats = jax.lax.stop_gradient(feats)
+  (loss, metrics), grads = jax.value_and_grad(task.loss, has_aux=True)(state.params, frozen, feats, tokens, mask,
+                                                                        key)
+  updates, opt = tx.update(grads, state.opt, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+  return TrainState(params, opt, state.step + 1, rng), metrics
+
+
+def _eval_step(task: Task, params, frozen, tokens, mask, feats=None):
+  if feats is None:
+    feats = task.features(frozen, tokens)
+  loss, metrics = task.loss(params, frozen, feats, tokens, mask, None)
+  return dict(metrics, loss=loss)
+
+
+class Trainer:
+  def __init__(self, task: Task, spec: TrainSpec, mesh: Optional[jax.sharding.Mesh] = None, log=None):
+    self.task, self.spec, self.mesh = task, spec, mesh
+    self.tx, self.sched = make_optimizer(spec)
+    self.log = log or (lambda s: print(s, file=sys.stderr))
+    self.train_step = jax.jit(functools.partial(_train_step, task, self.tx), donate_argnums=(0,))
+    self.eval_step = jax.jit(functools.partial(_eval_step, task))
+    self.features = jax.jit(task.features)
+    os.makedirs(spec.workdir, exist_ok=True)
+    opts = dict(enable_async_checkpointing=False)
+    self.ckpt = ocp.CheckpointManager(os.path.join(os.path.abspath(spec.workdir), "ckpt"),
+                                      options=ocp.CheckpointManagerOptions(max_to_keep=spec.keep, **opts))
+    self.best = ocp.CheckpointManager(
+        os.path.join(os.path.abspath(spec.workdir), "best"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, best_fn=lambda m: m["eval_loss"], best_mode="min",
+                                             **opts))
+    self.metrics_path = os.path.join(spec.workdir, "metrics.jsonl")
+
+  # ------------------------------------------------------------------------------------------- placement
+  def _put_batch(self, x):
+    if self.mesh is None:
+      return jnp.asarray(x)
+    return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("data")))
+
+  def _replicate(self, tree):
+    if self.mesh is None:
+      return tree
+    return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
+  # ------------------------------------------------------------------------------------------- checkpoints
+  def init_state(self, params) -> TrainState:
+    # A copy: the state is donated to the step, and init params may share buffers with the frozen target.
+    params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
+    return TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32), jax.random.PRNGKey(self.spec.seed))
+
+  def _as_tree(self, state: TrainState) -> dict:
+    return {"params": state.params, "opt": state.opt, "step": state.step,
+            "rng": jax.random.key_data(state.rng) if jnp.issubdtype(state.rng.dtype, jax.dtypes.prng_key)
+            else state.rng}
+
+  def restore_latest(self, state: TrainState) -> TrainState:
+    step = self.ckpt.latest_step()
+    if step is None:
+      return state
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._as_tree(state))
+    tree = self.ckpt.restore(step, args=ocp.args.StandardRestore(abstract))
+    self.log(f"resumed from step {step}")
+    return TrainState(tree["params"], tree["opt"], jnp.asarray(tree["step"], jnp.int32), tree["rng"])
+
+  def save(self, state: TrainState):
+    self.ckpt.save(int(state.step), args=ocp.args.StandardSave(self._as_tree(state)), force=True)
+    self.ckpt.wait_until_finished()
+
+  def save_best(self, state: TrainState, eval_metrics: dict):
+    """Kept only while it is the best eval loss so far."""
+    self.best.save(int(state.step), args=ocp.args.StandardSave({"params": state.params}),
+                   metrics={"eval_loss": float(eval_metrics["loss"])}, force=True)
+    self.best.wait_until_finished()
+
+  def best_params(self, like):
+    step = self.best.best_step()
+    if step is None:
+      return None
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": like})
+    return self.best.restore(step, args=ocp.args.StandardRestore(abstract))["params"]
+
+  # ------------------------------------------------------------------------------------------- loops
+  def precompute(self, frozen, tokens) -> np.ndarray:
+    """The frozen target's features for every sequence, in batches (host memory)."""
+    bs = self.spec.batch_size
+    out = []
+    for i in range(0, len(tokens), bs):
+      chunk = tokens[i:i + bs]
+      pad = bs - len(chunk)
+      f = np.asarray(self.features(frozen, self._put_batch(np.concatenate([chunk, chunk[:pad]]) if pad else chunk)))
+      out.append(f[:len(chunk)])
+    return np.concatenate(out)
+
+  def evaluate(self, params, frozen, data: data_lib.Dataset, eval_feats=None) -> dict:
+    n = len(data.eval_tokens)
+    bs = self.spec.batch_size
+    sums, count = {}, 0
+    for i in range(min(self.spec.eval_batches, max(1, -(-n // bs)))):
+      idx = np.resize(np.arange(i * bs, (i + 1) * bs) % n, bs)
+      m = self.eval_step(params, frozen, self._put_batch(data.eval_tokens[idx]),
+                         self._put_batch(data.eval_mask[idx]),
+                         None if eval_feats is None else self._put_batch(eval_feats[idx]))
+      for k, v in m.items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+      count += 1
+    return {k: v / count for k, v in sums.items()}
+
+  def _write(self, rec: dict):
+    with open(self.metrics_path, "a") as f:
+      f.write(json.dumps(rec) + "\n")
+
+  def fit(self, params, frozen, data: data_lib.Dataset, stop_after: Optional[int] = None):
+    """Train (resuming from the latest checkpoint if there is one) -> (final params, last eval metrics)."""
+    spec = self.spec
+    state = self.restore_latest(self.init_state(params))
+    state, frozen = self._replicate(state), self._replicate(frozen)
+    start = int(state.step)
+    feats = eval_feats = None
+    if spec.cache_features:
+      t = time.perf_counter()
+      feats, eval_feats = self.precompute(frozen, data.tokens), self.precompute(frozen, data.eval_tokens)
+      self.log(f"cached features of {len(feats) + len(eval_feats)} sequences in {time.perf_counter() - t:.1f} s")
+    bar = None
+    if spec.progress:
+      from tqdm import tqdm
+      bar = tqdm(total=spec.steps, initial=start, desc=self.task.name, file=sys.stderr, unit="step")
+    last_eval, t0 = None, time.perf_counter()
+    for step in range(start, spec.steps):
+      if stop_after is not None and step >= stop_after:
+        break
+      toks, mask, idx = data_lib.batch_at(data.tokens, data.mask, step, spec.batch_size, spec.seed)
+      f = None if feats is None else self._put_batch(feats[idx])
+      state, m = self.train_step(state, frozen, self._put_batch(toks), self._put_batch(mask), f)
+      done = step + 1
+      if done % spec.log_every == 0 or done == spec.steps:
+        m = {k: float(v) for k, v in m.items()}
+        rec = {"step": done, "split": "train", "lr": float(self.sched(step)),
+               "time_s": round(time.perf_counter() - t0, 2), **m}
+        self._write(rec)
+        if bar:
+          bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m.get('top1_h0', 0):.3f}")
+      ev = None
+      if done % spec.eval_every == 0 or done == spec.steps:
+        ev = self.evaluate(state.params, frozen, data, eval_feats)
+        last_eval = ev
+        self._write({"step": done, "split": "eval", **ev})
+        self.log(f"step {done} eval " + " ".join(f"{k}={v:.4f}" for k, v in sorted(ev.items())))
+        self.save_best(state, ev)
+      if done % spec.save_every == 0 or done == spec.steps:
+        self.save(state)
+      if bar:
+        bar.update(1)
+    if bar:
+      bar.close()
+    return state.params, last_eval
