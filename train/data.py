@@ -1,6 +1,6 @@
 """Deterministic training data for heads and drafts on a frozen target.
 
-Sources (never Spec-Bench): prompts from /work/shared/data/train/*.jsonl (gsm8k `question`, mbpp `text`,
+Sources (never Spec-Bench): prompts from ../shared/data/train/*.jsonl (gsm8k `question`, mbpp `text`,
 self-instruct `instruction` + `input`), answered by the frozen target itself with the project's batched
 `spec_jax.decode.generate` at a mix of temperatures (self-distillation: the heads learn the target's own
 continuations), plus plain-text prefixes of the Python standard library's sources (docstrings and code, files
@@ -22,7 +22,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-TRAIN_DATA_DIR = "/work/shared/data/train"
+# shared/ sits beside the repository (on developer machines and in CI alike).
+TRAIN_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
+                              "train")
 
 
 def _prompt_text(rec: dict) -> Optional[str]:
