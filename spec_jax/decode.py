@@ -218,12 +218,16 @@ def _prefill_shape(max_prompt: int, chunk: int) -> tuple[int, int]:
 _COST_CACHE: dict = {}
 
 
-def measure_costs(params, state: DecodeState, spec: LoopSpec, reps: int = 5) -> list:
-  """Wall time of one step with each k in spec.ks, relative to the smallest: adaptive's cost model."""
+def measure_costs(params, make_state, batch: int, spec: LoopSpec, reps: int = 5) -> list:
+  """Wall time of one step with each k in spec.ks, relative to the smallest: adaptive's cost model.
+
+  `make_state()` builds a post-prefill state; it is only called (a prefill) when the costs are not cached.
+  """
   # The ratio depends on the batch and dtype, hardly on the cache length: measure once per batch size.
-  ckey = (spec, state.tokens.shape[0], params["target"]["final_norm"].dtype)
+  ckey = (spec, batch, params["target"]["final_norm"].dtype)
   if ckey in _COST_CACHE:
     return _COST_CACHE[ckey]
+  state = make_state()
   for i in range(len(spec.ks)):
     jax.block_until_ready(_one_step(params, state, spec, i))  # compile
   # Round-robin and keep each option's best: a burst of other load then hits all options alike.
@@ -314,7 +318,7 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
 
   costs_now = list(costs) if costs is not None else [1.0 + 0.25 * k for k in ks]
   if len(ks) > 1 and costs is None:
-    costs_now = measure_costs(params, start(), spec)
+    costs_now = measure_costs(params, start, B, spec)
   if warm:  # compile every program at these shapes; one new token per row keeps the warm-up short
     run(np.ones_like(max_new))
   state, prefill_s, decode_s = run()
