@@ -115,10 +115,8 @@ def _activation(name):
   return jax.nn.silu
 
 
-def _layer(config: ModelConfig, impl: str, x, p, k_layer, v_layer, window, base, positions, lengths):
-  """One decoder layer reading this layer's cache [B, S, K, d]. Returns (x, k_new, v_new [B, T, K, d])."""
-  c = config
-  B, T, _ = x.shape
+def layer_qkv(c: ModelConfig, x, p, positions, base):
+  """A layer's attention inputs: q [B, T, H, d], k and v [B, T, K, d], RoPE applied."""
   h = rms_norm(x, p["attn_norm"], c.norm_eps)
   q = _dot("btd,dhk->bthk", h, p["q"])
   k = _dot("btd,dhk->bthk", h, p["k"])
@@ -127,7 +125,28 @@ def _layer(config: ModelConfig, impl: str, x, p, k_layer, v_layer, window, base,
     q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
   if c.qk_norm:
     q, k = rms_norm(q, p["q_norm"], c.norm_eps), rms_norm(k, p["k_norm"], c.norm_eps)
-  q, k = rope(q, positions, base), rope(k, positions, base)
+  return rope(q, positions, base), rope(k, positions, base), v
+
+
+def layer_finish(c: ModelConfig, x, attn, p):
+  """The rest of a layer after attention: output projection, residuals and the MLP."""
+  o = _dot("bthk,hkd->btd", attn, p["o"])
+  if c.post_norms:
+    o = rms_norm(o, p["post_attn_norm"], c.norm_eps)
+  x = x + o
+  h = rms_norm(x, p["mlp_norm"], c.norm_eps)
+  m = _activation(c.activation)(_dot("btd,df->btf", h, p["gate"])) * _dot("btd,df->btf", h, p["up"])
+  m = _dot("btf,fd->btd", m, p["down"])
+  if c.post_norms:
+    m = rms_norm(m, p["post_mlp_norm"], c.norm_eps)
+  return x + m
+
+
+def _layer(config: ModelConfig, impl: str, x, p, k_layer, v_layer, window, base, positions, lengths):
+  """One decoder layer reading this layer's cache [B, S, K, d]. Returns (x, k_new, v_new [B, T, K, d])."""
+  c = config
+  T = x.shape[1]
+  q, k, v = layer_qkv(c, x, p, positions, base)
   k, v = k.astype(k_layer.dtype), v.astype(v_layer.dtype)
   if impl == "xla":
     attn = kernels.attention_xla_split(q, k_layer, v_layer, k, v, positions, lengths + T, scale=c.attn_scale,
@@ -137,17 +156,7 @@ def _layer(config: ModelConfig, impl: str, x, p, k_layer, v_layer, window, base,
     v_all = write_rows(v_layer[None], v[None], lengths)[0]
     attn = kernels.attention(q, k_all, v_all, positions, lengths + T, scale=c.attn_scale, window=window,
                              impl=impl)
-  o = _dot("bthk,hkd->btd", attn, p["o"])
-  if c.post_norms:
-    o = rms_norm(o, p["post_attn_norm"], c.norm_eps)
-  x = x + o
-
-  h = rms_norm(x, p["mlp_norm"], c.norm_eps)
-  m = _activation(c.activation)(_dot("btd,df->btf", h, p["gate"])) * _dot("btd,df->btf", h, p["up"])
-  m = _dot("btf,fd->btd", m, p["down"])
-  if c.post_norms:
-    m = rms_norm(m, p["post_mlp_norm"], c.norm_eps)
-  return x + m, k, v
+  return layer_finish(c, x, attn, p), k, v
 
 
 def write_rows(buf, new, lengths):

@@ -58,17 +58,22 @@ def init_params(key, cfg: ModelConfig, dtype=jnp.float32, target_params: Optiona
           "out_norm": jnp.asarray(out_norm, dtype), "layer": jax.tree.map(lambda x: x[0], stacked)}
 
 
+def layer_input(params: dict, cfg: ModelConfig, feats, toks):
+  """FC over [rms_norm(feature) ; rms_norm(embedding(token))]: the decoder layer's input [B, T, D]."""
+  # The target's embedding (and scale), in the EAGLE layer's dtype.
+  e = tfm.embed({"embed": params["embed"], "final_norm": params["out_norm"]}, toks, cfg).astype(params["fc"].dtype)
+  f = tfm.rms_norm(feats.astype(e.dtype), params["feat_norm"], cfg.norm_eps)
+  e = tfm.rms_norm(e, params["emb_norm"], cfg.norm_eps)
+  return tfm._dot("btd,de->bte", jnp.concatenate([f, e], axis=-1), params["fc"])
+
+
 def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache: KVCache, impl: str = "xla"):
   """feats [B, T, D], toks [B, T] at positions [B, T], written at cache.lengths .. ->
   (predicted features [B, T, D] (final-normed, in the target's feature space), cache with the new K/V).
 
   params needs "embed" (the target's frozen token embedding) beside the EAGLE weights.
   """
-  # The target's embedding (and scale), in the EAGLE layer's dtype.
-  e = tfm.embed({"embed": params["embed"], "final_norm": params["out_norm"]}, toks, cfg).astype(params["fc"].dtype)
-  f = tfm.rms_norm(feats.astype(e.dtype), params["feat_norm"], cfg.norm_eps)
-  e = tfm.rms_norm(e, params["emb_norm"], cfg.norm_eps)
-  x = tfm._dot("btd,de->bte", jnp.concatenate([f, e], axis=-1), params["fc"])
+  x = layer_input(params, cfg, feats, toks)
   x, k_new, v_new = tfm._layer(cfg, impl, x, params["layer"], cache.k[0], cache.v[0], jnp.int32(0),
                                jnp.float32(cfg.rope_base), positions, cache.lengths)
   cache = cache.replace(k=tfm.write_rows(cache.k, k_new[None], cache.lengths),
