@@ -1,10 +1,14 @@
 """Deterministic training data for heads and drafts on a frozen target.
 
-Sources (never Spec-Bench): prompts from ../shared/data/train/*.jsonl (gsm8k `question`, mbpp `text`,
-self-instruct `instruction` + `input`), answered by the frozen target itself with the project's batched
-`spec_jax.decode.generate` at a mix of temperatures (self-distillation: the heads learn the target's own
-continuations), plus plain-text prefixes of the Python standard library's sources (docstrings and code, files
-in sorted order). Token sequences are cached as .npz under a cache dir keyed by every setting that shapes them.
+Sources (never Spec-Bench), all from ../shared/data/train/*.jsonl (gsm8k, mbpp, self-instruct seed tasks) and the
+Python standard library:
+- self-distillation: prompts answered by the frozen target itself with the project's batched
+  `spec_jax.decode.generate` at a mix of temperatures (the heads learn the target's own continuations);
+- reference transcripts: further prompts with the dataset's own answers, in the chat format. Cheap (no
+  generation) and, since the losses are against the target's distribution at every position, still the target's
+  behaviour that is learned; EAGLE trained on fixed chat data for the same reason;
+- plain-text chunks of the standard library's sources (docstrings and code, files in sorted order).
+The self-distilled sequences are cached as .npz under a cache dir keyed by the settings that shape them.
 
 Batches are a pure function of (seed, step), so resuming at step s reads exactly what an uninterrupted run
 would have read.
@@ -27,20 +31,22 @@ TRAIN_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
                               "train")
 
 
-def _prompt_text(rec: dict) -> Optional[str]:
+def _example(rec: dict) -> Optional[tuple]:
+  """(prompt, reference answer) of one training record, or None."""
   if "question" in rec:  # gsm8k
-    return rec["question"]
+    return rec["question"], rec.get("answer", "")
   if "text" in rec and "code" in rec:  # mbpp
-    return rec["text"]
+    return rec["text"], rec["code"].replace("\r\n", "\n")
   if "instruction" in rec:  # self-instruct seed tasks
     inst = rec["instruction"]
-    inp = (rec.get("instances") or [{}])[0].get("input", "") or ""
-    return inst + ("\n\n" + inp if inp.strip() else "")
+    first = (rec.get("instances") or [{}])[0]
+    inp = first.get("input", "") or ""
+    return inst + ("\n\n" + inp if inp.strip() else ""), first.get("output", "") or ""
   return None
 
 
-def load_prompts(data_dir: str = TRAIN_DATA_DIR) -> list:
-  """All prompt texts of the training jsonl files, in a fixed order (files sorted, lines in order)."""
+def load_examples(data_dir: str = TRAIN_DATA_DIR) -> list:
+  """(prompt, reference answer) of every training jsonl record, in a fixed order (files sorted, lines in order)."""
   out = []
   for path in sorted(glob.glob(os.path.join(data_dir, "*.jsonl"))):
     if "spec_bench" in os.path.basename(path).lower():
@@ -48,10 +54,24 @@ def load_prompts(data_dir: str = TRAIN_DATA_DIR) -> list:
     with open(path, encoding="utf-8") as f:
       for line in f:
         if line.strip():
-          t = _prompt_text(json.loads(line))
-          if t:
-            out.append(t)
+          ex = _example(json.loads(line))
+          if ex and ex[0]:
+            out.append(ex)
   return out
+
+
+def load_prompts(data_dir: str = TRAIN_DATA_DIR) -> list:
+  return [p for p, _ in load_examples(data_dir)]
+
+
+# The last HELD_OUT prompts of the seeded permutation are never trained on: train.eval_acceptance measures them.
+HELD_OUT = 64
+
+
+def prompt_order(n: int, seed: int) -> np.ndarray:
+  """The seeded permutation of the n training prompts: self-distillation takes its head, reference transcripts
+  the next part, and its last HELD_OUT entries are held out."""
+  return np.random.default_rng(seed).permutation(n)
 
 
 def stdlib_texts(n: int, chars: int, seed: int) -> list:
@@ -76,6 +96,7 @@ def stdlib_texts(n: int, chars: int, seed: int) -> list:
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
   num_prompts: int = 256  # self-distilled prompts
+  num_transcripts: int = 0  # further prompts with their reference answers, as chat transcripts
   num_text: int = 128  # stdlib text chunks
   text_chars: int = 1200
   max_new_tokens: int = 96
@@ -132,30 +153,50 @@ def cache_key(spec: DataSpec, target_name: str, extra: str = "") -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _distill_key(spec: DataSpec, target_name: str) -> str:
+  """Only the settings that shape the self-distilled answers (so more text or transcripts reuse them)."""
+  keep = dict(num_prompts=spec.num_prompts, max_new_tokens=spec.max_new_tokens, temperatures=spec.temperatures,
+              gen_batch=spec.gen_batch, seq_len=spec.seq_len, seed=spec.seed)
+  return hashlib.sha256(json.dumps([keep, target_name], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_text: Callable,
           generate_fn: Callable, cache_dir: str, prompts: Optional[list] = None, texts: Optional[list] = None,
-          log=print) -> Dataset:
-  """The full pipeline with an .npz cache. `encode_prompt(text) -> ids` (BOS and chat template included);
-  `encode_text(text) -> ids` (BOS included) for the plain-text chunks."""
+          transcripts: Optional[list] = None, data_dir: str = TRAIN_DATA_DIR, log=print) -> Dataset:
+  """The full pipeline; the self-distilled sequences (the slow part) are cached as .npz. `encode_prompt(text)
+  -> ids` (BOS and chat template included); `encode_text(text) -> ids` (BOS included) for plain-text chunks;
+  `transcripts` are token lists (built from the reference answers when None)."""
   os.makedirs(cache_dir, exist_ok=True)
-  path = os.path.join(cache_dir, f"seqs-{cache_key(spec, target_name)}.npz")
+  path = os.path.join(cache_dir, f"distill-{_distill_key(spec, target_name)}.npz")
+  examples = None
+  if prompts is None or transcripts is None:
+    examples = load_examples(data_dir)
+    order = prompt_order(len(examples), spec.seed)
+    if spec.num_prompts + spec.num_transcripts > len(examples) - HELD_OUT:
+      raise ValueError(f"num_prompts + num_transcripts must be <= {len(examples) - HELD_OUT} (the rest is held "
+                       "out)")
+  if prompts is None:
+    prompts = [examples[i][0] for i in order[:spec.num_prompts]]
   if os.path.exists(path):
     z = np.load(path)
-    log(f"data: cached sequences {path}")
-    return split(z["tokens"], z["mask"], spec)
-  if prompts is None:
-    prompts = load_prompts()
-    prompts = [prompts[i] for i in np.random.default_rng(spec.seed).permutation(len(prompts))[:spec.num_prompts]]
+    seqs = [row[m].tolist() for row, m in zip(z["tokens"], z["mask"])]
+    log(f"data: cached self-distilled sequences {path}")
+  else:
+    prompt_ids = [encode_prompt(p)[:spec.seq_len // 2] for p in prompts]
+    # Similar lengths share a generation batch (less padding); the result order is fixed by the sort.
+    prompt_ids.sort(key=len)
+    seqs = self_distill(generate_fn, prompt_ids, spec)
+    toks, mask = pack(seqs, spec.seq_len)
+    np.savez(path, tokens=toks, mask=mask)
+  if transcripts is None:
+    picked = order[spec.num_prompts:spec.num_prompts + spec.num_transcripts]
+    transcripts = [encode_prompt((examples[i][0], examples[i][1])) for i in picked if examples[i][1].strip()]
   if texts is None:
     texts = stdlib_texts(spec.num_text, spec.text_chars, spec.seed)
-  prompt_ids = [encode_prompt(p)[:spec.seq_len // 2] for p in prompts]
-  # Similar lengths share a generation batch (less padding); the result order is fixed by the sort.
-  prompt_ids.sort(key=len)
-  seqs = self_distill(generate_fn, prompt_ids, spec)
-  seqs += [encode_text(t) for t in texts]
+  seqs = list(seqs) + list(transcripts) + [encode_text(t) for t in texts]
   toks, mask = pack(seqs, spec.seq_len)
-  np.savez(path, tokens=toks, mask=mask)
-  log(f"data: {len(seqs)} sequences, {int(mask.sum())} tokens -> {path}")
+  log(f"data: {len(seqs)} sequences ({len(prompts)} self-distilled, {len(transcripts)} reference transcripts, "
+      f"{len(texts)} text chunks), {int(mask.sum())} tokens")
   return split(toks, mask, spec)
 
 

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.cache import KVCache
+from spec_jax.kernels.reference import NEG_INF
+from spec_jax.models import transformer as tfm
 from spec_jax.models.transformer import forward
 from spec_jax.proposers import eagle, medusa, vocab
 
@@ -69,30 +71,82 @@ def medusa_loss(heads, frozen, hidden, tokens, mask):
   return total / K, metrics
 
 
+def eagle_unrolled(params, cfg, feats, toks, passes: int):
+  """EAGLE's layer over a whole sequence, then `passes - 1` more passes fed with its own predicted features
+  (EAGLE-3's training-time test), each as the decode loop would see it.
+
+  feats [B, T, D] are the target's features F_s, toks [B, T] the tokens tok_{s+1}, at positions s. Pass 0 reads
+  (F_s, tok_{s+1}) and attends causally over pass 0: it predicts F_{s+1}. Pass j reads (P_{j-1}[s-1], tok_{s+1})
+  and attends to pass 0's keys at positions <= s-j and to pass i's key at position s-(j-i) for i = 1..j: exactly
+  the cache of draft step j+1 after s-j verified positions (slot == position). Every pass predicts F_{s+1}.
+  The fed-back features carry no gradient. params needs "embed". -> list of predictions [B, T, D] per pass.
+  """
+  B, T, _ = feats.shape
+  lp = params["layer"]
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  base = jnp.float32(cfg.rope_base)
+  G = cfg.num_heads // cfg.num_kv_heads
+  s_idx = jnp.arange(T)
+  preds, ks, vs = [], [], []
+  inp = feats
+  for j in range(passes):
+    x = eagle.layer_input(params, cfg, inp, toks)
+    q, k, v = tfm.layer_qkv(cfg, x, lp, pos, base)
+    ks.append(k)
+    vs.append(v)
+    qg = q.reshape(B, T, cfg.num_kv_heads, G, -1)
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, ks[0], preferred_element_type=jnp.float32) * cfg.attn_scale
+    s0 = jnp.where((s_idx[None, :] <= s_idx[:, None] - j)[None, None, None], s0, NEG_INF)
+    # Pass i's key at position s-(j-i): a diagonal, one score per query.
+    ki = [_shift_right(ks[i], j - i) for i in range(1, j + 1)]
+    vi = [_shift_right(vs[i], j - i) for i in range(1, j + 1)]
+    sd = [jnp.einsum("btkgd,btkd->bkgt", qg, kk, preferred_element_type=jnp.float32) * cfg.attn_scale
+          for kk in ki]
+    w = jax.nn.softmax(jnp.concatenate([s0] + [d[..., None] for d in sd], axis=-1), axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", w[..., :T].astype(v.dtype), vs[0], preferred_element_type=jnp.float32)
+    for n, vv in enumerate(vi):
+      o = o + jnp.einsum("bkgt,btkd->btkgd", w[..., T + n].astype(v.dtype), vv, preferred_element_type=jnp.float32)
+    attn = o.reshape(B, T, cfg.num_heads, -1).astype(q.dtype)
+    pred = tfm.rms_norm(tfm.layer_finish(cfg, x, attn, lp), params["out_norm"], cfg.norm_eps)
+    preds.append(pred)
+    inp = _shift_right(jax.lax.stop_gradient(pred), 1)
+  return preds
+
+
+def _shift_right(x, n):
+  """x[:, s - n] at s (zeros before the start)."""
+  if n == 0:
+    return x
+  pad = [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2)
+  return jnp.pad(x[:, :x.shape[1] - n], pad)
+
+
 def eagle_loss(weights, frozen, hidden, tokens, mask, *, cfg, key=None, noise=0.0, reg_weight=1.0,
-               ce_weight=1.0):
-  """frozen: {"embed": [V, D], "rows": [N, D]}. Pairs (F_t, tok_{t+1}) -> F_{t+1} and the target's p(t+2)."""
-  B, T = tokens.shape
+               ce_weight=1.0, passes=1):
+  """frozen: {"embed": [V, D], "rows": [N, D]}. Pairs (F_t, tok_{t+1}) -> F_{t+1} and the target's p(t+2),
+  averaged over `passes` (1 + the training-time test's self-fed passes; see eagle_unrolled)."""
   feats, toks = hidden[:, :-1], tokens[:, 1:]
   if noise and key is not None:  # EAGLE's feature noise: robustness to its own imperfect features
     feats = feats + noise * jax.random.uniform(key, feats.shape, feats.dtype, -1.0, 1.0)
-  pos = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
   params = dict(weights, embed=frozen["embed"])
-  cache = KVCache.init(cfg, B, T - 1, weights["fc"].dtype)
-  pred, _ = eagle.eagle_forward(params, cfg, feats.astype(weights["fc"].dtype), toks, pos, cache)
-  want = hidden[:, 1:].astype(pred.dtype)
+  preds = eagle_unrolled(params, cfg, feats.astype(weights["fc"].dtype), toks, passes)
+  want = hidden[:, 1:].astype(preds[0].dtype)
   ok = mask[:, 1:] & mask[:, :-1]
-  reg = jnp.mean(optax_smooth_l1(pred - want), axis=-1)
-  student = vocab.project(pred, frozen["rows"])
   teacher = jax.lax.stop_gradient(vocab.project(want, frozen["rows"]))
   # KL(teacher || student): the soft CE's gradient, without the teacher's entropy as a floor.
   p_log = jax.nn.log_softmax(teacher, -1)
-  ce = jnp.sum(jnp.exp(p_log) * (p_log - jax.nn.log_softmax(student, -1)), axis=-1)
-  reg_l, ce_l = _masked_mean(reg, ok), _masked_mean(ce, ok)
+  p = jnp.exp(p_log)
   best = jnp.argmax(teacher, axis=-1)
-  metrics = {"reg": reg_l, "kl": ce_l, "top1_h0": _masked_mean(_topk_hits(student, best, 1), ok),
-             "top5_h0": _masked_mean(_topk_hits(student, best, 5), ok)}
-  return reg_weight * reg_l + ce_weight * ce_l, metrics
+  total, metrics = 0.0, {}
+  for j, pred in enumerate(preds):
+    okj = ok & (jnp.arange(ok.shape[1]) >= j)[None, :]
+    reg = _masked_mean(jnp.mean(optax_smooth_l1(pred - want), axis=-1), okj)
+    student = vocab.project(pred, frozen["rows"])
+    kl = _masked_mean(jnp.sum(p * (p_log - jax.nn.log_softmax(student, -1)), axis=-1), okj)
+    total = total + reg_weight * reg + ce_weight * kl
+    metrics.update({f"reg_h{j}": reg, f"kl_h{j}": kl, f"top1_h{j}": _masked_mean(_topk_hits(student, best, 1), okj),
+                    f"top5_h{j}": _masked_mean(_topk_hits(student, best, 5), okj)})
+  return total / len(preds), metrics
 
 
 def optax_smooth_l1(x, beta=1.0):
@@ -100,17 +154,43 @@ def optax_smooth_l1(x, beta=1.0):
   return jnp.where(ax < beta, 0.5 * ax * ax / beta, ax - 0.5 * beta)
 
 
-def draft_kl_loss(draft_params, frozen, teacher_logits, tokens, mask, *, cfg):
-  """KL(target || draft) per position; draft_params are the draft's trainable weights, frozen holds the rest."""
+def causal_forward(params, tokens, cfg):
+  """The model's final-normed hidden states [B, T, D] over whole sequences, without a KV cache: each layer is
+  layer_qkv, causal (windowed) attention and layer_finish, as in `forward`. Training only: the cached form's
+  backward pass through its (empty) cache read gave NaN gradients on XLA:CPU for Gemma 3's weights."""
   B, T = tokens.shape
-  params = dict(frozen, **draft_params)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  cache = KVCache.init(cfg, B, T, params["final_norm"].dtype)
-  logits, _, _ = forward(params, tokens, pos, cache, config=cfg)
-  p_log = jax.nn.log_softmax(teacher_logits, -1)
-  q_log = jax.nn.log_softmax(logits, -1)
-  kl = jnp.sum(jnp.exp(p_log) * (p_log - q_log), axis=-1)
-  best = jnp.argmax(teacher_logits, -1)
-  metrics = {"kl": _masked_mean(kl, mask), "top1_h0": _masked_mean(_topk_hits(logits, best, 1), mask),
-             "top5_h0": _masked_mean(_topk_hits(logits, best, 5), mask)}
+  G = cfg.num_heads // cfg.num_kv_heads
+  i = jnp.arange(T)
+  causal = i[None, :] <= i[:, None]
+
+  def body(x, xs):
+    p, window, base = xs
+    q, k, v = tfm.layer_qkv(cfg, x, p, pos, base)
+    qg = q.reshape(B, T, cfg.num_kv_heads, G, -1)
+    sc = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * cfg.attn_scale
+    ok = causal & jnp.where(window > 0, (i[:, None] - i[None, :]) < window, True)
+    w = jax.nn.softmax(jnp.where(ok[None, None, None], sc, NEG_INF), axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return tfm.layer_finish(cfg, x, o.reshape(B, T, cfg.num_heads, -1).astype(x.dtype), p), None
+
+  x = tfm.embed(params, tokens, cfg)
+  x, _ = jax.lax.scan(body, x, (params["layers"], jnp.asarray(cfg.layer_windows()),
+                                jnp.asarray(cfg.layer_rope_bases())))
+  return tfm.rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def draft_kl_loss(draft_params, frozen, hidden, tokens, mask, *, cfg):
+  """KL(target || draft) per position over the output rows in frozen["rows"] (all V, or the reduced draft
+  vocabulary, where both distributions are renormalized over the N draft ids). draft_params are the draft's
+  layers and final norm; frozen holds the shared embedding; hidden are the target's features (its logits are
+  hidden @ rows.T, so no 262k-wide logits are ever stored)."""
+  h = causal_forward(dict(draft_params, embed=frozen["embed"]), tokens, cfg)
+  student = vocab.project(h, frozen["rows"])
+  teacher = jax.lax.stop_gradient(vocab.project(hidden.astype(h.dtype), frozen["rows"]))
+  p_log = jax.nn.log_softmax(teacher, -1)
+  kl = jnp.sum(jnp.exp(p_log) * (p_log - jax.nn.log_softmax(student, -1)), axis=-1)
+  best = jnp.argmax(teacher, -1)
+  metrics = {"kl": _masked_mean(kl, mask), "top1_h0": _masked_mean(_topk_hits(student, best, 1), mask),
+             "top5_h0": _masked_mean(_topk_hits(student, best, 5), mask)}
   return metrics["kl"], metrics

@@ -55,9 +55,12 @@ def build_data(cfg, config, params, tokenizer, log):
     texts = [rng.integers(3, config.vocab_size, spec.text_chars).tolist() for _ in range(spec.num_text)]
     return data_lib.build(spec, target_name=config.name, encode_prompt=lambda p: [config.bos_id] + p,
                           encode_text=lambda t: [config.bos_id] + t, generate_fn=generate_fn,
-                          cache_dir=cfg.cache_dir, prompts=prompts, texts=texts, log=log)
-  return data_lib.build(spec, target_name=config.name,
-                        encode_prompt=lambda t: tokenizer.encode(tokenizer.apply_chat_template([t])),
+                          cache_dir=cfg.cache_dir, prompts=prompts, texts=texts, transcripts=[], log=log)
+  def encode_prompt(t):  # a prompt (ends with the model's turn opening) or a (prompt, answer) transcript
+    if isinstance(t, tuple):
+      return tokenizer.encode(tokenizer.apply_chat_template(list(t), add_generation_prompt=False))
+    return tokenizer.encode(tokenizer.apply_chat_template([t]))
+  return data_lib.build(spec, target_name=config.name, encode_prompt=encode_prompt,
                         encode_text=lambda t: tokenizer.encode(t, parse_special=False),
                         generate_fn=generate_fn, cache_dir=cfg.cache_dir, log=log)
 
@@ -72,44 +75,67 @@ def build_task(cfg, config, params, d2t):
   from train.trainer import Task
   key = jax.random.PRNGKey(cfg.train.seed)
   features = lambda frozen, toks: losses.target_features(frozen["target"], config, toks)
+  # What the features are: the target's final-normed hidden states, of this target in this dtype.
+  features_id = f"target_features:{config.name}:{cfg.model}:{cfg.dtype}:{cfg.tiny_seed}"
   rows = vocab.output_rows(params, None if d2t is None else jnp.asarray(d2t))
   if cfg.kind == "medusa":
     frozen = {"target": params, "rows": rows}
     if d2t is not None:
       frozen["t2d"] = jnp.asarray(heads_io.t2d(d2t, config.vocab_size))
     init = medusa.init_params(key, config.d_model, cfg.num_heads, jnp.float32)
-    task = Task("medusa", features, lambda p, fz, f, t, m, k: losses.medusa_loss(p, fz, f, t, m))
+    task = Task("medusa", features, lambda p, fz, f, t, m, k: losses.medusa_loss(p, fz, f, t, m), features_id)
     return task, init, frozen, {"num_heads": cfg.num_heads}
   if cfg.kind == "eagle":
     ecfg = eagle.layer_config(config, cfg.mlp_dim or None)
     frozen = {"target": params, "embed": params["embed"], "rows": rows}
     init = eagle.init_params(key, ecfg, jnp.float32, target_params=params)
     loss = functools.partial(losses.eagle_loss, cfg=ecfg, noise=cfg.noise, reg_weight=cfg.reg_weight,
-                             ce_weight=cfg.ce_weight)
-    task = Task("eagle", features, lambda p, fz, f, t, m, k: loss(p, fz, f, t, m, key=k))
-    return task, init, frozen, {"mlp_dim": ecfg.mlp_dim}
+                             ce_weight=cfg.ce_weight, passes=cfg.ttt_passes)
+    task = Task("eagle", features, lambda p, fz, f, t, m, k: loss(p, fz, f, t, m, key=k), features_id)
+    return task, init, frozen, {"mlp_dim": ecfg.mlp_dim, "ttt_passes": cfg.ttt_passes}
   if cfg.kind == "draft":
     if not 1 <= cfg.draft_layers < config.num_layers:
       raise ValueError(f"draft_layers must be in [1, {config.num_layers}), got {cfg.draft_layers}")
     dcfg = config.replace(num_layers=cfg.draft_layers, name=f"{config.name}-distill{cfg.draft_layers}")
-    start = early_exit_params(params, cfg.draft_layers)
+    start = early_exit_params(params, cfg.draft_layers)  # starts as the early-exit self-draft
     init = {"layers": start["layers"], "final_norm": start["final_norm"]}
-    frozen = {"target": params, "embed": params["embed"],
-              **({"lm_head": params["lm_head"]} if "lm_head" in params else {})}
-
-    def teacher(frozen, toks):
-      from spec_jax.cache import KVCache
-      from spec_jax.models.transformer import forward
-      B, T = toks.shape
-      pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-      logits, _, _ = forward(frozen["target"], toks, pos, KVCache.init(config, B, T), config=config)
-      return logits
-
-    def loss(p, fz, f, t, m, k):
-      rest = {n: v for n, v in fz.items() if n != "target"}
-      return losses.draft_kl_loss(p, rest, f, t, m, cfg=dcfg)
-    return Task("draft", teacher, loss), init, frozen, {"num_layers": cfg.draft_layers}
+    frozen = {"target": params, "embed": params["embed"], "rows": rows}
+    loss = functools.partial(losses.draft_kl_loss, cfg=dcfg)
+    task = Task("draft", features, lambda p, fz, f, t, m, k: loss(p, fz, f, t, m), features_id)
+    return task, init, frozen, {"num_layers": cfg.draft_layers}
   raise ValueError(f"unknown kind {cfg.kind!r}: medusa, eagle or draft")
+
+
+# Settings a resumed run may change: they do not change what is trained.
+_RESUMABLE = {"train.progress", "train.log_every"}
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+  return out
+
+
+def check_resume_config(cfg):
+  """The first run writes its config to workdir/config.json; a later run in the same workdir (a resume) must
+  have the same settings, or it would silently continue another experiment."""
+  path = os.path.join(cfg.train.workdir, "config.json")
+  now = _flat(json.loads(cfg.to_json()))
+  if os.path.exists(path):
+    with open(path) as f:
+      before = _flat(json.load(f))
+    diff = sorted(k for k in set(now) | set(before) if k not in _RESUMABLE and now.get(k) != before.get(k))
+    if diff:
+      raise ValueError(f"{cfg.train.workdir} holds a run with other settings ({', '.join(diff)}): use another "
+                       "--config.train.workdir, or the same settings to resume it")
+    return
+  os.makedirs(cfg.train.workdir, exist_ok=True)
+  with open(path, "w") as f:
+    f.write(cfg.to_json(indent=1))
 
 
 def run(cfg, stop_after=None, log=None):
@@ -118,6 +144,7 @@ def run(cfg, stop_after=None, log=None):
   from spec_jax.proposers import heads_io
   from train.trainer import Trainer, TrainSpec
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+  check_resume_config(cfg)
   t0 = time.time()
   config, params, tokenizer = load_target(cfg)
   data = build_data(cfg, config, params, tokenizer, log)
@@ -127,14 +154,15 @@ def run(cfg, stop_after=None, log=None):
   mesh = None
   if cfg.data_parallel and jax.device_count() > 1:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-  trainer = Trainer(task, TrainSpec(**dict(cfg.train)), mesh=mesh, log=log)
+  spec = TrainSpec(**dict(cfg.train), feature_dir=os.path.join(cfg.cache_dir, "features"))
+  trainer = Trainer(task, spec, mesh=mesh, log=log)
   final, ev = trainer.fit(init, frozen, data, stop_after=stop_after)
   if stop_after is not None and int(trainer.ckpt.latest_step() or 0) < cfg.train.steps:
     return final, None
   flat = heads_io._flatten(jax.device_get(final))
   np.savez(os.path.join(cfg.train.workdir, "final_params.npz"), **{k.replace("/", "."): v for k, v in flat.items()})
   out = {"final": final}
-  if cfg.export and cfg.kind in ("medusa", "eagle"):
+  if cfg.export:
     best = trainer.best_params(final) if cfg.export_best else None
     meta = dict(meta, train_steps=cfg.train.steps, train_time_s=round(time.time() - t0, 1),
                 data_time_s=round(t_data, 1), eval=ev, data=dict(cfg.data), draft_vocab=cfg.draft_vocab)

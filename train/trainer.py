@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -45,6 +46,7 @@ class TrainSpec:
   workdir: str = "/tmp/spec_jax_train"
   progress: bool = True
   cache_features: bool = False  # run the frozen target once over the data instead of at every step
+  feature_dir: str = ""  # with cache_features: also keep them on disk here, shared by runs on the same data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Task:
   name: str
   features: Callable
   loss: Callable
+  features_id: str = ""  # names what `features` computes (the disk cache's key; "" = never cache on disk)
 
 
 @struct.dataclass
@@ -160,7 +163,23 @@ class Trainer:
 
   # ------------------------------------------------------------------------------------------- loops
   def precompute(self, frozen, tokens) -> np.ndarray:
-    """The frozen target's features for every sequence, in batches (host memory)."""
+    """The frozen target's features for every sequence, in batches (host memory; memory-mapped from
+    `feature_dir` when an earlier run on the same tokens saved them there)."""
+    path = None
+    if self.spec.feature_dir and self.task.features_id:
+      h = hashlib.sha256(self.task.features_id.encode() + np.ascontiguousarray(tokens).tobytes()).hexdigest()[:16]
+      path = os.path.join(self.spec.feature_dir, f"features-{h}.npy")
+      if os.path.exists(path):
+        return np.load(path, mmap_mode="r")
+    out = self._compute_features(frozen, tokens)
+    if path:
+      os.makedirs(self.spec.feature_dir, exist_ok=True)
+      tmp = f"{path}.{os.getpid()}.tmp.npy"
+      np.save(tmp, out)
+      os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+    return out
+
+  def _compute_features(self, frozen, tokens) -> np.ndarray:
     bs = self.spec.batch_size
     out = []
     for i in range(0, len(tokens), bs):

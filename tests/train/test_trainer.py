@@ -1,6 +1,7 @@
 """The trainer on a tiny random target: losses fall, a SIGKILLed run resumes to bitwise-equal params, and
 data parallelism over 2 host devices trains the same model."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -37,7 +38,7 @@ def test_losses_fall(kind, tmp_path):
   cfg = get_config(kind)
   config, params, _ = load_target(cfg)
   data = _self_distilled(cfg)
-  d2t = None if kind == "draft" else np.arange(3, 97, dtype=np.int32)
+  d2t = np.arange(3, 97, dtype=np.int32)
   task, init, frozen, _ = build_task(cfg, config, params, d2t)
   spec = TrainSpec(steps=60, batch_size=4, lr=1e-2, warmup=3, eval_every=60, save_every=60, log_every=5,
                    workdir=str(tmp_path), progress=False)
@@ -99,3 +100,57 @@ def test_data_parallel_over_two_devices(tmp_path):
     runs[n] = _final(w)
   for k in runs[1]:
     np.testing.assert_allclose(runs[1][k], runs[2][k], rtol=2e-4, atol=2e-5, err_msg=k)
+
+
+def test_data_sources_and_held_out_prompts(tmp_path):
+  """Self-distilled prompts, then reference transcripts, from one seeded permutation; the last HELD_OUT prompts
+  (what train.eval_acceptance measures) are never used; Spec-Bench files are skipped."""
+  import json
+  d = tmp_path / "train"
+  d.mkdir()
+  n = data_lib.HELD_OUT + 24
+  with open(d / "gsm8k_train.jsonl", "w") as f:
+    for i in range(n):
+      f.write(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) + "\n")
+  with open(d / "spec_bench.jsonl", "w") as f:
+    f.write(json.dumps({"question": "never", "answer": "never"}) + "\n")
+  spec = data_lib.DataSpec(num_prompts=8, num_transcripts=12, num_text=0, seq_len=16, eval_fraction=0.1)
+  gen_calls = []
+
+  def generate_fn(batch, temp, seed):
+    gen_calls.append(len(batch))
+    return [[7, 7] for _ in batch]
+
+  enc = lambda t: [2] + [ord(c) for c in (t if isinstance(t, str) else "|".join(t))]
+  kw = dict(target_name="t", encode_prompt=enc, encode_text=enc, generate_fn=generate_fn,
+            cache_dir=str(tmp_path / "cache"), texts=[], data_dir=str(d), log=lambda s: None)
+  ds = data_lib.build(spec, **kw)
+  rows = [r[m].tolist() for r, m in zip(np.concatenate([ds.tokens, ds.eval_tokens]),
+                                         np.concatenate([ds.mask, ds.eval_mask]))]
+  texts = ["".join(chr(c) for c in r[1:]) for r in rows]
+  assert sum(gen_calls) == 8 and len(rows) == 20
+  assert sum(t.endswith("\x07\x07") for t in texts) == 8  # self-distilled: prompt + generated tokens
+  transcripts = [t for t in texts if "|" in t]
+  assert len(transcripts) == 12 and all(t.split("|")[1] == "a" + t.split("|")[0][1:] for t in transcripts)
+  order = data_lib.prompt_order(n, spec.seed)
+  held = {f"q{i}" for i in order[-data_lib.HELD_OUT:]}
+  used = {t.split("|")[0].rstrip("\x07") for t in texts}
+  assert not used & held and "never" not in used
+  # The self-distilled part is cached: a second build with more transcripts does not generate again.
+  data_lib.build(dataclasses.replace(spec, num_transcripts=14), **kw)
+  assert sum(gen_calls) == 8
+  with pytest.raises(ValueError, match="held out"):
+    data_lib.build(dataclasses.replace(spec, num_transcripts=n), **kw)
+
+
+def test_resume_refuses_other_settings(tmp_path):
+  from train.main import check_resume_config
+  cfg = get_config("medusa")
+  cfg.train.workdir = str(tmp_path / "w")
+  check_resume_config(cfg)  # first run: records its settings
+  check_resume_config(cfg)  # same settings: a resume
+  cfg.train.progress = not cfg.train.progress  # display only
+  check_resume_config(cfg)
+  cfg.train.lr = cfg.train.lr * 2
+  with pytest.raises(ValueError, match="train.lr"):
+    check_resume_config(cfg)
