@@ -32,7 +32,7 @@ def main():
   ap.add_argument("--max_new_tokens", type=int, default=64)
   ap.add_argument("--methods", default="ngram,draft")
   ap.add_argument("--k", type=int, default=4)
-  ap.add_argument("--draft_layers", type=int, default=6)
+  ap.add_argument("--draft_layers", type=int, default=0, help="0: the distilled draft; N: early exit after N")
   ap.add_argument("--batch_size", type=int, default=1)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--adaptive", default="on,off")

@@ -18,7 +18,7 @@ def get_config():
   c.num_speculative_tokens = 4
   c.ngram_min = 1
   c.ngram_max = 3
-  c.draft_layers = 6  # early-exit self-draft: the target's first N layers
+  c.draft_layers = 0  # method=draft: 0 = the distilled draft in heads/; N > 0 = early exit after N layers
   c.adaptive = True
-  c.heads = ""  # medusa/eagle head checkpoint; "" = the shipped heads/<method>_gemma3_270m
+  c.heads = ""  # medusa/eagle/draft checkpoint; "" = the shipped heads/<method>_gemma3_270m
   return c

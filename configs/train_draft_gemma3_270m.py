@@ -1,11 +1,14 @@
-"""Train the draft distilled draft for Gemma 3 270M: python -m train.main --config=configs/train_draft_gemma3_270m.py"""
+"""Distil a 2-layer draft for Gemma 3 270M: python -m train.main --config=configs/train_draft_gemma3_270m.py
+
+It starts as the target's first 2 layers (the early-exit self-draft), shares the frozen embedding, and is trained
+with KL to the target over the reduced draft vocabulary it also drafts with."""
 
 from configs.train_base import get_config as _base
 
 
 def get_config():
   c = _base("draft")
-  c.draft_vocab = 0
-  c.train.lr = 1e-4
-  c.train.batch_size = 4
+  c.draft_layers = 2
+  c.export = "heads/draft_gemma3_270m"
+  c.train.lr = 3e-4
   return c

@@ -34,11 +34,12 @@ flags.DEFINE_float("top_p", None, "1 is off.")
 flags.DEFINE_integer("seed", None, "Sampling seed.")
 flags.DEFINE_integer("batch_size", None, "Prompts per batch.")
 flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle"], "Draft source.")
-flags.DEFINE_string("heads", None, "Medusa/EAGLE head checkpoint (path stem); '' = the shipped one in heads/.")
+flags.DEFINE_string("heads", None, "Medusa/EAGLE/draft checkpoint (path stem); '' = the shipped one in heads/.")
 flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
 flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
 flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
-flags.DEFINE_integer("draft_layers", None, "Layers of the early-exit self-draft.")
+flags.DEFINE_integer("draft_layers", None, "method=draft: 0 = the distilled draft checkpoint (--heads); N > 0 = "
+                     "the early-exit self-draft of the target's first N layers.")
 flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
 
 FLAGS = flags.FLAGS

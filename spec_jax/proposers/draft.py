@@ -1,5 +1,10 @@
 """A draft model with the target's vocabulary: its own KV cache, k autoregressive steps inside the step.
 
+Two drafts plug in here: the early-exit self-draft (the target's first layers, its final norm and head) and a
+distilled draft (a few layers trained with KL to the target, sharing its frozen embedding; train/). A draft
+whose params hold "rows"/"d2t" drafts over a reduced vocabulary (vocab.py): its head is N rows of the target's
+output matrix instead of all 262k, which is most of a small draft's cost.
+
 Cache bookkeeping without copies: the state is the draft's KV cache, whose `lengths` say how many leading slots
 hold entries for committed tokens. Drafting re-feeds the last two committed tokens (T = 2), so whatever the
 verifier accepted, every slot the next step reads was written for the token now committed there; after a
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
+from spec_jax.proposers import heads_io, vocab
 from spec_jax.proposers.base import Draft
 from spec_jax.sampling import sample_with_probs
 
@@ -67,12 +73,21 @@ class DraftModelProposer:
     cache = self.catch_up(params, cache, ctx.tokens, start)
     feed = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
     pos = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-    run = functools.partial(forward, config=self.config, impl=self.impl)
+    reduced = "rows" in params
+
+    def run(params, toks, pos, cache):
+      """-> (logits over the draft's vocabulary, hidden, cache)."""
+      logits, hidden, cache = forward(params, toks, pos, cache, config=self.config, impl=self.impl,
+                                      compute_logits=not reduced)
+      return (vocab.project(hidden, params["rows"]) if reduced else logits), hidden, cache
+
     logits, _, cache = run(params, feed, pos, cache.replace(lengths=start))
     cache = cache.replace(lengths=ctx.lengths)
     keys = jax.random.split(key, k)
 
     def draw(logits, key):
+      if reduced:
+        return vocab.draw(key, logits, ctx.sampling, params["d2t"], self.config.vocab_size)
       return sample_with_probs(key, logits, ctx.sampling)
 
     def step(carry, key):
@@ -108,3 +123,33 @@ def early_exit_proposer(target_config: ModelConfig, target_params: dict, num_lay
     raise ValueError(f"early-exit draft needs 1 <= draft_layers < {target_config.num_layers}, got {num_layers}")
   cfg = target_config.replace(num_layers=num_layers, name=f"{target_config.name}-exit{num_layers}")
   return DraftModelProposer(config=cfg, k=k, impl=impl), early_exit_params(target_params, num_layers)
+
+
+def param_shapes(target_config: ModelConfig, num_layers: int) -> dict:
+  """The trained weights of a distilled draft: its layers and final norm (embedding and head are the target's)."""
+  from spec_jax.models.transformer import param_shapes as tfm_shapes
+  shapes = tfm_shapes(target_config.replace(num_layers=num_layers))
+  return {"layers": shapes["layers"], "final_norm": shapes["final_norm"]}
+
+
+def runtime_params(weights: dict, target_params: dict, d2t=None) -> dict:
+  """A distilled draft's weights plus the target's frozen embedding and output rows (all, or d2t's)."""
+  out = dict(weights, embed=target_params["embed"])
+  if d2t is None:
+    if "lm_head" in target_params:
+      out["lm_head"] = target_params["lm_head"]
+    return out
+  return dict(out, rows=vocab.output_rows(target_params, jnp.asarray(d2t, jnp.int32)),
+              d2t=jnp.asarray(d2t, jnp.int32))
+
+
+def load_draft(path: str, target_config: ModelConfig, target_params: dict, k: int, impl: str = "xla"):
+  """A distilled draft checkpoint (heads_io format, kind "draft") -> (proposer, params)."""
+  dtype = target_params["final_norm"].dtype
+  meta, weights, d2t = heads_io.load_heads(path, target_config, "draft", dtype)
+  n = int(meta.get("num_layers", 0))
+  if not 1 <= n < target_config.num_layers:
+    raise ValueError(f"{path}: num_layers must be in [1, {target_config.num_layers}), got {n}")
+  heads_io.check_shapes(weights, param_shapes(target_config, n), path)
+  cfg = target_config.replace(num_layers=n, name=f"{target_config.name}-distill{n}")
+  return DraftModelProposer(config=cfg, k=k, impl=impl), runtime_params(weights, target_params, d2t)

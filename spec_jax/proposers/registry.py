@@ -17,8 +17,10 @@ def default_heads_path(method: str) -> str:
 
 
 def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngram_min: int = 1,
-                   ngram_max: int = 3, draft_layers: int = 6, impl: str = "xla", heads_path: str | None = None):
-  """-> (proposer, proposer_params). medusa/eagle load `heads_path` ('' or None: the shipped checkpoint)."""
+                   ngram_max: int = 3, draft_layers: int = 0, impl: str = "xla", heads_path: str | None = None):
+  """-> (proposer, proposer_params). medusa, eagle and draft load `heads_path` ('' or None: the shipped
+  checkpoint); draft with draft_layers = N > 0 is instead the early-exit self-draft of the target's first N
+  layers."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
   if method == "none":
@@ -33,5 +35,7 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngr
   if method == "eagle":
     from spec_jax.proposers.eagle import load_eagle
     return load_eagle(heads_path or default_heads_path(method), target_config, target_params, k, impl)
-  from spec_jax.proposers.draft import early_exit_proposer
-  return early_exit_proposer(target_config, target_params, draft_layers, k, impl)
+  from spec_jax.proposers.draft import early_exit_proposer, load_draft
+  if draft_layers:
+    return early_exit_proposer(target_config, target_params, draft_layers, k, impl)
+  return load_draft(heads_path or default_heads_path(method), target_config, target_params, k, impl)

@@ -49,8 +49,18 @@ def _eagle(params, d2t=None, k=3, seed=2, config=CONFIG):
           eagle.runtime_params(w, params, d2t))
 
 
+def _distilled(params, d2t=None, k=3, seed=3, config=CONFIG):
+  """A distilled draft: 1 random layer and final norm, the target's embedding, a (reduced) head."""
+  from spec_jax.proposers import draft
+  w = init_params(config.replace(num_layers=1), jax.random.PRNGKey(seed))
+  w = {"layers": w["layers"], "final_norm": w["final_norm"]}
+  cfg = config.replace(num_layers=1)
+  return draft.DraftModelProposer(config=cfg, k=k), draft.runtime_params(w, params, d2t)
+
+
 @pytest.mark.parametrize("make,d2t,adaptive", [
-    (_medusa, None, False), (_medusa, D2T, False), (_eagle, None, False), (_eagle, D2T, True)])
+    (_medusa, None, False), (_medusa, D2T, False), (_eagle, None, False), (_eagle, D2T, True),
+    (_distilled, None, False), (_distilled, D2T, True)])
 def test_greedy_is_lossless_with_random_heads(make, d2t, adaptive):
   params = _params()
   prompts = _prompts(0, [5, 13, 3])  # batch > 1, rows of different lengths
@@ -171,12 +181,22 @@ def test_head_checkpoint_round_trip_and_errors(tmp_path):
   heads_io.save_heads(str(tmp_path / "e2"), "eagle", w, CONFIG, {"mlp_dim": 64})
   with pytest.raises(ValueError, match="tensor 'layer/down' has shape \\(48, 32\\), expected \\(64, 32\\)"):
     build_proposer("eagle", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "e2"))
+  # A distilled draft: its layer count comes from the metadata, its shapes are checked against the target's.
+  _, dp = _distilled(params, D2T)
+  w = {"layers": dp["layers"], "final_norm": dp["final_norm"]}
+  heads_io.save_heads(str(tmp_path / "d"), "draft", w, CONFIG, {"num_layers": 1}, D2T)
+  prop, pp = build_proposer("draft", target_config=CONFIG, target_params=params, k=2,
+                            heads_path=str(tmp_path / "d"))
+  assert prop.config.num_layers == 1 and pp["rows"].shape == (len(D2T), 32)
+  heads_io.save_heads(str(tmp_path / "d2"), "draft", w, CONFIG, {"num_layers": 2}, D2T)
+  with pytest.raises(ValueError, match="tensor 'layers/attn_norm' has shape \\(1, 32\\), expected \\(2, 32\\)"):
+    build_proposer("draft", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "d2"))
 
 
 # ------------------------------------------------------------------------------------------- Gemma 3 270M
 
 @pytest.mark.slow
-def test_gemma3_greedy_with_medusa_eagle_and_early_exit_is_lossless(gemma3_f32, gemma3_tokenizer):
+def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemma3_tokenizer):
   config, params = gemma3_f32
   tok = gemma3_tokenizer
   texts = ["Natalia sold clips to 48 of her friends. How many clips did she sell in two months?",
@@ -184,8 +204,8 @@ def test_gemma3_greedy_with_medusa_eagle_and_early_exit_is_lossless(gemma3_f32, 
            "Explain what a hash table is in two sentences."]
   prompts = [tok.encode(tok.apply_chat_template([t])) for t in texts]
   base = generate(params, config, prompts, max_new_tokens=32, warm=False)
-  runs = {"draft": build_proposer("draft", target_config=config, target_params=params, k=3, draft_layers=6)}
-  for method in ("medusa", "eagle"):
+  runs = {"early_exit": build_proposer("draft", target_config=config, target_params=params, k=3, draft_layers=6)}
+  for method in ("medusa", "eagle", "draft"):
     if not os.path.exists(default_heads_path(method) + ".safetensors"):
       pytest.fail(f"the shipped {method} heads are missing: {default_heads_path(method)}")
     runs[method] = build_proposer(method, target_config=config, target_params=params, k=4)
