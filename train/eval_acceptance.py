@@ -1,9 +1,10 @@
-"""Mean acceptance length of trained heads in the real decode loop, on held-out training-set prompts.
+"""Mean acceptance length and speedup of trained proposers in the real decode loop, on held-out training prompts.
 
-  python -m train.eval_acceptance --methods=medusa,eagle --num_prompts=8 --max_new_tokens=64 --k=4
+  python -m train.eval_acceptance --methods=ngram,medusa,eagle,draft --num_prompts=16 --max_new_tokens=64
 
-Held-out prompts are the tail of the data pipeline's seeded permutation (train/data.py takes its head), so no
-prompt used for self-distillation is measured. Greedy decoding, fixed k (no adaptive switching).
+Held-out prompts are the last HELD_OUT entries of the data pipeline's seeded permutation (train/data.py), which
+no training run uses. Greedy, batch 1, fixed k (no adaptive switching), the default dtype; every run is warmed
+up, and speedup is output tokens/s over the baseline's on the same prompts. Outputs must equal the baseline's.
 """
 
 from __future__ import annotations
@@ -11,50 +12,63 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 from absl import app, flags
 
-flags.DEFINE_list("methods", ["medusa", "eagle"], "Proposers to measure.")
-flags.DEFINE_integer("num_prompts", 8, "Held-out prompts.")
+flags.DEFINE_list("methods", ["medusa", "eagle", "draft"], "Proposers to measure.")
+flags.DEFINE_integer("num_prompts", 16, "Held-out prompts.")
 flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
 flags.DEFINE_integer("k", 4, "Drafted tokens per step.")
-flags.DEFINE_integer("batch_size", 4, "Prompts per batch.")
+flags.DEFINE_integer("batch_size", 1, "Prompts per batch.")
+flags.DEFINE_string("dtype", "bfloat16", "Target dtype (the serving default).")
 flags.DEFINE_integer("seed", 0, "The data pipeline's seed (which prompts were used for training).")
 flags.DEFINE_string("output", None, "Write the results as JSON here.")
 FLAGS = flags.FLAGS
 
 
 def held_out_prompts(n: int, seed: int) -> list:
-  from train.data import load_prompts
+  from train.data import HELD_OUT, load_prompts, prompt_order
+  if n > HELD_OUT:
+    raise ValueError(f"at most {HELD_OUT} held-out prompts")
   prompts = load_prompts()
-  order = np.random.default_rng(seed).permutation(len(prompts))
+  order = prompt_order(len(prompts), seed)
   return [prompts[i] for i in order[::-1][:n]]
 
 
 def main(argv):
   del argv
+  from serve.prompts import Prompt
+  from serve.runner import run_prompts
   from spec_jax.checkpoints.load import load_model
-  from spec_jax.decode import generate
+  from spec_jax.proposers.base import NoneProposer
   from spec_jax.proposers.registry import build_proposer
-  config, params, tok = load_model(None, "float32")
+  config, params, tok = load_model(None, FLAGS.dtype)
   texts = held_out_prompts(FLAGS.num_prompts, FLAGS.seed)
-  ids = [tok.encode(tok.apply_chat_template([t])) for t in texts]
-  out = {}
+  prompts = [Prompt(id=f"held-out-{i}", text=tok.apply_chat_template([t]), category="held-out", is_chat=True)
+             for i, t in enumerate(texts)]
+  ids = [tok.encode(p.text) for p in prompts]
+  common = dict(batch_size=FLAGS.batch_size, max_new_tokens=FLAGS.max_new_tokens, adaptive_k=False, seed=0,
+                sampling_args=dict(temperature=0.0, top_k=0, top_p=1.0), impl="xla", progress=False,
+                stop_ids=tok.stop_ids)
+  base = run_prompts(params, config, tok, prompts, ids, proposer=NoneProposer(), proposer_params={}, **common)
+  base_tps = base.summary["output_tokens_per_s"]
+  out = {"baseline": {"output_tokens_per_s": base_tps}}
+  print(f"baseline: {base_tps:.1f} tok/s", file=sys.stderr, flush=True)
   for method in FLAGS.methods:
     proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k)
-    emitted = steps = 0
-    for i in range(0, len(ids), FLAGS.batch_size):
-      res = generate(params, config, ids[i:i + FLAGS.batch_size], max_new_tokens=FLAGS.max_new_tokens,
-                     proposer=proposer, proposer_params=pparams, adaptive_k=False, warm=False)
-      emitted += int(np.sum(res.raw_stats.emitted))
-      steps += int(np.sum(res.raw_stats.steps))
-    out[method] = {"mean_acceptance_length": emitted / max(steps, 1), "emitted": emitted, "verify_steps": steps}
-    print(f"{method}: mean acceptance length {emitted / max(steps, 1):.3f} ({emitted} tokens / {steps} steps)",
+    run = run_prompts(params, config, tok, prompts, ids, proposer=proposer, proposer_params=pparams, **common)
+    s = run.summary
+    same = all(a["token_ids"] == b["token_ids"] for a, b in zip(run.records, base.records))
+    out[method] = {"mean_acceptance_length": s["mean_acceptance_length"],
+                   "per_position_acceptance": s["per_position_acceptance"],
+                   "output_tokens_per_s": s["output_tokens_per_s"],
+                   "speedup": s["output_tokens_per_s"] / base_tps, "identical_to_baseline": same}
+    print(f"{method}: mean acceptance length {s['mean_acceptance_length']:.3f}, "
+          f"{s['output_tokens_per_s']:.1f} tok/s ({s['output_tokens_per_s'] / base_tps:.2f}x), identical: {same}",
           file=sys.stderr, flush=True)
   if FLAGS.output:
     with open(FLAGS.output, "w") as f:
       json.dump({"k": FLAGS.k, "num_prompts": FLAGS.num_prompts, "max_new_tokens": FLAGS.max_new_tokens,
-                 "results": out}, f, indent=1)
+                 "dtype": FLAGS.dtype, "batch_size": FLAGS.batch_size, "results": out}, f, indent=1)
 
 
 if __name__ == "__main__":
