@@ -21,6 +21,7 @@ flags.DEFINE_integer("k", 4, "Drafted tokens per step.")
 flags.DEFINE_integer("batch_size", 1, "Prompts per batch.")
 flags.DEFINE_string("dtype", "bfloat16", "Target dtype (the serving default).")
 flags.DEFINE_integer("seed", 0, "The data pipeline's seed (which prompts were used for training).")
+flags.DEFINE_string("heads", None, "A checkpoint stem to measure instead of the shipped one (one method only).")
 flags.DEFINE_string("output", None, "Write the results as JSON here.")
 FLAGS = flags.FLAGS
 
@@ -41,6 +42,8 @@ def main(argv):
   from spec_jax.checkpoints.load import load_model
   from spec_jax.proposers.base import NoneProposer
   from spec_jax.proposers.registry import build_proposer
+  if FLAGS.heads and len(FLAGS.methods) != 1:
+    raise ValueError("--heads names one checkpoint: pass exactly one method")
   config, params, tok = load_model(None, FLAGS.dtype)
   texts = held_out_prompts(FLAGS.num_prompts, FLAGS.seed)
   prompts = [Prompt(id=f"held-out-{i}", text=tok.apply_chat_template([t]), category="held-out", is_chat=True)
@@ -54,7 +57,8 @@ def main(argv):
   out = {"baseline": {"output_tokens_per_s": base_tps}}
   print(f"baseline: {base_tps:.1f} tok/s", file=sys.stderr, flush=True)
   for method in FLAGS.methods:
-    proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k)
+    proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k,
+                                       heads_path=FLAGS.heads)
     run = run_prompts(params, config, tok, prompts, ids, proposer=proposer, proposer_params=pparams, **common)
     s = run.summary
     same = all(a["token_ids"] == b["token_ids"] for a, b in zip(run.records, base.records))
