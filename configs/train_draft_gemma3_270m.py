@@ -11,4 +11,5 @@ def get_config():
   c.draft_layers = 2
   c.export = "heads/draft_gemma3_270m"
   c.train.lr = 3e-4
+  c.train.steps = 800
   return c
