@@ -26,8 +26,8 @@ def get_config(kind: str = "medusa"):
   c.export = ""  # head checkpoint stem to write at the end ("" = none)
   c.export_best = True
   c.data = ml_collections.ConfigDict(dict(
-      num_prompts=480, num_transcripts=1500, num_text=400, text_chars=1000, max_new_tokens=96, temperatures=(0.0, 0.7, 1.0),
-      gen_batch=16, seq_len=192, eval_fraction=0.05, seed=0))
+      num_prompts=480, num_transcripts=1500, num_text=400, text_chars=1000, max_new_tokens=96,
+      temperatures=(0.0, 0.7, 1.0), gen_batch=16, seq_len=192, eval_fraction=0.05, seed=0))
   c.train = ml_collections.ConfigDict(dict(
       steps=1200, batch_size=8, lr=2e-3, warmup=30, end_lr_fraction=0.05, weight_decay=0.0, clip=1.0,
       eval_every=100, eval_batches=4, save_every=100, keep=2, log_every=10, seed=0,
