@@ -70,7 +70,7 @@ def main():
   for dtype_name in args.dtypes.split(","):
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
     config, params = load_gguf(dtype=dtype)
-    params = cpu_layout(params) if dtype == jnp.bfloat16 else params
+    params = cpu_layout(params)
     config = config.replace(eos_ids=())  # fixed-length runs
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
