@@ -15,20 +15,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spec_jax.cache import KVCache
 from spec_jax.kernels.reference import NEG_INF
 from spec_jax.models import transformer as tfm
-from spec_jax.models.transformer import forward
 from spec_jax.proposers import eagle, medusa, vocab
 
 
 def target_features(target_params, config, tokens):
   """Final-normed hidden states [B, T, D] of the frozen target (no logits: the heads project themselves)."""
-  B, T = tokens.shape
-  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  cache = KVCache.init(config, B, T, target_params["final_norm"].dtype)
-  _, hidden, _ = forward(target_params, tokens, pos, cache, config=config, compute_logits=False)
-  return jax.lax.stop_gradient(hidden)
+  return jax.lax.stop_gradient(causal_forward(target_params, tokens, config))
 
 
 def _shift(x, n, fill=0):
@@ -156,8 +150,9 @@ def optax_smooth_l1(x, beta=1.0):
 
 def causal_forward(params, tokens, cfg):
   """The model's final-normed hidden states [B, T, D] over whole sequences, without a KV cache: each layer is
-  layer_qkv, causal (windowed) attention and layer_finish, as in `forward`. Training only: the cached form's
-  backward pass through its (empty) cache read gave NaN gradients on XLA:CPU for Gemma 3's weights."""
+  layer_qkv, causal (windowed) attention and layer_finish, as in `forward`. Training's one whole-sequence forward
+  (target features, the distilled draft): the cached form's backward pass through its (empty) cache read gave NaN
+  gradients under jit on XLA:CPU for Gemma 3's weights."""
   B, T = tokens.shape
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   G = cfg.num_heads // cfg.num_kv_heads
