@@ -20,5 +20,5 @@ def get_config():
   c.ngram_max = 3
   c.draft_layers = 0  # method=draft: 0 = the distilled draft in heads/; N > 0 = early exit after N layers
   c.adaptive = True
-  c.heads = ""  # medusa/eagle/draft checkpoint; "" = the shipped heads/<method>_gemma3_270m
+  c.heads = ""  # medusa/eagle/draft checkpoint; "" = heads/<method>_gemma3_270m
   return c

@@ -12,14 +12,15 @@ HEADS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "heads")
 
 
 def default_heads_path(method: str) -> str:
-  """The shipped checkpoint for Gemma 3 270M: heads/<method>_gemma3_270m.{safetensors,json}."""
+  """The checkpoint for Gemma 3 270M: heads/<method>_gemma3_270m.{safetensors,json} (medusa and eagle ship in git;
+  the draft is written there by configs/train_draft_gemma3_270m.py)."""
   return os.path.normpath(os.path.join(HEADS_DIR, f"{method}_gemma3_270m"))
 
 
 def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngram_min: int = 1,
                    ngram_max: int = 3, draft_layers: int = 0, impl: str = "xla", heads_path: str | None = None):
-  """-> (proposer, proposer_params). medusa, eagle and draft load `heads_path` ('' or None: the shipped
-  checkpoint); draft with draft_layers = N > 0 is instead the early-exit self-draft of the target's first N
+  """-> (proposer, proposer_params). medusa, eagle and draft load `heads_path` ('' or None: the one in heads/);
+  draft with draft_layers = N > 0 is instead the early-exit self-draft of the target's first N
   layers."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
