@@ -1,0 +1,71 @@
+"""The load matrix on Gemma 3 270M (python -m serve.loadtest --config=configs/loadtest.py): baseline (run first and
+last) against ngram k = 2/4/6, EAGLE k = 2/4 and Medusa, greedy and sampled traffic from Spec-Bench, closed loop
+at 1, 4, 8 (peak = slots) and 16 (2x overload) clients plus Poisson arrivals. About 2 hours on 2 CPU cores (each
+point is bounded by max_seconds_per_point); the machine must be otherwise quiet."""
+
+import ml_collections
+
+SLOTS = 8
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.output_dir = "benchmarks/reports/gemma3_270m"
+  # Every arm runs `python -m serve.server` with these flags plus its own --speculative_config (nothing else).
+  c.server = ml_collections.ConfigDict({
+      "flags": {"config": "configs/gemma3_270m.py", "dtype": "bfloat16", "max_num_seqs": SLOTS, "max_queue": 64},
+      "startup_timeout": 900.0, "stop_grace": 60.0,
+      # JAX's persistent compile cache: the second start of a server compiles nothing (start-up is not measured).
+      "env": {"JAX_COMPILATION_CACHE_DIR": "/tmp/spec_jax_loadtest_jax_cache",
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}})
+  c.url = ""  # non-empty: target this server for every arm instead of starting one
+  c.model_name = "gemma-3-270m"
+  c.api_key = ""
+  c.slots = SLOTS  # peak concurrency = the server's decode slots
+  c.baseline = {"name": "baseline", "speculative_config": {}}
+  c.baseline_repeats = 2  # first and last: the repeat-to-repeat noise the verdict uses
+  c.arms = [
+      {"name": "ngram_k2", "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
+      {"name": "ngram_k4", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
+      {"name": "ngram_k6", "speculative_config": {"method": "ngram", "num_speculative_tokens": 6,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
+      {"name": "eagle_k2", "speculative_config": {"method": "eagle", "num_speculative_tokens": 2}},
+      {"name": "eagle_k4", "speculative_config": {"method": "eagle", "num_speculative_tokens": 4}},
+      {"name": "medusa_k4", "speculative_config": {"method": "medusa", "num_speculative_tokens": 4}},
+  ]
+  # Traffic: identical for every arm.
+  c.prompts = "../shared/data/specbench/spec_bench_question.jsonl"
+  c.prompt_limit = 0
+  c.categories = []
+  c.output_lengths = [32, 128]  # max_tokens; prompt i of the file gets output_lengths[i % 2] (the output segment)
+  c.prompt_len_edges = [64, 256]  # prompt-length segments: < 64, 64-255, >= 256 tokens
+  c.samplings = [{"name": "greedy", "temperature": 0.0, "top_p": 1.0},
+                 {"name": "sampled", "temperature": 0.7, "top_p": 0.9}]
+  c.seed = 0
+  # Load points: closed loop at 1, slots/2, slots (peak) and overload_factor x slots, then Poisson arrivals.
+  c.closed_levels = []  # [] = (1, slots/2, slots, 2 x slots)
+  c.overload_factor = 2.0
+  c.open_rates = [1.0]  # requests/s
+  c.requests_per_point = 24
+  c.requests_per_client = 3  # closed loop: at least this many requests per client
+  c.max_seconds_per_point = 75.0  # stop issuing after this ...
+  c.drain_seconds = 60.0  # ... and cut what is still running after this
+  c.warmup_requests = 16  # per sampling setting, at peak concurrency, before the first point (not measured)
+  c.request_timeout = 300.0
+  c.sample_interval = 0.5
+  c.min_segment_requests = 4
+  c.verify_tuned = True  # rerun with the tuned config and check it is never below the baseline
+  # Guardrails, fixed before the run (serve/loadtest/verdict.py).
+  c.guardrails = {
+      "itl_p95_max_ratio": 1.0,  # p95 ITL no worse than the baseline's (beyond the noise)
+      "peak_req_s_min_ratio": 0.97,  # completed req/s at peak and overload >= 97 % of the baseline's
+      "max_extra_failure_rate": 0.0,  # errors, timeouts and 429s no higher than the baseline's
+      "acceptance_floor": 0.1,  # acceptance rate (accepted / drafted tokens) floor
+      "noise_floor": 0.03, "noise_multiplier": 2.0,  # a difference counts beyond max(3 %, 2 x measured noise)
+      "min_requests": 4,  # fewer completed requests in a cell: neutral
+      "improve_metrics": ["tpot_mean", "e2e_p50", "output_tok_s"],
+      "throughput_tags": ["peak", "overload"],
+  }
+  return c

@@ -1,0 +1,84 @@
+"""python -m serve.loadtest --config=configs/loadtest.py: run the load matrix, then write the verdict, the tuned
+speculative_config.json and report.md into the output directory.
+
+  python -m serve.loadtest --config=configs/loadtest_smoke.py              # ~5 min on Gemma 3 270M
+  python -m serve.loadtest --config=configs/loadtest.py --output_dir=benchmarks/reports/gemma3_270m
+  python -m serve.loadtest --analyze_only=benchmarks/reports/gemma3_270m   # rebuild the report from the files
+  python -m serve.loadtest --url=http://127.0.0.1:8000 --config.arms='[]' --config.baseline_repeats=1  # measure one
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "loadtest.py"),
+    "ml_collections config: server flags, arms, traffic, load points, guardrails.")
+flags.DEFINE_string("output_dir", None, "Where the report and raw files go (default: the config's output_dir).")
+flags.DEFINE_string("url", None, "Target this running server for every arm instead of starting one per arm.")
+flags.DEFINE_string("analyze_only", None, "Rebuild summary, verdict, tuned config and report from this run dir.")
+flags.DEFINE_list("only_arms", [], "Run only these speculative arms (the baseline repeats always run).")
+flags.DEFINE_bool("verify_tuned", None, "Rerun with the tuned config and check it against the baseline.")
+flags.DEFINE_bool("plots", True, "Write the PNG plots.")
+FLAGS = flags.FLAGS
+
+
+def run(cfg: dict, out_dir: str, *, verify_tuned: bool, plots: bool = True, log=print) -> dict:
+  """The whole tool as a function (the tests call it): matrix -> analysis -> optional tuned rerun -> analysis."""
+  from serve.loadtest.analyze import TUNED, analyze
+  from serve.loadtest.matrix import run_matrix
+  run_matrix(cfg, out_dir, log=log)
+  summary = analyze(out_dir, plots=plots)
+  if verify_tuned:
+    if cfg.get("url") or any(a.get("url") for a in cfg.get("arms") or []):
+      log("tuned rerun skipped: arms targeted by URL (the tool cannot restart them with the tuned config)")
+    else:
+      path = os.path.abspath(os.path.join(out_dir, "speculative_config.json"))
+      log(f"tuned rerun with {path}: {json.dumps(summary['tuned']['config'])}")
+      run_matrix(cfg, out_dir, log=log, arms=[{"name": TUNED, "speculative_config": {},
+                                               "speculative_config_path": path, "baseline": False}], append=True)
+      summary = analyze(out_dir, plots=plots)
+  return summary
+
+
+def print_verdict(summary: dict, out_dir: str) -> None:
+  for arm in summary["arms"]:
+    o = summary["overall"][arm]
+    print(f"{arm}: {o['overall']} (keeps at {', '.join(o['loads_on']) or '-'}; rolls back at "
+          f"{', '.join(o['loads_off']) or '-'})")
+  print("tuned speculative_config.json:", json.dumps(summary["tuned"]["config"]))
+  if summary.get("tuned_check"):
+    bad = [k for k, v in summary["tuned_check"].items() if not v["ok"]]
+    print("tuned rerun:", "never below the baseline beyond the noise" if not bad else f"below at {bad}")
+  print(f"report: {os.path.join(out_dir, 'report.md')}")
+
+
+def main(argv):
+  del argv
+  from serve.loadtest.analyze import analyze
+  if FLAGS.analyze_only:
+    summary = analyze(FLAGS.analyze_only, plots=FLAGS.plots)
+    print_verdict(summary, FLAGS.analyze_only)
+    return
+  cfg = _CONFIG.value.to_dict()
+  if FLAGS.url:
+    cfg["url"] = FLAGS.url
+  if FLAGS.only_arms:
+    cfg["arms"] = [a for a in cfg["arms"] if a["name"] in FLAGS.only_arms]
+  out_dir = FLAGS.output_dir or cfg["output_dir"]
+  verify = cfg.get("verify_tuned", False) if FLAGS.verify_tuned is None else FLAGS.verify_tuned
+  try:
+    summary = run(cfg, out_dir, verify_tuned=verify, plots=FLAGS.plots)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print_verdict(summary, out_dir)
+
+
+if __name__ == "__main__":
+  app.run(main)

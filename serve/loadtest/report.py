@@ -1,0 +1,287 @@
+"""report.md for an inference engineer: the verdict and the recommended config first, then the evidence (noise,
+per-load tables, plots), then how it was measured. Plots are matplotlib PNGs next to the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Optional
+
+import numpy as np
+
+SHORT = {"keep": "**keep**", "roll back": "**roll back**", "neutral": "neutral"}
+
+
+def _ms(v: Optional[float]) -> str:
+  return "–" if v is None else f"{v * 1e3:.1f}"
+
+
+def _f(v: Optional[float], fmt: str = ".2f") -> str:
+  return "–" if v is None else format(v, fmt)
+
+
+def _mib(v: Optional[float]) -> str:
+  return "–" if v is None else f"{v / 2**20:.0f}"
+
+
+def _spec(s) -> str:
+  if isinstance(s, str):
+    return f"`{s}`"
+  if not s:
+    return "off (k = 0)"
+  return "`" + json.dumps(s, sort_keys=True) + "`"
+
+
+def _table(header: list, rows: list) -> list[str]:
+  out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+  return out
+
+
+def _pooled_acceptance(res: dict) -> dict:
+  drafts, acc = 0.0, defaultdict(float)
+  for p in res["points"].values():
+    sp = p["metrics"]["speculation"]
+    d = sp.get("drafts") or 0
+    drafts += d
+    for pos, frac in (sp.get("per_position") or {}).items():
+      acc[int(pos)] += frac * d
+  return {p: v / drafts for p, v in sorted(acc.items())} if drafts else {}
+
+
+def make_plots(out_dir: str, run: dict, results: dict, summary: dict, records: list) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  stats, points = summary["stats"], summary["points"]
+  arms = list(results)
+  files = []
+  samplings = sorted({p["sampling"] for p in points.values()}, key=lambda s: [x["name"] for x in
+                                                                               run["config"]["samplings"]].index(s))
+  # 1. Latency and throughput against concurrency, per arm (closed loop).
+  fig, axes = plt.subplots(len(samplings), 4, figsize=(18, 4 * len(samplings)), squeeze=False)
+  for si, smp in enumerate(samplings):
+    keys = sorted((k for k, p in points.items() if p["mode"] == "closed" and p["sampling"] == smp),
+                  key=lambda k: points[k]["level"])
+    for ai, (metric, title, scale) in enumerate((("e2e_p50", "p50 end-to-end latency (s)", 1),
+                                                 ("itl_p95", "p95 ITL (ms)", 1e3),
+                                                 ("output_tok_s", "output tokens/s", 1),
+                                                 ("req_s", "completed requests/s", 1))):
+      ax = axes[si][ai]
+      for arm in arms:
+        xs = [points[k]["level"] for k in keys if k in stats.get(arm, {})]
+        ys = [(stats[arm][k]["all"].get(metric) or np.nan) * scale for k in keys if k in stats.get(arm, {})]
+        ax.plot(xs, ys, marker="o", label=arm, linestyle="--" if arm.startswith("baseline") else "-")
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("concurrency")
+      ax.set_title(f"{title} [{smp}]")
+      ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  files.append("latency_throughput.png")
+  fig.savefig(os.path.join(out_dir, files[-1]), dpi=90)
+  plt.close(fig)
+
+  # 2. TTFT and ITL distributions (CDFs) at the peak point of the first sampling setting.
+  peak = next((k for k, p in points.items() if p["tag"] == "peak" and p["sampling"] == samplings[0]),
+              next(iter(points)))
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+  for arm in arms:
+    recs = [r for r in records if r["arm"] == arm and r["point"] == peak and r["status"] == "ok"]
+    for ax, vals in ((axes[0], [r["ttft"] for r in recs if r["ttft"] is not None]),
+                     (axes[1], [x for r in recs for x in r.get("itl") or []])):
+      if vals:
+        v = np.sort(np.asarray(vals)) * 1e3
+        ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=arm, linestyle="--" if arm.startswith("baseline") else "-")
+  axes[0].set_title(f"TTFT CDF at {points[peak]['label']} [{points[peak]['sampling']}]")
+  axes[1].set_title(f"per-token ITL CDF at {points[peak]['label']} [{points[peak]['sampling']}]")
+  for ax in axes:
+    ax.set_xlabel("ms")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  files.append("ttft_itl_distributions.png")
+  fig.savefig(os.path.join(out_dir, files[-1]), dpi=90)
+  plt.close(fig)
+
+  # 3. Acceptance per position, pooled over the run's points (from /metrics deltas).
+  spec = [a for a in arms if _pooled_acceptance(results[a])]
+  fig, ax = plt.subplots(figsize=(9, 4))
+  width = 0.8 / max(len(spec), 1)
+  for i, arm in enumerate(spec):
+    acc = _pooled_acceptance(results[arm])
+    ax.bar(np.array(list(acc)) + i * width, list(acc.values()), width, label=arm)
+  ax.set_xlabel("draft position (0 = first drafted token)")
+  ax.set_ylabel("accepted / drafts")
+  ax.set_title("acceptance per position")
+  if spec:
+    ax.legend(fontsize=8)
+  ax.grid(alpha=0.3, axis="y")
+  fig.tight_layout()
+  files.append("acceptance_per_position.png")
+  fig.savefig(os.path.join(out_dir, files[-1]), dpi=90)
+  plt.close(fig)
+
+  # 4. Speedup per segment: baseline mean TPOT / arm mean TPOT, per load point.
+  others = summary["arms"]
+  if others:
+    keys = list(points)
+    segs = sorted({s for a in others for k in keys for s in stats.get(a, {}).get(k, {})},
+                  key=lambda s: (s != "all", s))
+    fig, axes = plt.subplots(1, len(others), figsize=(max(6, 1.1 * len(keys) + 3) * len(others), 0.35 * len(segs) + 2),
+                             squeeze=False)
+    for ax, arm in zip(axes[0], others):
+      m = np.full((len(segs), len(keys)), np.nan)
+      for j, k in enumerate(keys):
+        for i, s in enumerate(segs):
+          a = stats.get(arm, {}).get(k, {}).get(s, {}).get("tpot_mean")
+          bs = [stats[b][k][s]["tpot_mean"] for b in summary["baselines"]
+                if s in stats.get(b, {}).get(k, {}) and stats[b][k][s]["tpot_mean"]]
+          if a and bs:
+            m[i, j] = (sum(bs) / len(bs)) / a
+      im = ax.imshow(m, cmap="RdYlGn", vmin=0.5, vmax=1.5, aspect="auto")
+      for i in range(len(segs)):
+        for j in range(len(keys)):
+          if not np.isnan(m[i, j]):
+            ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=7)
+      ax.set_xticks(range(len(keys)), [points[k]["label"] + f"\n{points[k]['sampling']}" for k in keys], fontsize=7)
+      ax.set_yticks(range(len(segs)), segs, fontsize=7)
+      ax.set_title(f"{arm}: speedup (baseline TPOT / arm TPOT)")
+      fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    files.append("speedup_per_segment.png")
+    fig.savefig(os.path.join(out_dir, files[-1]), dpi=90)
+    plt.close(fig)
+  return files
+
+
+def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, plots: bool = True) -> str:
+  files = make_plots(out_dir, run, results, summary, records) if plots else []
+  stats, points, verdicts = summary["stats"], summary["points"], summary["verdicts"]
+  arms_cfg = {a["name"]: a for a in run["arms"]}
+  cfg = run["config"]
+  L = ["# Speculative decoding under load: keep or roll back", ""]
+  L.append(f"Run {run.get('started', '')} – {run.get('finished', 'unfinished')}; {len(results)} server runs; "
+           f"{len(records)} measured requests; prompts `{cfg.get('prompts') or 'built-in'}` "
+           f"({run['prompts']['count']} prompts).")
+  L += ["", "## Verdict", ""]
+  rows = []
+  for arm in summary["arms"]:
+    o = summary["overall"][arm]
+    why = []
+    for k in o["loads_off"]:
+      why.append(f"{points[k]['label']} [{points[k]['sampling']}]: {verdicts[arm][k]['all']['detail']}")
+    if not why:
+      for k in o["loads_on"][:2]:
+        why.append(f"{points[k]['label']} [{points[k]['sampling']}]: {verdicts[arm][k]['all']['detail']}")
+    rows.append([arm, _spec(arms_cfg[arm].get("speculative_config_path") or arms_cfg[arm].get("speculative_config")),
+                 SHORT[o["overall"]], ", ".join(points[k]["label"] + f" [{points[k]['sampling']}]"
+                                                for k in o["loads_on"]) or "–",
+                 ", ".join(points[k]["label"] + f" [{points[k]['sampling']}]" for k in o["loads_off"]) or "–",
+                 "; ".join(why[:2]) or "all within noise"])
+  L += _table(["arm", "speculative config", "overall", "keeps at (all traffic)", "rolls back at", "deciding metric"],
+              rows)
+  tuned = summary["tuned"]
+  L += ["", "**Recommendation.** " + _recommend(summary), ""]
+  L += ["Tuned `speculative_config.json` (read by `python -m serve.server --speculative_config=PATH`):", "",
+        "```json", json.dumps(tuned["config"], indent=1), "```", ""]
+  L += _table(["concurrency", "winner", "its gain (output tok/s)", f"k in the file ({tuned['method']})"],
+              [[c, v["arm"] or "none (k = 0)", f"{v['gain']:+.0%}" if v["arm"] else "–", v.get("chosen_k", 0)]
+               for c, v in sorted(tuned["levels"].items(), key=lambda kv: int(kv[0]))])
+  if summary.get("tuned_check") is not None:
+    tc = summary["tuned_check"]
+    bad = {k: v for k, v in tc.items() if not v["ok"]}
+    L += ["", f"**Tuned config rerun:** {'never below the baseline beyond the noise' if not bad else 'BELOW the baseline'}"
+          f" at {len(tc) - len(bad)}/{len(tc)} points."]
+    for k, v in bad.items():
+      L.append(f"- {points[k]['label']} [{points[k]['sampling']}]: " + "; ".join(v["failures"]))
+  # Per-arm cell matrix.
+  L += ["", "## Verdict per load and segment", "",
+        "Each cell: verdict (deciding metric). Segments: all traffic, Spec-Bench category, prompt-length bucket "
+        "(prompt tokens), output budget (max_tokens).", ""]
+  keys = list(points)
+  for arm in summary["arms"]:
+    segs = sorted({s for k in keys for s in verdicts[arm].get(k, {})}, key=lambda s: (s != "all", s))
+    L += [f"### {arm}", ""]
+    L += _table(["segment"] + [f"{points[k]['label']} [{points[k]['sampling']}]" for k in keys],
+                [[s] + [(f"{SHORT[c['verdict']]} ({c['metric']})" if (c := verdicts[arm].get(k, {}).get(s)) else "–")
+                        for k in keys] for s in segs])
+    L.append("")
+  # Noise.
+  L += ["## Repeat-to-repeat noise", "",
+        f"The baseline ran {len(summary['baselines'])} times ({', '.join(summary['baselines'])}; first and last, so "
+        "drift counts as noise). Noise = (max - min) / mean over the repeats, on all traffic. A difference counts "
+        f"only beyond max({summary['guardrails']['noise_floor']:.0%}, {summary['guardrails']['noise_multiplier']:g} "
+        "x noise), per metric and cell.", ""]
+  nm = ["itl_p95", "tpot_mean", "e2e_p50", "ttft_p95", "output_tok_s", "req_s"]
+  L += _table(["load"] + nm, [[f"{points[k]['label']} [{points[k]['sampling']}]"] +
+                              [("–" if v.get(m) is None else f"{v[m]:.1%}") for m in nm]
+                              for k, v in summary["noise"].items()])
+  # Per-point tables.
+  L += ["", "## Measurements per load point (all traffic)", "",
+        "Times in ms. ITL per token; TPOT = (e2e - TTFT) / (tokens - 1); acceptance from `/metrics` deltas; RSS of "
+        "the server process; slots from the `num_slots_in_use` gauge sampled during the point.", ""]
+  hdr = ["arm", "ok/failed", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95", "TPOT", "e2e p50", "e2e p95", "tok/s",
+         "req/s", "queue p50", "accept rate", "mean acc len", "proposer share", "RSS MiB", "slots mean/max"]
+  for k, p in points.items():
+    L += [f"### {p['label']} [{p['sampling']}] ({p['mode']} loop)", ""]
+    rows = []
+    for arm, res in results.items():
+      s = stats.get(arm, {}).get(k, {}).get("all")
+      pr = res["points"].get(k)
+      if not s or not pr:
+        continue
+      sp, smp = pr["metrics"]["speculation"], pr["samples"]
+      q = s["queue_p50"] if s["queue_p50"] is not None else (pr["metrics"].get("server_queue") or {}).get("p50")
+      slots = smp.get("slots_in_use")
+      rows.append([arm, f"{s['completed']}/{s['failed']}" + (f" ({s['cut']} cut)" if s["cut"] else ""),
+                   _ms(s["ttft_p50"]), _ms(s["ttft_p95"]), _ms(s["itl_p50"]), _ms(s["itl_p95"]), _ms(s["tpot_mean"]),
+                   _ms(s["e2e_p50"]), _ms(s["e2e_p95"]), _f(s["output_tok_s"], ".1f"), _f(s["req_s"], ".2f"), _ms(q),
+                   _f(sp.get("acceptance_rate")), _f(sp.get("mean_acceptance_length")),
+                   _f(pr["metrics"].get("proposer_share")), _mib((smp.get("rss_bytes") or {}).get("max")),
+                   f"{slots['mean']:.1f}/{slots['max']:.0f}" if slots else "–"])
+    L += _table(hdr, rows) + [""]
+  if files:
+    L += ["## Plots", ""] + [f"![{f[:-4]}]({f})" for f in files] + [""]
+  # How it was measured.
+  fs = summary["fixed_settings"]
+  L += ["## Fixed settings", "",
+        "Every launched arm ran the same server command line; only `--speculative_config` (and the port) differ. "
+        f"Checked: **{'identical' if fs['identical'] else 'DIFFERENT: ' + ', '.join(fs['differences'])}**.", ""]
+  if fs["flags"]:
+    L += ["```", " ".join(fs["flags"]), "```", ""]
+  if fs["targeted_arms"]:
+    L += [f"Arms targeted by URL (settings not checked by the tool): {', '.join(fs['targeted_arms'])}.", ""]
+  L += ["Traffic:", "", "```json", json.dumps(fs["traffic"], indent=1), "```", "",
+        "Guardrails (set before the run):", "", "```json", json.dumps(summary["guardrails"], indent=1), "```", ""]
+  uc = summary["usage_checks"]
+  bad = [(a, k, n) for a, by in uc.items() for k, c in by.items() for n, v in c.items()
+         if isinstance(v, dict) and v.get("match") is False]
+  L += ["## Checks", "",
+        "- `/metrics` deltas against per-request `usage` sums (drafted, accepted, completion tokens): "
+        + ("all agree." if not bad else "MISMATCH at " + ", ".join(f"{a} {k} {n}" for a, k, n in bad)),
+        "- Percentiles are numpy's (linear) over `records.jsonl`; ITL pools every per-token sample of the cell.",
+        "- ITL: an SSE event carrying n tokens `gap` after the previous event adds n samples of gap / n; tokens in "
+        "the first event count in TTFT only. `event_gaps` in the records keeps the raw per-event gaps.", ""]
+  path = os.path.join(out_dir, "report.md")
+  with open(path, "w") as f:
+    f.write("\n".join(L))
+  return path
+
+
+def _recommend(summary: dict) -> str:
+  lv = summary["tuned"]["levels"]
+  on = [f"c{c} ({v['arm']})" for c, v in sorted(lv.items(), key=lambda kv: int(kv[0])) if v["arm"]]
+  off = [f"c{c}" for c, v in sorted(lv.items(), key=lambda kv: int(kv[0])) if not v["arm"]]
+  segs_off = sorted({s for a in summary["arms"] for _, s in summary["overall"][a]["off"] if s != "all"})
+  parts = []
+  parts.append("Speculation on at " + (", ".join(on) if on else "no measured concurrency") + "; off at " +
+               (", ".join(off) if off else "none") + ".")
+  if segs_off:
+    parts.append("Segments where some arm rolls back: " + ", ".join(segs_off[:8]) + ("…" if len(segs_off) > 8 else "")
+                 + ".")
+  return " ".join(parts)
