@@ -1,0 +1,77 @@
+"""Prometheus metrics of the server, under the `spec_jax:` prefix, in the shape of vLLM's.
+
+The speculation counters follow vLLM's `vllm/v1/spec_decode/metrics.py`, so dashboards and load tools that read
+vLLM read these too: a draft is one (request, step) that proposed at least one token; draft tokens are the tokens
+proposed; accepted tokens those the target kept; accepted per position counts acceptances of draft position p
+(p = 0 is the first drafted token), so accepted_per_pos{p} <= num_drafts and sum_p accepted_per_pos = accepted.
+
+Latencies are engine-side: measured when the engine hands tokens to a request's output, which is when the HTTP
+layer can send them. One engine iteration can hand a request several tokens at once (speculation commits up to
+k + 1 per step, and a loop call runs several steps), so an inter-token latency is per token: a hand-over of n
+tokens dt after the previous one adds n samples of dt / n. Time per output token is per request:
+(last token time - first token time) / (tokens - 1).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "spec_jax:"
+# Latency buckets in seconds: from a fast CPU step (a few ms) to a long queue wait.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+            10.0, 20.0, 40.0, 80.0)
+_HOST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+
+class Metrics:
+  """One registry per server, so several servers (or tests) in one process never share counters."""
+
+  def __init__(self, k_max: int):
+    r = self.registry = CollectorRegistry()
+    p = PREFIX
+    # Speculation (vLLM names).
+    self.num_drafts = Counter(f"{p}spec_decode_num_drafts", "Draft proposals: (request, step) pairs that drafted.",
+                              registry=r)
+    self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Tokens drafted.", registry=r)
+    self.num_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+    self.accepted_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by draft position.", ["position"], registry=r)
+    for pos in range(max(k_max, 0)):
+      self.accepted_per_pos.labels(position=str(pos))
+    self.steps_by_k = Counter(f"{p}spec_decode_steps", "Engine loop steps, by the number of tokens drafted (k).",
+                              ["k"], registry=r)
+    self.speculation_enabled = Gauge(f"{p}speculation_enabled",
+                                     "1 when speculation is on (admin switch and guardrails), else 0.", registry=r)
+    self.speculation_switches = Counter(f"{p}speculation_switches", "Speculation switched on or off.",
+                                        ["enabled", "reason"], registry=r)
+    self.baseline_itl_p95 = Gauge(f"{p}baseline_itl_p95_seconds",
+                                  "p95 inter-token latency measured in the last k = 0 window (guardrails).",
+                                  registry=r)
+    # Latencies.
+    self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY, registry=r)
+    self.itl = Histogram(f"{p}inter_token_latency_seconds", "Per-token gap between token hand-overs.",
+                         buckets=_LATENCY, registry=r)
+    self.tpot = Histogram(f"{p}request_time_per_output_token_seconds",
+                          "(last token - first token) / (tokens - 1), per request.", buckets=_LATENCY, registry=r)
+    self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY, registry=r)
+    self.queue_time = Histogram(f"{p}request_queue_time_seconds", "Arrival to slot insert.", buckets=_LATENCY,
+                                registry=r)
+    self.host_time = Histogram(f"{p}engine_host_seconds",
+                               "Host work per engine iteration (scheduling, dispatch, detokenizing), device waits "
+                               "excluded.", buckets=_HOST, registry=r)
+    # Load.
+    self.running = Gauge(f"{p}num_requests_running", "Requests in a decode slot.", registry=r)
+    self.waiting = Gauge(f"{p}num_requests_waiting", "Requests in the waiting queue.", registry=r)
+    self.slots_in_use = Gauge(f"{p}num_slots_in_use", "Decode slots held by a request.", registry=r)
+    self.slots_total = Gauge(f"{p}num_slots", "Decode slots (--max_num_seqs).", registry=r)
+    # Outcomes.
+    self.finished = Counter(f"{p}request_success", "Finished requests, by finish reason.", ["finished_reason"],
+                            registry=r)
+    self.errors = Counter(f"{p}request_errors", "Requests answered with an error, by kind.", ["kind"], registry=r)
+    self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+    self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens handed to requests.", registry=r)
+    for reason in ("stop", "length", "abort"):
+      self.finished.labels(finished_reason=reason)
+
+  def render(self) -> bytes:
+    return generate_latest(self.registry)
