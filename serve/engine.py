@@ -92,7 +92,10 @@ class Output:
       self._ids.extend(token_ids)
       if finish_reason is not None or error is not None:
         self._final = Delta("", [], finish_reason, error, usage)
-    self.notify()
+    try:
+      self.notify()
+    except RuntimeError:  # the server's event loop is closed (shutting down): nobody is listening
+      pass
 
   def take(self) -> Optional[Delta]:
     """Pending text and ids (and the end, once reached); None when there is nothing new."""

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -228,7 +229,8 @@ def create_app(engine, tokenizer, cfg: dict):
           prompt_ids, max_new=max_tokens,
           temperature=body.temperature if body.temperature is not None else cfg["temperature"],
           top_k=0 if top_k == -1 else top_k, top_p=body.top_p if body.top_p is not None else cfg["top_p"],
-          speculate=body.speculate is not False, seed=body.seed if body.seed is not None else 0,
+          speculate=body.speculate is not False,
+          seed=body.seed % (1 << 31) if body.seed is not None else secrets.randbits(31),
           stop=body.stop_list(), output=output)
     except ValueError as e:
       raise APIError(400, str(e))
