@@ -14,10 +14,7 @@ def get_config():
   # Every arm runs `python -m serve.server` with these flags plus its own --speculative_config (nothing else).
   c.server = ml_collections.ConfigDict({
       "flags": {"config": "configs/gemma3_270m.py", "dtype": "bfloat16", "max_num_seqs": SLOTS, "max_queue": 64},
-      "startup_timeout": 900.0, "stop_grace": 60.0,
-      # JAX's persistent compile cache: the second start of a server compiles nothing (start-up is not measured).
-      "env": {"JAX_COMPILATION_CACHE_DIR": "/tmp/spec_jax_loadtest_jax_cache",
-              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}})
+      "startup_timeout": 900.0, "stop_grace": 60.0, "env": {}})  # env: extra environment for the server
   c.url = ""  # non-empty: target this server for every arm instead of starting one
   c.model_name = "gemma-3-270m"
   c.api_key = ""

@@ -1,1 +1,1 @@
-"""The load matrix: baseline against speculative arms on serve.server under real concurrency (python -m serve.loadtest)."""
+"""The load matrix: baseline against speculative arms on serve.server under concurrency (python -m serve.loadtest)."""

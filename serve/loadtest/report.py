@@ -195,8 +195,8 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
   if summary.get("tuned_check") is not None:
     tc = summary["tuned_check"]
     bad = {k: v for k, v in tc.items() if not v["ok"]}
-    L += ["", f"**Tuned config rerun:** {'never below the baseline beyond the noise' if not bad else 'BELOW the baseline'}"
-          f" at {len(tc) - len(bad)}/{len(tc)} points."]
+    what = "never below the baseline beyond the noise" if not bad else "BELOW the baseline"
+    L += ["", f"**Tuned config rerun:** {what} at {len(tc) - len(bad)}/{len(tc)} points."]
     for k, v in bad.items():
       L.append(f"- {points[k]['label']} [{points[k]['sampling']}]: " + "; ".join(v["failures"]))
   # Per-arm cell matrix.

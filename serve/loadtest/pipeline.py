@@ -1,0 +1,39 @@
+"""The whole tool as a function (the CLI and the tests call it): matrix -> analysis -> optional tuned rerun.
+
+Kept apart from __main__ so that importing it defines no absl flags (serve.server defines its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def run(cfg: dict, out_dir: str, *, verify_tuned: bool, plots: bool = True, log=print) -> dict:
+  """-> the analysis summary. The tuned rerun needs arms the tool starts itself (not URLs)."""
+  from serve.loadtest.analyze import TUNED, analyze
+  from serve.loadtest.matrix import run_matrix
+  run_matrix(cfg, out_dir, log=log)
+  summary = analyze(out_dir, plots=plots)
+  if verify_tuned:
+    if cfg.get("url") or any(a.get("url") for a in cfg.get("arms") or []):
+      log("tuned rerun skipped: arms targeted by URL (the tool cannot restart them with the tuned config)")
+    else:
+      path = os.path.abspath(os.path.join(out_dir, "speculative_config.json"))
+      log(f"tuned rerun with {path}: {json.dumps(summary['tuned']['config'])}")
+      run_matrix(cfg, out_dir, log=log, arms=[{"name": TUNED, "speculative_config": {},
+                                               "speculative_config_path": path, "baseline": False}], append=True)
+      summary = analyze(out_dir, plots=plots)
+  return summary
+
+
+def print_verdict(summary: dict, out_dir: str) -> None:
+  for arm in summary["arms"]:
+    o = summary["overall"][arm]
+    print(f"{arm}: {o['overall']} (keeps at {', '.join(o['loads_on']) or '-'}; rolls back at "
+          f"{', '.join(o['loads_off']) or '-'})")
+  print("tuned speculative_config.json:", json.dumps(summary["tuned"]["config"]))
+  if summary.get("tuned_check"):
+    bad = [k for k, v in summary["tuned_check"].items() if not v["ok"]]
+    print("tuned rerun:", "never below the baseline beyond the noise" if not bad else f"below at {bad}")
+  print(f"report: {os.path.join(out_dir, 'report.md')}")
