@@ -21,7 +21,7 @@ def get_config():
   c.slots = SLOTS  # peak concurrency = the server's decode slots
   c.baseline = {"name": "baseline", "speculative_config": {}}
   c.baseline_repeats = 2  # first and last: the repeat-to-repeat noise the verdict uses
-  c.arms = [
+  c.arms = (  # tuples, so that --config.arms='(...)' can override them
       {"name": "ngram_k2", "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
       {"name": "ngram_k4", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
@@ -31,20 +31,20 @@ def get_config():
       {"name": "eagle_k2", "speculative_config": {"method": "eagle", "num_speculative_tokens": 2}},
       {"name": "eagle_k4", "speculative_config": {"method": "eagle", "num_speculative_tokens": 4}},
       {"name": "medusa_k4", "speculative_config": {"method": "medusa", "num_speculative_tokens": 4}},
-  ]
+  )
   # Traffic: identical for every arm.
   c.prompts = "../shared/data/specbench/spec_bench_question.jsonl"
   c.prompt_limit = 0
-  c.categories = []
-  c.output_lengths = [32, 128]  # max_tokens; prompt i of the file gets output_lengths[i % 2] (the output segment)
-  c.prompt_len_edges = [64, 256]  # prompt-length segments: < 64, 64-255, >= 256 tokens
-  c.samplings = [{"name": "greedy", "temperature": 0.0, "top_p": 1.0},
-                 {"name": "sampled", "temperature": 0.7, "top_p": 0.9}]
+  c.categories = ()
+  c.output_lengths = (32, 128)  # max_tokens; prompt i of the file gets output_lengths[i % 2] (the output segment)
+  c.prompt_len_edges = (64, 256)  # prompt-length segments: < 64, 64-255, >= 256 tokens
+  c.samplings = ({"name": "greedy", "temperature": 0.0, "top_p": 1.0},
+                 {"name": "sampled", "temperature": 0.7, "top_p": 0.9})
   c.seed = 0
   # Load points: closed loop at 1, slots/2, slots (peak) and overload_factor x slots, then Poisson arrivals.
-  c.closed_levels = []  # [] = (1, slots/2, slots, 2 x slots)
+  c.closed_levels = ()  # () = (1, slots/2, slots, 2 x slots)
   c.overload_factor = 2.0
-  c.open_rates = [1.0]  # requests/s
+  c.open_rates = (1.0,)  # requests/s
   c.requests_per_point = 24
   c.requests_per_client = 3  # closed loop: at least this many requests per client
   c.max_seconds_per_point = 75.0  # stop issuing after this ...
@@ -62,7 +62,7 @@ def get_config():
       "acceptance_floor": 0.1,  # acceptance rate (accepted / drafted tokens) floor
       "noise_floor": 0.03, "noise_multiplier": 2.0,  # a difference counts beyond max(3 %, 2 x measured noise)
       "min_requests": 4,  # fewer completed requests in a cell: neutral
-      "improve_metrics": ["tpot_mean", "e2e_p50", "output_tok_s"],
-      "throughput_tags": ["peak", "overload"],
+      "improve_metrics": ("tpot_mean", "e2e_p50", "output_tok_s"),
+      "throughput_tags": ("peak", "overload"),
   }
   return c

@@ -11,12 +11,12 @@ def get_config():
   c.slots = 4
   c.server.flags.max_num_seqs = 4
   c.server.startup_timeout = 600.0
-  c.arms = [{"name": "ngram_k4", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
-                                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}}]
-  c.samplings = [{"name": "greedy", "temperature": 0.0, "top_p": 1.0}]
-  c.closed_levels = [1, 4, 8]
-  c.open_rates = []
-  c.output_lengths = [32, 64]
+  c.arms = ({"name": "ngram_k4", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}},)
+  c.samplings = ({"name": "greedy", "temperature": 0.0, "top_p": 1.0},)
+  c.closed_levels = (1, 4, 8)
+  c.open_rates = ()
+  c.output_lengths = (32, 64)
   c.requests_per_point = 8
   c.requests_per_client = 2
   c.max_seconds_per_point = 25.0

@@ -4,7 +4,7 @@ speculative_config.json and report.md into the output directory.
   python -m serve.loadtest --config=configs/loadtest_smoke.py              # ~5 min on Gemma 3 270M
   python -m serve.loadtest --config=configs/loadtest.py --output_dir=benchmarks/reports/gemma3_270m
   python -m serve.loadtest --analyze_only=benchmarks/reports/gemma3_270m   # rebuild the report from the files
-  python -m serve.loadtest --url=http://127.0.0.1:8000 --config.arms='[]' --config.baseline_repeats=1  # measure one
+  python -m serve.loadtest --url=http://127.0.0.1:8000 --config.slots=4 --verify_tuned=false  # measure one server
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+import httpx
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -36,15 +37,16 @@ def main(argv):
     print_verdict(summary, FLAGS.analyze_only)
     return
   cfg = _CONFIG.value.to_dict()
-  if FLAGS.url:
+  if FLAGS.url:  # one running server: only the baseline repeats (and arms with their own url) make sense
     cfg["url"] = FLAGS.url
+    cfg["arms"] = [a for a in cfg["arms"] if a.get("url")]
   if FLAGS.only_arms:
     cfg["arms"] = [a for a in cfg["arms"] if a["name"] in FLAGS.only_arms]
   out_dir = FLAGS.output_dir or cfg["output_dir"]
   verify = cfg.get("verify_tuned", False) if FLAGS.verify_tuned is None else FLAGS.verify_tuned
   try:
     summary = run(cfg, out_dir, verify_tuned=verify, plots=FLAGS.plots)
-  except (ValueError, FileNotFoundError, RuntimeError) as e:
+  except (ValueError, FileNotFoundError, RuntimeError, httpx.HTTPError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print_verdict(summary, out_dir)
