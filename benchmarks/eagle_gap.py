@@ -12,7 +12,8 @@ import numpy as np
 
 from spec_jax.checkpoints.load import load_model
 from spec_jax.decode import generate
-from spec_jax.proposers import eagle, heads_io, vocab
+from spec_jax.checkpoints import heads as head_ckpt
+from spec_jax.proposers import eagle, vocab
 from spec_jax.proposers.registry import default_heads_path
 from train import losses
 from train.eval_acceptance import held_out_prompts
@@ -22,7 +23,7 @@ def main(num_prompts: int = 16, max_new_tokens: int = 64, passes: int = 3):
   config, params, tok = load_model(None, "float32")
   ids = [tok.encode(tok.apply_chat_template([t])) for t in held_out_prompts(num_prompts, 0)]
   outs = generate(params, config, ids, max_new_tokens=max_new_tokens, warm=False).token_ids
-  meta, weights, d2t = heads_io.load_heads(default_heads_path("eagle"), config, "eagle", jnp.float32)
+  meta, weights, d2t = head_ckpt.load_heads(default_heads_path("eagle"), config, "eagle", jnp.float32)
   d2t_np = np.asarray(d2t)
   generated = np.concatenate([np.asarray(o) for o in outs])
   print(f"draft-vocabulary coverage of the greedy outputs: {np.isin(generated, d2t_np).mean():.3f} "

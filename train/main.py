@@ -69,7 +69,8 @@ def build_task(cfg, config, params, d2t):
   """-> (Task, initial trainable params, frozen pytree, export meta)."""
   import jax
   import jax.numpy as jnp
-  from spec_jax.proposers import eagle, heads_io, medusa, vocab
+  from spec_jax.checkpoints import heads as head_ckpt
+  from spec_jax.proposers import eagle, medusa, vocab
   from spec_jax.proposers.draft import early_exit_params
   from train import losses
   from train.trainer import Task
@@ -81,7 +82,7 @@ def build_task(cfg, config, params, d2t):
   if cfg.kind == "medusa":
     frozen = {"target": params, "rows": rows}
     if d2t is not None:
-      frozen["t2d"] = jnp.asarray(heads_io.t2d(d2t, config.vocab_size))
+      frozen["t2d"] = jnp.asarray(head_ckpt.t2d(d2t, config.vocab_size))
     init = medusa.init_params(key, config.d_model, cfg.num_heads, jnp.float32)
     task = Task("medusa", features, lambda p, fz, f, t, m, k: losses.medusa_loss(p, fz, f, t, m), features_id)
     return task, init, frozen, {"num_heads": cfg.num_heads}
@@ -141,7 +142,7 @@ def check_resume_config(cfg):
 def run(cfg, stop_after=None, log=None):
   import jax
   import numpy as np
-  from spec_jax.proposers import heads_io
+  from spec_jax.checkpoints import heads as head_ckpt
   from train.trainer import Trainer, TrainSpec
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
   check_resume_config(cfg)
@@ -149,7 +150,7 @@ def run(cfg, stop_after=None, log=None):
   config, params, tokenizer = load_target(cfg)
   data = build_data(cfg, config, params, tokenizer, log)
   t_data = time.time() - t0
-  d2t = heads_io.make_d2t(data.token_counts(config.vocab_size), cfg.draft_vocab) if cfg.draft_vocab else None
+  d2t = head_ckpt.make_d2t(data.token_counts(config.vocab_size), cfg.draft_vocab) if cfg.draft_vocab else None
   task, init, frozen, meta = build_task(cfg, config, params, d2t)
   mesh = None
   if cfg.data_parallel and jax.device_count() > 1:
@@ -159,14 +160,14 @@ def run(cfg, stop_after=None, log=None):
   final, ev = trainer.fit(init, frozen, data, stop_after=stop_after)
   if stop_after is not None and int(trainer.ckpt.latest_step() or 0) < cfg.train.steps:
     return final, None
-  flat = heads_io._flatten(jax.device_get(final))
+  flat = head_ckpt.flatten(jax.device_get(final))
   np.savez(os.path.join(cfg.train.workdir, "final_params.npz"), **{k.replace("/", "."): v for k, v in flat.items()})
   out = {"final": final}
   if cfg.export:
     best = trainer.best_params(final) if cfg.export_best else None
     meta = dict(meta, train_steps=cfg.train.steps, train_time_s=round(time.time() - t0, 1),
                 data_time_s=round(t_data, 1), eval=ev, data=dict(cfg.data), draft_vocab=cfg.draft_vocab)
-    path = heads_io.save_heads(cfg.export, cfg.kind, best if best is not None else final, config, meta, d2t)
+    path = head_ckpt.save_heads(cfg.export, cfg.kind, best if best is not None else final, config, meta, d2t)
     log(f"exported {path}")
     out["export"] = path
   with open(os.path.join(cfg.train.workdir, "summary.json"), "w") as f:

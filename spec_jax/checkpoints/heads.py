@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from spec_jax.checkpoints import safetensors_io
 from spec_jax.config import ModelConfig
 
 FORMAT_VERSION = 1
 _ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                 "activation", "post_norms", "qk_norm", "qkv_bias", "rope_base", "rope_base_local",
                 "sliding_window", "global_every", "query_pre_attn_scalar", "embed_scale", "tie_embeddings")
-_ST_NAMES = {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}
 
 
 def target_fingerprint(config: ModelConfig) -> str:
@@ -38,18 +38,20 @@ def _paths(path: str) -> tuple[str, str]:
   return stem + ".safetensors", stem + ".json"
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """A nested dict of arrays -> {"a/b/c": leaf}, the tensor names a head checkpoint stores."""
   out = {}
   for k, v in tree.items():
     name = f"{prefix}{k}"
     if isinstance(v, dict):
-      out.update(_flatten(v, name + "/"))
+      out.update(flatten(v, name + "/"))
     else:
       out[name] = v
   return out
 
 
-def _unflatten(flat: dict) -> dict:
+def unflatten(flat: dict) -> dict:
+  """The inverse of `flatten`."""
   out: dict = {}
   for name, v in flat.items():
     *parents, leaf = name.split("/")
@@ -60,42 +62,16 @@ def _unflatten(flat: dict) -> dict:
   return out
 
 
-def write_safetensors(path: str, arrays: dict) -> None:
-  """A safetensors file: 8-byte little-endian header length, JSON header, raw little-endian data."""
-  header, blobs, offset = {}, [], 0
-  for name in sorted(arrays):
-    a = np.ascontiguousarray(arrays[name])
-    if a.dtype not in _ST_NAMES:
-      raise ValueError(f"tensor {name!r}: unsupported dtype {a.dtype}")
-    b = a.tobytes()
-    header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
-    blobs.append(b)
-    offset += len(b)
-  head = json.dumps(header, separators=(",", ":")).encode()
-  head += b" " * (-len(head) % 8)  # keeps the data 8-byte aligned
-  with open(path, "wb") as f:
-    f.write(len(head).to_bytes(8, "little"))
-    f.write(head)
-    for b in blobs:
-      f.write(b)
-
-
-def read_safetensors(path: str) -> dict:
-  from spec_jax.checkpoints.safetensors_loader import _SafetensorsFile
-  st = _SafetensorsFile(path)
-  return {name: st.read(name) for name in st.entries}
-
-
 def save_heads(path: str, kind: str, params: dict, target_config: ModelConfig, meta: dict | None = None,
                d2t=None) -> str:
   """Weights in bfloat16 (d2t stays int32). Returns the .safetensors path."""
   st_path, json_path = _paths(path)
   os.makedirs(os.path.dirname(os.path.abspath(st_path)), exist_ok=True)
   flat = {k: np.asarray(jnp.asarray(v, jnp.float32)).astype(ml_dtypes.bfloat16)
-          for k, v in _flatten(jax.device_get(params)).items()}
+          for k, v in flatten(jax.device_get(params)).items()}
   if d2t is not None:
     flat["d2t"] = np.asarray(d2t, np.int32)
-  write_safetensors(st_path, flat)
+  safetensors_io.write(st_path, flat)
   info = {
       "format_version": FORMAT_VERSION, "kind": kind, "target_name": target_config.name,
       "target_fingerprint": target_fingerprint(target_config), "hidden_size": target_config.d_model,
@@ -124,20 +100,20 @@ def load_heads(path: str, target_config: ModelConfig, kind: str, dtype=jnp.float
   for field, want in (("hidden_size", target_config.d_model), ("vocab_size", target_config.vocab_size)):
     if meta.get(field) != want:
       raise ValueError(f"{json_path}: {field} is {meta.get(field)}, the target's is {want}")
-  flat = read_safetensors(st_path)
+  flat = safetensors_io.read(st_path)
   d2t = flat.pop("d2t", None)
   if d2t is not None:
     check_d2t(d2t, target_config.vocab_size, where=st_path)
     if meta.get("draft_vocab_size") != len(d2t):
       raise ValueError(f"{st_path}: d2t has {len(d2t)} entries, the metadata says {meta.get('draft_vocab_size')}")
-  params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32), dtype), _unflatten(flat))
+  params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32), dtype), unflatten(flat))
   return meta, params, (jnp.asarray(d2t, jnp.int32) if d2t is not None else None)
 
 
 def check_shapes(params: dict, want: dict, where: str) -> None:
   """want: the same tree of shape tuples. Names the first missing, extra or mis-shaped tensor."""
-  got = {k: tuple(np.shape(v)) for k, v in _flatten(params).items()}
-  need = _flatten(want)
+  got = {k: tuple(np.shape(v)) for k, v in flatten(params).items()}
+  need = flatten(want)
   for k in sorted(set(need) | set(got)):
     if k not in got:
       raise ValueError(f"{where}: tensor {k!r} is missing (expected shape {need[k]})")

@@ -5,8 +5,7 @@ whose text config sits under `text_config`; only the language model is loaded). 
 [out, in]; ours are [in, ...out] with heads split out. Gemma stores norm weights w for a (1 + w) multiplier:
 the 1 is added here because our norms are plain multipliers.
 
-The safetensors files are read with a small header parser of our own (numpy has no bfloat16, so the
-safetensors numpy API cannot read the bf16 checkpoints most models ship as; ml_dtypes can).
+The files are read through `safetensors_io` (the `safetensors` package), tensor by tensor as they are needed.
 """
 
 from __future__ import annotations
@@ -17,21 +16,15 @@ import math
 import os
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
+from spec_jax.checkpoints.safetensors_io import SafetensorsFile
 from spec_jax.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text", "gemma3")
 INDEX_FILE = "model.safetensors.index.json"
 # Wrappers put the decoder under these; longest first so `model.language_model.` is not cut at `model.`.
 NAME_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
-
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
-_MAX_HEADER = 100 << 20  # a larger header means the length bytes are garbage
 
 # Gemma3TextConfig defaults, for keys that official config.json files leave out.
 _GEMMA3_DEFAULTS = dict(
@@ -68,55 +61,6 @@ _GEMMA3_LAYER = {
 # ----------------------------------------------------------------------------------------------- files
 
 
-class _SafetensorsFile:
-  """Header of one .safetensors file, validated up front; tensors are read on demand."""
-
-  def __init__(self, path: str):
-    self.path = path
-    size = os.path.getsize(path)
-    try:
-      with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-          raise ValueError(f"file is {size} bytes, shorter than the 8-byte header length")
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, _MAX_HEADER):
-          raise ValueError(f"header length {n} does not fit in a {size}-byte file")
-        header = json.loads(f.read(n))
-      if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-      self.base = 8 + n
-      self.entries = {}
-      for name, e in header.items():
-        if name == "__metadata__":
-          continue
-        self.entries[name] = self._check_entry(name, e, size - self.base)
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-      raise ValueError(f"{path} is not a readable safetensors file: {e}") from e
-
-  @staticmethod
-  def _check_entry(name, e, data_size):
-    if not isinstance(e, dict) or e.get("dtype") not in _ST_DTYPES:
-      raise ValueError(f"tensor {name!r} has an unsupported or missing dtype: {e!r}")
-    shape, offsets = e.get("shape"), e.get("data_offsets")
-    if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
-        or not isinstance(offsets, list) or len(offsets) != 2):
-      raise ValueError(f"tensor {name!r} has a malformed header entry: {e!r}")
-    dtype = np.dtype(_ST_DTYPES[e["dtype"]])
-    begin, end = offsets
-    if not (0 <= begin <= end <= data_size) or end - begin != math.prod(shape) * dtype.itemsize:
-      raise ValueError(f"tensor {name!r} has data offsets {offsets} that do not match shape {shape} "
-                       f"({e['dtype']}) within {data_size} data bytes (truncated file?)")
-    return dtype, tuple(shape), begin, end
-
-  def read(self, name: str) -> np.ndarray:
-    dtype, shape, begin, end = self.entries[name]
-    with open(self.path, "rb") as f:
-      f.seek(self.base + begin)
-      buf = f.read(end - begin)
-    return np.frombuffer(buf, dtype).reshape(shape)
-
-
 def _strip(name: str) -> str:
   for p in NAME_PREFIXES:
     if name.startswith(p):
@@ -133,8 +77,8 @@ class _TensorIndex:
     self.where = {}  # stripped name -> (file, original name)
     self.clashes = {}  # stripped name -> every original name that maps to it, when more than one does
     for path in files:
-      st = _SafetensorsFile(path)
-      for name in st.entries:
+      st = SafetensorsFile(path)
+      for name in st.names:
         key = _strip(name)
         if key in self.where:  # only an error if that tensor is asked for (vision towers may clash)
           self.clashes.setdefault(key, [self.label(key)]).append(f"{name!r} in {path}")

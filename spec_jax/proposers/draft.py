@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
-from spec_jax.proposers import heads_io, vocab
+from spec_jax.checkpoints import heads as head_ckpt
+from spec_jax.proposers import vocab
 from spec_jax.proposers.base import Draft
 from spec_jax.sampling import sample_with_probs
 
@@ -144,12 +145,12 @@ def runtime_params(weights: dict, target_params: dict, d2t=None) -> dict:
 
 
 def load_draft(path: str, target_config: ModelConfig, target_params: dict, k: int, impl: str = "xla"):
-  """A distilled draft checkpoint (heads_io format, kind "draft") -> (proposer, params)."""
+  """A distilled draft checkpoint (checkpoints.heads format, kind "draft") -> (proposer, params)."""
   dtype = target_params["final_norm"].dtype
-  meta, weights, d2t = heads_io.load_heads(path, target_config, "draft", dtype)
+  meta, weights, d2t = head_ckpt.load_heads(path, target_config, "draft", dtype)
   n = int(meta.get("num_layers", 0))
   if not 1 <= n < target_config.num_layers:
     raise ValueError(f"{path}: num_layers must be in [1, {target_config.num_layers}), got {n}")
-  heads_io.check_shapes(weights, param_shapes(target_config, n), path)
+  head_ckpt.check_shapes(weights, param_shapes(target_config, n), path)
   cfg = target_config.replace(num_layers=n, name=f"{target_config.name}-distill{n}")
   return DraftModelProposer(config=cfg, k=k, impl=impl), runtime_params(weights, target_params, d2t)

@@ -31,7 +31,8 @@ from flax import struct
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models import transformer as tfm
-from spec_jax.proposers import heads_io, vocab
+from spec_jax.checkpoints import heads as head_ckpt
+from spec_jax.proposers import vocab
 from spec_jax.proposers.base import Draft
 
 
@@ -181,9 +182,9 @@ def runtime_params(weights: dict, target_params: dict, d2t: Optional[jax.Array] 
 
 def load_eagle(path: str, target_config: ModelConfig, target_params: dict, k: int, impl: str = "xla"):
   dtype = target_params["final_norm"].dtype
-  meta, weights, d2t = heads_io.load_heads(path, target_config, "eagle", dtype)
+  meta, weights, d2t = head_ckpt.load_heads(path, target_config, "eagle", dtype)
   cfg = layer_config(target_config, int(meta.get("mlp_dim", target_config.mlp_dim)))
-  heads_io.check_shapes(weights, param_shapes(cfg), path)
+  head_ckpt.check_shapes(weights, param_shapes(cfg), path)
   proposer = EagleProposer(config=cfg, vocab_size=target_config.vocab_size, k=k, reduced=d2t is not None,
                            impl=impl)
   return proposer, runtime_params(weights, target_params, d2t)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.config import ModelConfig
-from spec_jax.proposers import heads_io, vocab
+from spec_jax.checkpoints import heads as head_ckpt
+from spec_jax.proposers import vocab
 from spec_jax.proposers.base import Draft
 
 
@@ -78,8 +79,8 @@ def runtime_params(heads: dict, target_params: dict, d2t: Optional[jax.Array] = 
 def load_medusa(path: str, target_config: ModelConfig, target_params: dict, k: int):
   """-> (MedusaProposer, params) from a heads checkpoint, checked against the target."""
   dtype = target_params["final_norm"].dtype
-  meta, heads, d2t = heads_io.load_heads(path, target_config, "medusa", dtype)
+  meta, heads, d2t = head_ckpt.load_heads(path, target_config, "medusa", dtype)
   K = int(meta.get("num_heads", 0))
-  heads_io.check_shapes(heads, param_shapes(target_config.d_model, K), path)
+  head_ckpt.check_shapes(heads, param_shapes(target_config.d_model, K), path)
   proposer = MedusaProposer(vocab_size=target_config.vocab_size, num_heads=K, k=k, reduced=d2t is not None)
   return proposer, runtime_params(heads, target_params, d2t)

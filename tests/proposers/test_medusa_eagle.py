@@ -12,7 +12,8 @@ import pytest
 from spec_jax.config import SamplingParams
 from spec_jax.decode import generate
 from spec_jax.models.transformer import init_params
-from spec_jax.proposers import eagle, heads_io, medusa, vocab
+from spec_jax.checkpoints import heads as head_ckpt
+from spec_jax.proposers import eagle, medusa, vocab
 from spec_jax.proposers.base import ProposeContext
 from spec_jax.proposers.registry import build_proposer, default_heads_path
 from tests.conftest import tiny_gemma_config, tiny_llama_config
@@ -109,15 +110,15 @@ def test_reduced_vocab_draw_maps_ids_and_scatters_q():
 def test_d2t_round_trip_and_frequency_order():
   counts = np.zeros(CONFIG.vocab_size, np.int64)
   counts[[5, 9, 40, 41]] = [10, 30, 20, 20]
-  d2t = heads_io.make_d2t(counts, 3)
+  d2t = head_ckpt.make_d2t(counts, 3)
   assert d2t.tolist() == [9, 40, 41]  # the 3 most frequent, ties to the lower id, sorted by id
-  t2d = heads_io.t2d(d2t, CONFIG.vocab_size)
+  t2d = head_ckpt.t2d(d2t, CONFIG.vocab_size)
   assert (t2d[d2t] == np.arange(3)).all()
   assert (np.delete(t2d, d2t) == -1).all()
   with pytest.raises(ValueError, match="duplicate"):
-    heads_io.check_d2t([3, 3], CONFIG.vocab_size)
+    head_ckpt.check_d2t([3, 3], CONFIG.vocab_size)
   with pytest.raises(ValueError, match="lie in"):
-    heads_io.check_d2t([3, 97], CONFIG.vocab_size)
+    head_ckpt.check_d2t([3, 97], CONFIG.vocab_size)
 
 
 def test_medusa_offsets():
@@ -149,7 +150,7 @@ def test_medusa_offsets():
 def test_head_checkpoint_round_trip_and_errors(tmp_path):
   params = _params()
   heads = medusa.init_params(jax.random.PRNGKey(5), CONFIG.d_model, 4, scale=1.0)
-  path = heads_io.save_heads(str(tmp_path / "m"), "medusa", heads, CONFIG, {"num_heads": 4}, D2T)
+  path = head_ckpt.save_heads(str(tmp_path / "m"), "medusa", heads, CONFIG, {"num_heads": 4}, D2T)
   assert path.endswith(".safetensors") and os.path.exists(str(tmp_path / "m.json"))
   prop, pp = build_proposer("medusa", target_config=CONFIG, target_params=params, k=3,
                             heads_path=str(tmp_path / "m"))
@@ -166,7 +167,7 @@ def test_head_checkpoint_round_trip_and_errors(tmp_path):
     build_proposer("eagle", target_config=CONFIG, target_params=params, k=3, heads_path=str(tmp_path / "m"))
   # Wrong shape for the same target: the metadata says 4 heads, the weights hold 3.
   three = medusa.init_params(jax.random.PRNGKey(5), CONFIG.d_model, 3)
-  heads_io.save_heads(str(tmp_path / "bad"), "medusa", three, CONFIG, {"num_heads": 4})
+  head_ckpt.save_heads(str(tmp_path / "bad"), "medusa", three, CONFIG, {"num_heads": 4})
   with pytest.raises(ValueError, match="tensor 'b' has shape \\(3, 32\\), expected \\(4, 32\\)"):
     build_proposer("medusa", target_config=CONFIG, target_params=params, k=3, heads_path=str(tmp_path / "bad"))
   with pytest.raises(ValueError, match="at most 4 tokens"):
@@ -174,21 +175,21 @@ def test_head_checkpoint_round_trip_and_errors(tmp_path):
   # EAGLE round trip with its layer shapes checked.
   ecfg = eagle.layer_config(CONFIG, 48)
   w = eagle.init_params(jax.random.PRNGKey(1), ecfg)
-  heads_io.save_heads(str(tmp_path / "e"), "eagle", w, CONFIG, {"mlp_dim": 48})
+  head_ckpt.save_heads(str(tmp_path / "e"), "eagle", w, CONFIG, {"mlp_dim": 48})
   prop, pp = build_proposer("eagle", target_config=CONFIG, target_params=params, k=2,
                             heads_path=str(tmp_path / "e"))
   assert prop.config.mlp_dim == 48 and not prop.reduced and pp["rows"].shape == (CONFIG.vocab_size, 32)
-  heads_io.save_heads(str(tmp_path / "e2"), "eagle", w, CONFIG, {"mlp_dim": 64})
+  head_ckpt.save_heads(str(tmp_path / "e2"), "eagle", w, CONFIG, {"mlp_dim": 64})
   with pytest.raises(ValueError, match="tensor 'layer/down' has shape \\(48, 32\\), expected \\(64, 32\\)"):
     build_proposer("eagle", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "e2"))
   # A distilled draft: its layer count comes from the metadata, its shapes are checked against the target's.
   _, dp = _distilled(params, D2T)
   w = {"layers": dp["layers"], "final_norm": dp["final_norm"]}
-  heads_io.save_heads(str(tmp_path / "d"), "draft", w, CONFIG, {"num_layers": 1}, D2T)
+  head_ckpt.save_heads(str(tmp_path / "d"), "draft", w, CONFIG, {"num_layers": 1}, D2T)
   prop, pp = build_proposer("draft", target_config=CONFIG, target_params=params, k=2,
                             heads_path=str(tmp_path / "d"))
   assert prop.config.num_layers == 1 and pp["rows"].shape == (len(D2T), 32)
-  heads_io.save_heads(str(tmp_path / "d2"), "draft", w, CONFIG, {"num_layers": 2}, D2T)
+  head_ckpt.save_heads(str(tmp_path / "d2"), "draft", w, CONFIG, {"num_layers": 2}, D2T)
   with pytest.raises(ValueError, match="tensor 'layers/attn_norm' has shape \\(1, 32\\), expected \\(2, 32\\)"):
     build_proposer("draft", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "d2"))
 
@@ -204,12 +205,12 @@ def _distill_gemma3_draft(config, params, prompts, path):
   from train.main import build_task
   from train.trainer import Trainer, TrainSpec
   toks, mask = data_lib.pack(prompts, 64)
-  d2t = heads_io.make_d2t(np.bincount(toks[mask], minlength=config.vocab_size), 512)
+  d2t = head_ckpt.make_d2t(np.bincount(toks[mask], minlength=config.vocab_size), 512)
   task, init, frozen, meta = build_task(get_config(), config, params, d2t)
   spec = TrainSpec(steps=3, batch_size=len(prompts), lr=1e-4, warmup=1, eval_every=3, save_every=3,
                    workdir=os.path.join(path, "work"), progress=False)
   final, _ = Trainer(task, spec, log=lambda s: None).fit(init, frozen, data_lib.Dataset(toks, mask, toks, mask))
-  heads_io.save_heads(os.path.join(path, "draft"), "draft", final, config, meta, d2t)
+  head_ckpt.save_heads(os.path.join(path, "draft"), "draft", final, config, meta, d2t)
   return build_proposer("draft", target_config=config, target_params=params, k=4,
                         heads_path=os.path.join(path, "draft"))
 
