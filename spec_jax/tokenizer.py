@@ -1,9 +1,8 @@
-"""Gemma 3 tokenizer: SentencePiece built from a GGUF file's metadata, matching transformers' GGUF tokenizer.
+"""Gemma 3 tokenizer: SentencePiece with transformers-compatible handling of control tokens and space runs.
 
-`Tokenizer.from_gguf(path)` reads the vocabulary (pieces, scores, types and the special ids) from the GGUF header,
-repairs what llama.cpp's converter changed, and builds a SentencePiece `ModelProto`. The serialized proto is cached
-beside the GGUF (see `spec_jax.checkpoints.file_cache`) with the GGUF's fingerprint, so later loads skip the header
-parse and take a fraction of a second.
+A `Tokenizer` is made from a serialized SentencePiece model: `spec_jax.checkpoints.load.load_tokenizer` builds one
+from a GGUF's metadata (`spec_jax.checkpoints.gguf_tokenizer`) or an HF directory's `tokenizer.model`, and
+`Tokenizer.from_model_file` reads a `.model` file. This module does no checkpoint I/O of its own.
 
 Encoding follows Hugging Face transformers' tokenizer for the same GGUF:
 
@@ -18,294 +17,18 @@ Encoding follows Hugging Face transformers' tokenizer for the same GGUF:
 from __future__ import annotations
 
 import errno
-import hashlib
 import heapq
-import json
-import mmap
 import os
 import re
-import struct
 from typing import Iterable, Mapping, Sequence
 
 import sentencepiece as spm
-from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
-from spec_jax.checkpoints.file_cache import atomic_write_bytes, cache_path, fingerprint
+from spec_jax import chat_template
 
-__all__ = ["Tokenizer", "StreamDecoder", "read_gguf_tokenizer_metadata"]
+__all__ = ["Tokenizer", "StreamDecoder"]
 
 _WS = "\u2581"  # SentencePiece's whitespace marker
-# Bump when the proto built from a GGUF changes, so old caches are rebuilt.
-_CACHE_FORMAT = 1
-
-# GGUF token types (llama.cpp) use the same numbers as SentencePiece's ModelProto.SentencePiece.Type.
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-
-# ------------------------------------------------------------------------------------------------
-# Reading the GGUF header
-
-_GGUF_MAGIC = b"GGUF"
-# value type -> (struct code, size); 8 is STRING and 9 is ARRAY, handled separately.
-_SCALAR = {
-    0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4), 7: ("?", 1),
-    10: ("Q", 8), 11: ("q", 8), 12: ("d", 8),
-}
-_STRING, _ARRAY = 8, 9
-_NUMPY_CODE = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "u1", 10: "u8", 11: "i8", 12: "f8"}
-
-_WANTED_KEYS = (
-    "general.architecture",
-    "tokenizer.ggml.model",
-    "tokenizer.ggml.tokens",
-    "tokenizer.ggml.scores",
-    "tokenizer.ggml.token_type",
-    "tokenizer.ggml.bos_token_id",
-    "tokenizer.ggml.eos_token_id",
-    "tokenizer.ggml.unknown_token_id",
-    "tokenizer.ggml.padding_token_id",
-    "tokenizer.ggml.add_bos_token",
-    "tokenizer.ggml.add_space_prefix",
-)
-
-
-class _HeaderReader:
-  """Walks the key/value section of a GGUF header. Raises ValueError on anything malformed."""
-
-  def __init__(self, buf, path: str):
-    self.buf = buf
-    self.path = path
-    self.off = 0
-    self.end = len(buf)
-    self.e = "<"
-
-  def fail(self, what: str) -> ValueError:
-    return ValueError(f"{self.path}: not a valid GGUF file ({what} at byte {self.off})")
-
-  def need(self, n: int) -> None:
-    if n < 0 or self.off + n > self.end:
-      raise self.fail(f"truncated: {n} more bytes needed")
-
-  def scalar(self, code: str, size: int):
-    self.need(size)
-    (v,) = struct.unpack_from(self.e + code, self.buf, self.off)
-    self.off += size
-    return v
-
-  def u32(self) -> int:
-    return self.scalar("I", 4)
-
-  def u64(self) -> int:
-    return self.scalar("Q", 8)
-
-  def string(self) -> str:
-    n = self.u64()
-    self.need(n)
-    raw = bytes(self.buf[self.off:self.off + n])
-    self.off += n
-    try:
-      return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-      raise self.fail(f"string is not UTF-8 ({exc.reason})") from None
-
-  def skip_string(self) -> None:
-    n = self.u64()
-    self.need(n)
-    self.off += n
-
-  def string_array(self, count: int, keep: bool):
-    out = [] if keep else None
-    buf, e, end = self.buf, self.e + "Q", self.end
-    off = self.off
-    unpack = struct.Struct(e).unpack_from
-    try:
-      for _ in range(count):
-        if off + 8 > end:
-          raise IndexError
-        (n,) = unpack(buf, off)
-        off += 8
-        if off + n > end:
-          raise IndexError
-        if keep:
-          out.append(bytes(buf[off:off + n]).decode("utf-8"))
-        off += n
-    except IndexError:
-      self.off = off
-      raise self.fail("truncated string array") from None
-    except UnicodeDecodeError as exc:
-      self.off = off
-      raise self.fail(f"token string is not UTF-8 ({exc.reason})") from None
-    self.off = off
-    return out
-
-  def value(self, vtype: int, keep: bool):
-    if vtype in _SCALAR:
-      code, size = _SCALAR[vtype]
-      v = self.scalar(code, size)
-      return v if keep else None
-    if vtype == _STRING:
-      if keep:
-        return self.string()
-      self.skip_string()
-      return None
-    if vtype == _ARRAY:
-      etype = self.u32()
-      count = self.u64()
-      if etype == _STRING:
-        return self.string_array(count, keep)
-      if etype in _SCALAR:
-        size = _SCALAR[etype][1]
-        self.need(count * size)
-        start = self.off
-        self.off += count * size
-        if not keep:
-          return None
-        import numpy as np
-
-        return np.frombuffer(self.buf, dtype=self.e + _NUMPY_CODE[etype], count=count, offset=start).copy()
-      if etype == _ARRAY:
-        out = [self.value(_ARRAY, keep) for _ in range(count)]
-        return out if keep else None
-      raise self.fail(f"unknown array element type {etype}")
-    raise self.fail(f"unknown value type {vtype}")
-
-
-def read_gguf_tokenizer_metadata(path: str, keys: Iterable[str] = _WANTED_KEYS) -> dict:
-  """The requested metadata values of a GGUF file, read straight from its header.
-
-  Much faster than `gguf.GGUFReader` (which builds a numpy view for every field and maps the tensors): this walks
-  the key/value section once, decoding only the wanted keys. Arrays of numbers come back as numpy arrays, arrays of
-  strings as lists.
-  """
-  wanted = set(keys)
-  try:
-    f = open(path, "rb")
-  except FileNotFoundError:
-    raise FileNotFoundError(errno.ENOENT, f"GGUF file not found: {path}", path) from None
-  with f:
-    size = os.fstat(f.fileno()).st_size
-    if size < 24:
-      raise ValueError(f"{path}: not a valid GGUF file (only {size} bytes)")
-    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-      r = _HeaderReader(memoryview(mm), path)
-      try:
-        if bytes(mm[:4]) != _GGUF_MAGIC:
-          raise ValueError(f"{path}: not a GGUF file (magic {bytes(mm[:4])!r}, expected b'GGUF')")
-        r.off = 4
-        version = r.u32()
-        if version > 0xFFFF:  # a big-endian file
-          r.e = ">"
-          r.off = 4
-          version = r.u32()
-        if version not in (2, 3):
-          raise ValueError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
-        r.u64()  # tensor count
-        kv_count = r.u64()
-        if kv_count > size // 13:  # each key/value takes at least 13 bytes
-          raise r.fail(f"implausible metadata count {kv_count}")
-        out: dict = {}
-        for _ in range(kv_count):
-          key = r.string()
-          vtype = r.u32()
-          keep = key in wanted
-          v = r.value(vtype, keep)
-          if keep:
-            out[key] = v
-            if len(out) == len(wanted):
-              break
-        return out
-      finally:
-        r.buf.release()
-
-
-# ------------------------------------------------------------------------------------------------
-# Building the SentencePiece model
-
-
-def _proto_from_gguf(path: str) -> bytes:
-  md = read_gguf_tokenizer_metadata(path)
-  for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
-    if key not in md:
-      raise ValueError(f"{path}: GGUF file has no {key!r} metadata, so it carries no tokenizer")
-  model = md.get("tokenizer.ggml.model")
-  if model != "llama":
-    raise ValueError(f"{path}: tokenizer model {model!r} is not supported (only SentencePiece 'llama')")
-  tokens = md["tokenizer.ggml.tokens"]
-  scores = md["tokenizer.ggml.scores"]
-  types = md["tokenizer.ggml.token_type"]
-  n = len(tokens)
-  if len(scores) != n or len(types) != n or n == 0:
-    raise ValueError(f"{path}: tokenizer arrays disagree: {n} tokens, {len(scores)} scores, {len(types)} types")
-
-  def special(key: str, default: int | None) -> int | None:
-    v = md.get(f"tokenizer.ggml.{key}", default)
-    if v is not None and not 0 <= int(v) < n:
-      raise ValueError(f"{path}: tokenizer.ggml.{key} = {v} is outside the vocabulary of {n}")
-    return None if v is None else int(v)
-
-  bos, eos = special("bos_token_id", None), special("eos_token_id", None)
-  unk, pad = special("unknown_token_id", 0), special("padding_token_id", None)
-
-  m = sp_pb2.ModelProto()
-  pieces = m.pieces
-  seen: dict[str, int] = {}
-  for i, (tok, score, ttype) in enumerate(zip(tokens, scores.tolist(), types.tolist())):
-    ttype = int(ttype)
-    if ttype == _USER_DEFINED and " " in tok:
-      # llama.cpp wrote "▁" as a plain space in user-defined pieces (the runs of spaces); put it back.
-      tok = tok.replace(" ", _WS)
-    if i == unk:
-      ttype = _UNKNOWN  # the GGUF marks <unk> CONTROL; SentencePiece needs exactly one UNKNOWN piece
-    elif ttype == _UNKNOWN or ttype not in (_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE):
-      ttype = _NORMAL if ttype != _UNKNOWN else _CONTROL
-    if tok in seen:
-      raise ValueError(f"{path}: token {tok!r} appears twice in the vocabulary (ids {seen[tok]} and {i})")
-    seen[tok] = i
-    p = pieces.add()
-    p.piece = tok
-    p.score = score
-    p.type = ttype
-
-  ts = m.trainer_spec
-  ts.model_type = sp_pb2.TrainerSpec.BPE
-  ts.vocab_size = n
-  ts.byte_fallback = True
-  ts.unk_id = unk
-  ts.unk_piece = tokens[unk]
-  ts.bos_id = -1 if bos is None else bos
-  ts.eos_id = -1 if eos is None else eos
-  ts.pad_id = -1 if pad is None else pad
-  if bos is not None:
-    ts.bos_piece = tokens[bos]
-  if eos is not None:
-    ts.eos_piece = tokens[eos]
-  if pad is not None:
-    ts.pad_piece = tokens[pad]
-  ns = m.normalizer_spec
-  ns.name = "identity"
-  ns.add_dummy_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", False))
-  ns.remove_extra_whitespaces = False
-  ns.escape_whitespaces = True
-  return m.SerializeToString()
-
-
-def _load_cached_proto(model_path: str, meta_path: str, fp: str) -> bytes | None:
-  try:
-    with open(meta_path, encoding="utf-8") as f:
-      meta = json.load(f)
-    if meta.get("format") != _CACHE_FORMAT or meta.get("source_fingerprint") != fp:
-      return None
-    with open(model_path, "rb") as f:
-      data = f.read()
-  except (OSError, ValueError):
-    return None
-  if hashlib.sha256(data).hexdigest() != meta.get("model_sha256"):
-    return None  # written by another process in between, or damaged
-  return data
-
-
-# ------------------------------------------------------------------------------------------------
-# The tokenizer
-
 # Candidates for a literal control piece in text: "<" ... ">" with no brackets inside.
 _ANGLE = re.compile(r"<[^<>]*>")
 
@@ -350,28 +73,6 @@ class Tokenizer:
     self._start_of_turn = self._lookup("<start_of_turn>")
 
   # ---- construction
-
-  @classmethod
-  def from_gguf(cls, path: str | os.PathLike, *, use_cache: bool = True) -> "Tokenizer":
-    """The tokenizer described by a GGUF file's metadata; the built model is cached beside the file."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-      raise FileNotFoundError(errno.ENOENT, f"GGUF file not found: {path}", path)
-    fp = fingerprint(path)
-    model_path = cache_path(path, ".tokenizer.model")
-    meta_path = model_path + ".json"
-    data = _load_cached_proto(model_path, meta_path, fp) if use_cache else None
-    if data is None:
-      data = _proto_from_gguf(path)
-      if use_cache:
-        meta = {"format": _CACHE_FORMAT, "source": os.path.abspath(path), "source_fingerprint": fp,
-                "model_sha256": hashlib.sha256(data).hexdigest()}
-        try:
-          atomic_write_bytes(model_path, data)
-          atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
-        except OSError:
-          pass  # a cache we cannot write only costs time
-    return cls(data, source=path)
 
   @classmethod
   def from_model_file(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -552,9 +253,6 @@ class Tokenizer:
       self._space_split_cache[n] = result
     return result
 
-  def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> list[list[int]]:
-    return [self.encode(t, add_bos=add_bos) for t in texts]
-
   # ---- decoding
 
   def _check_id(self, token_id: int) -> None:
@@ -610,61 +308,8 @@ class Tokenizer:
 
   def apply_chat_template(self, turns: Sequence[str] | Sequence[Mapping[str, object]],
                           add_generation_prompt: bool = True) -> str:
-    """Gemma 3's chat format, without the leading `<bos>` (encode adds it).
-
-    `turns` is a list of strings, taken as alternating user and model turns starting with the user, or a list of
-    {"role", "content"} messages with roles "user", "model" (or "assistant") and an optional first "system"
-    message, which Gemma 3 prepends to the first user turn followed by a blank line. Contents are stripped of
-    surrounding whitespace, as Gemma 3's template does. Each turn becomes
-    `<start_of_turn>{role}\\n{content}<end_of_turn>\\n`; `add_generation_prompt` appends `<start_of_turn>model\\n`.
-    """
-    if isinstance(turns, (str, bytes)) or not isinstance(turns, Sequence):
-      raise TypeError("turns must be a list of strings or of {'role', 'content'} dicts")
-    if len(turns) == 0:
-      raise ValueError("apply_chat_template needs at least one turn")
-    messages: list[tuple[str, str]] = []
-    for k, turn in enumerate(turns):
-      if isinstance(turn, str):
-        messages.append(("user" if k % 2 == 0 else "model", turn))
-      elif isinstance(turn, Mapping):
-        role = turn.get("role")
-        if role not in ("user", "model", "assistant", "system"):
-          raise ValueError(f"turn {k}: unknown role {role!r} (expected user, model, assistant or system)")
-        messages.append(("model" if role == "assistant" else str(role), _content_text(turn.get("content"), k)))
-      else:
-        raise TypeError(f"turn {k}: expected str or dict, got {type(turn).__name__}")
-
-    prefix = ""
-    if messages[0][0] == "system":
-      if len(messages) < 2:
-        raise ValueError("a system message must be followed by a user turn")
-      prefix = messages[0][1] + "\n\n"
-      messages = messages[1:]
-    out = []
-    for k, (role, content) in enumerate(messages):
-      expected = "user" if k % 2 == 0 else "model"
-      if role != expected:
-        raise ValueError(f"conversation roles must alternate user/model starting with user; "
-                         f"turn {k} is {role!r} where {expected!r} was expected")
-      body = (prefix if k == 0 else "") + content.strip()
-      out.append(f"<start_of_turn>{role}\n{body}<end_of_turn>\n")
-    if add_generation_prompt:
-      out.append("<start_of_turn>model\n")
-    return "".join(out)
-
-
-def _content_text(content: object, k: int) -> str:
-  if isinstance(content, str):
-    return content
-  if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-    texts = []
-    for item in content:
-      if isinstance(item, Mapping) and item.get("type") == "text" and isinstance(item.get("text"), str):
-        texts.append(item["text"].strip())
-      else:
-        raise ValueError(f"turn {k}: only text content parts are supported, got {item!r}")
-    return "".join(texts)
-  raise ValueError(f"turn {k}: content must be a string, got {type(content).__name__}")
+    """Gemma 3's chat format, without the leading `<bos>` (encode adds it); see `chat_template`."""
+    return chat_template.apply_chat_template(turns, add_generation_prompt)
 
 
 class StreamDecoder:

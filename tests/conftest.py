@@ -42,8 +42,8 @@ def gemma3_f32(gemma3_gguf_path):
 
 @pytest.fixture(scope="session")
 def gemma3_tokenizer(gemma3_gguf_path):
-  from spec_jax.tokenizer import Tokenizer
-  return Tokenizer.from_gguf(gemma3_gguf_path)
+  from spec_jax.checkpoints.load import load_tokenizer
+  return load_tokenizer(gemma3_gguf_path)
 
 
 def _memory_map_count() -> int:

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from spec_jax import tokenizer as tokmod
+from spec_jax.checkpoints import gguf_meta, gguf_tokenizer
+from spec_jax.checkpoints.load import load_tokenizer
 from spec_jax.tokenizer import StreamDecoder, Tokenizer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -29,7 +30,7 @@ def real_gguf() -> str:
 
 @pytest.fixture(scope="module")
 def tok(real_gguf) -> Tokenizer:
-  return Tokenizer.from_gguf(real_gguf)
+  return load_tokenizer(real_gguf)
 
 
 def _load_json(name):
@@ -244,7 +245,7 @@ def test_chat_template_errors(tok):
 def test_missing_file_names_path(tmp_path):
   missing = str(tmp_path / "nope.gguf")
   with pytest.raises(FileNotFoundError, match="nope.gguf"):
-    Tokenizer.from_gguf(missing)
+    load_tokenizer(missing)
   with pytest.raises(FileNotFoundError, match="nope.model"):
     Tokenizer.from_model_file(str(tmp_path / "nope.model"))
 
@@ -254,7 +255,7 @@ def test_corrupt_gguf_names_path(tmp_path, content):
   bad = tmp_path / "bad.gguf"
   bad.write_bytes(content)
   with pytest.raises(ValueError, match="bad.gguf"):
-    Tokenizer.from_gguf(str(bad))
+    load_tokenizer(str(bad))
 
 
 def test_truncated_gguf_names_path(tmp_path):
@@ -263,7 +264,7 @@ def test_truncated_gguf_names_path(tmp_path):
   cut = tmp_path / "cut.gguf"
   cut.write_bytes(data[: len(data) // 2])
   with pytest.raises(ValueError, match="cut.gguf"):
-    Tokenizer.from_gguf(str(cut))
+    load_tokenizer(str(cut))
 
 
 def test_gguf_without_tokenizer(tmp_path):
@@ -275,7 +276,7 @@ def test_gguf_without_tokenizer(tmp_path):
   w.write_tensors_to_file()
   w.close()
   with pytest.raises(ValueError, match="notok.gguf.*tokenizer"):
-    Tokenizer.from_gguf(path)
+    load_tokenizer(path)
 
 
 def test_corrupt_model_file_names_path(tmp_path):
@@ -324,7 +325,7 @@ def _write_tiny_gguf(path, extra=(), bos=2):
 
 def test_tiny_gguf_encodes(tmp_path):
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", extra=["ab", "\u2581ab"])
-  t = Tokenizer.from_gguf(path)
+  t = load_tokenizer(path)
   ab, wab = t.id_of("ab"), t.id_of("\u2581ab")
   assert t.encode("ab ab") == [2, ab, wab]
   assert t.encode("<start_of_turn>ab") == [2, 5, ab]
@@ -336,16 +337,16 @@ def test_tiny_gguf_encodes(tmp_path):
 def test_cache_is_reused_and_rebuilt_when_gguf_changes(tmp_path, monkeypatch):
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", extra=["ab"])
   builds = []
-  real_build = tokmod._proto_from_gguf
-  monkeypatch.setattr(tokmod, "_proto_from_gguf", lambda p: builds.append(p) or real_build(p))
+  real_build = gguf_tokenizer.build_proto
+  monkeypatch.setattr(gguf_tokenizer, "build_proto", lambda p: builds.append(p) or real_build(p))
 
-  t1 = Tokenizer.from_gguf(path)
+  t1 = load_tokenizer(path)
   assert len(builds) == 1
   cached = tmp_path / "tiny.gguf.tokenizer.model"
   assert cached.exists() and (tmp_path / "tiny.gguf.tokenizer.model.json").exists()
   assert t1.encode("ab", add_bos=False) == [t1.id_of("ab")]
 
-  t2 = Tokenizer.from_gguf(path)
+  t2 = load_tokenizer(path)
   assert len(builds) == 1, "second load must come from the cache"
   assert t2.encode("ab") == t1.encode("ab")
   # The cached file is a SentencePiece model in its own right.
@@ -354,45 +355,46 @@ def test_cache_is_reused_and_rebuilt_when_gguf_changes(tmp_path, monkeypatch):
   # Replace the GGUF with a different vocabulary: the cache must be rebuilt.
   time.sleep(0.01)
   _write_tiny_gguf(tmp_path / "tiny.gguf", extra=["zz", "ab"])
-  t3 = Tokenizer.from_gguf(path)
+  t3 = load_tokenizer(path)
   assert len(builds) == 2
   assert t3.id_of("ab") == t1.id_of("ab") + 1
   assert t3.encode("zz", add_bos=False) == [t3.id_of("zz")]
-  assert Tokenizer.from_gguf(path).id_of("zz") == t3.id_of("zz") and len(builds) == 2
+  assert load_tokenizer(path).id_of("zz") == t3.id_of("zz") and len(builds) == 2
 
   # A damaged cache entry is detected (its hash no longer matches) and rebuilt.
   cached.write_bytes(cached.read_bytes()[:-7] + b"garbage")
-  Tokenizer.from_gguf(path)
+  load_tokenizer(path)
   assert len(builds) == 3
 
 
 def test_bos_id_comes_from_metadata(tmp_path):
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", bos=4)
-  t = Tokenizer.from_gguf(path, use_cache=False)
+  t = load_tokenizer(path, use_cache=False)
   assert t.bos_id == 4 and t.encode("a")[0] == 4
   assert not (tmp_path / "tiny.gguf.tokenizer.model").exists()
 
 
 def test_real_gguf_cached_load_is_fast(real_gguf, tmp_path, monkeypatch):
-  Tokenizer.from_gguf(real_gguf)  # make sure the cache exists
-  monkeypatch.setattr(tokmod, "_proto_from_gguf", lambda p: pytest.fail("cache was not used"))
+  load_tokenizer(real_gguf)  # make sure the cache exists
+  monkeypatch.setattr(gguf_tokenizer, "build_proto", lambda p: pytest.fail("cache was not used"))
   t0 = time.perf_counter()
-  t = Tokenizer.from_gguf(real_gguf)
+  t = load_tokenizer(real_gguf)
   elapsed = time.perf_counter() - t0
   assert t.vocab_size == 262144
   assert elapsed < 2.0, f"cached load took {elapsed:.2f} s"
 
 
-def test_metadata_reader_matches_gguf_reader(tmp_path):
-  gguf = pytest.importorskip("gguf")
+def test_metadata_reader_returns_what_was_written(tmp_path):
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", extra=["ab"])
-  md = tokmod.read_gguf_tokenizer_metadata(path)
-  r = gguf.GGUFReader(path)
-  assert md["tokenizer.ggml.tokens"] == list(r.fields["tokenizer.ggml.tokens"].contents())
-  np.testing.assert_array_equal(md["tokenizer.ggml.scores"], r.fields["tokenizer.ggml.scores"].contents())
-  np.testing.assert_array_equal(md["tokenizer.ggml.token_type"], r.fields["tokenizer.ggml.token_type"].contents())
-  assert md["general.architecture"] == "gemma3"
-  assert md["tokenizer.ggml.bos_token_id"] == 2
+  md = gguf_meta.read_metadata(path, gguf_tokenizer.METADATA_KEYS)
+  tokens = md["tokenizer.ggml.tokens"]
+  assert len(tokens) == 9 + 256 + 27 + 1 and tokens[:3] == ["<pad>", "<eos>", "<bos>"] and tokens[-1] == "ab"
+  assert tokens[7] == "  "  # llama.cpp's spelling of "▁▁", repaired only when the proto is built
+  np.testing.assert_array_equal(md["tokenizer.ggml.scores"][-2:], [-26.0, -27.0])
+  assert md["tokenizer.ggml.token_type"][:10] == [3] * 7 + [4, 4, 6]
+  assert md["general.architecture"] == "gemma3" and md["tokenizer.ggml.model"] == "llama"
+  assert md["tokenizer.ggml.bos_token_id"] == 2 and md["tokenizer.ggml.add_space_prefix"] is False
+  assert "tokenizer.ggml.add_bos_token" not in md  # absent keys are left out, not defaulted
 
 
 def test_copy_of_real_gguf_gets_its_own_cache(real_gguf, tmp_path):
@@ -402,6 +404,6 @@ def test_copy_of_real_gguf_gets_its_own_cache(real_gguf, tmp_path):
     os.link(real_gguf, dst)
   except OSError:
     shutil.copyfile(real_gguf, dst)
-  t = Tokenizer.from_gguf(str(dst))
+  t = load_tokenizer(str(dst))
   assert (tmp_path / (GGUF_NAME + ".tokenizer.model")).exists()
   assert t.encode("<start_of_turn>user\n") == [2, 105, t.id_of("user"), t.id_of("\n")]

@@ -1,4 +1,7 @@
-"""One entry point for target weights: a GGUF file, an HF safetensors directory, or the packaged default."""
+"""One entry point for a target: its weights and tokenizer, from a GGUF file, an HF safetensors directory, or the
+packaged default.
+
+The tokenizer is built here, above both: `spec_jax.tokenizer` imports nothing from `checkpoints`."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import os
 
 import jax
 import jax.numpy as jnp
+
+from spec_jax.checkpoints.gguf_meta import default_model_path
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -18,28 +23,37 @@ def parse_dtype(name: str):
 
 def cpu_layout(params: dict) -> dict:
   """bfloat16 on XLA:CPU: keep the 262k-row embedding/head in bfloat16 (half the bytes of the biggest read) but
-  the layer stack in float32 (a no-op elsewhere). XLA:CPU converts scanned bfloat16 layer weights to float32 on every call (~90 ms a
-  step for Gemma 3 270M, measured with jax.profiler), which costs more than the bytes it saves."""
+  the layer stack in float32 (a no-op elsewhere). XLA:CPU converts scanned bfloat16 layer weights to float32 on
+  every call (~90 ms a step for Gemma 3 270M, measured with jax.profiler), which costs more than the bytes it
+  saves."""
   if jax.default_backend() != "cpu" or params["embed"].dtype != jnp.bfloat16:
     return params
   f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
   return {**params, "layers": f32(params["layers"]), "final_norm": f32(params["final_norm"])}
 
 
+def load_tokenizer(path: str | None = None, *, use_cache: bool = True):
+  """The tokenizer of a checkpoint: an HF directory's `tokenizer.model`, or one built from a GGUF's metadata
+  (cached beside the GGUF). `path` None or "" is the packaged Gemma 3 270M."""
+  from spec_jax.tokenizer import Tokenizer
+  if path and os.path.isdir(path):
+    tok_file = os.path.join(path, "tokenizer.model")
+    if not os.path.exists(tok_file):
+      raise FileNotFoundError(f"{path} has no tokenizer.model (SentencePiece) next to its weights")
+    return Tokenizer.from_model_file(tok_file)
+  from spec_jax.checkpoints.gguf_tokenizer import tokenizer_proto
+  path = path or default_model_path()
+  return Tokenizer(tokenizer_proto(path, use_cache=use_cache), source=path)
+
+
 def load_model(path: str | None = None, dtype: str = "float32"):
   """-> (ModelConfig, params, tokenizer). `path` None or "" is the packaged Gemma 3 270M."""
-  from spec_jax.tokenizer import Tokenizer
   dt = parse_dtype(dtype)
   if path and os.path.isdir(path):
     from spec_jax.checkpoints.safetensors_loader import load_hf
     config, params = load_hf(path, dtype=dt)
-    params = cpu_layout(params)
-    tok_file = os.path.join(path, "tokenizer.model")
-    if not os.path.exists(tok_file):
-      raise FileNotFoundError(f"{path} has no tokenizer.model (SentencePiece) next to its weights")
-    return config, params, Tokenizer.from_model_file(tok_file)
-  from spec_jax.checkpoints.gguf_loader import default_model_path, load_gguf
+    return config, cpu_layout(params), load_tokenizer(path)
+  from spec_jax.checkpoints.gguf_loader import load_gguf
   path = path or default_model_path()
   config, params = load_gguf(path, dtype=dt)
-  params = cpu_layout(params)
-  return config, params, Tokenizer.from_gguf(path)
+  return config, cpu_layout(params), load_tokenizer(path)
