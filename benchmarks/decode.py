@@ -5,12 +5,16 @@
 For each dtype and batch size: tokens/s of the jitted while-loop decode (prefill excluded), the time of one
 bare forward step of the same shape, and their difference per step (what the loop adds: sampling, commit,
 bookkeeping). The floor is the weight bytes read per step over the measured read bandwidth.
+
+The k = 0 check (on by default) keeps plain decoding and the speculative loop forced to k = 0 within 3 % of each
+other, and exits 1 when they are not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import jax
@@ -20,8 +24,14 @@ import numpy as np
 from spec_jax.cache import KVCache
 from spec_jax.checkpoints.gguf_loader import load_gguf
 from spec_jax.checkpoints.load import cpu_layout
-from spec_jax.decode import generate
+from serve.runner import timed_generate
+from spec_jax import slots
+from spec_jax.backend import batch_rows
+from spec_jax.config import SamplingParams
+from spec_jax.decode import decode_loop, make_spec, start
 from spec_jax.models.transformer import forward
+from spec_jax.proposers.base import NoneProposer
+from spec_jax.proposers.ngram import NgramProposer
 
 
 def read_bandwidth_gbs() -> float:
@@ -56,12 +66,48 @@ def bare_step_ms(params, config, batch, ctx_len, steps=16, reps=3):
   return 1e3 * min(_timed(lambda: run(params, cache).block_until_ready()) for _ in range(reps)) / steps
 
 
+def plain_vs_forced_k0(params, config, prompt, batch, new_tokens, repeats):
+  """Plain decoding (one k = 0 branch) against the speculative loop (ngram, adaptive k in {0, 2, 4} through
+  lax.switch) with speculation switched off, so every step takes its k = 0 branch: the same work, so the same
+  speed. Interleaved A, B, A, B in this process; the check fails when the medians differ by more than 3 %."""
+  both = {"target": params, "proposer": {}}
+  plain = make_spec(config, NoneProposer())
+  spec = make_spec(config, NgramProposer(k=4), adaptive_k=True)
+  rows = batch_rows(params, batch)
+
+  def run(s, off):
+    state = start(both, s, [prompt] * batch, max_new_tokens=new_tokens, num_slots=rows)
+    if off:
+      state = slots.set_speculation(state, False)
+    jax.block_until_ready(state.tokens)
+    t0 = time.perf_counter()
+    state = decode_loop(both, state, s)
+    jax.block_until_ready(state.tokens)
+    return (time.perf_counter() - t0) / int(state.step)
+
+  run(plain, False), run(spec, True)  # compile
+  a, b = [], []
+  for _ in range(repeats):
+    a.append(run(plain, False))
+    b.append(run(spec, True))
+  ratio = float(np.median(b) / np.median(a))
+  pairs = [y / x for x, y in zip(a, b)]
+  ok = abs(ratio - 1) <= 0.03
+  print(f"  plain {1e3 * np.median(a):.2f} ms/step vs speculative loop at k = 0 {1e3 * np.median(b):.2f} ms/step: "
+        f"ratio {ratio:.3f} (pairs {min(pairs):.3f}-{max(pairs):.3f}) {'OK' if ok else 'FAIL: over 3 %'}",
+        flush=True)
+  return {"plain_ms": 1e3 * float(np.median(a)), "forced_k0_ms": 1e3 * float(np.median(b)), "k0_ratio": ratio,
+          "k0_pair_min": min(pairs), "k0_pair_max": max(pairs), "k0_within_3pct": ok}
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--new_tokens", type=int, default=64)
   ap.add_argument("--batches", default="1,8")
   ap.add_argument("--dtypes", default="float32,bfloat16")
   ap.add_argument("--json_out", default=None)
+  ap.add_argument("--k0_check", type=int, default=1, help="1: also compare plain vs. the speculative loop at k = 0")
+  ap.add_argument("--k0_repeats", type=int, default=5)
   args = ap.parse_args()
   bw = read_bandwidth_gbs()
   print(f"read bandwidth: {bw:.1f} GB/s (backend {jax.default_backend()}, {jax.device_count()} device(s))")
@@ -75,14 +121,17 @@ def main():
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     for b in map(int, args.batches.split(",")):
-      res = generate(params, config, [prompt] * b, max_new_tokens=args.new_tokens)
-      steps = res.steps
+      res = timed_generate(params, config, [prompt] * b, max_new_tokens=args.new_tokens,
+                           sampling=SamplingParams.make(b), proposer=NoneProposer(), proposer_params={},
+                           adaptive_k=False, costs=None, seed=0, impl="xla")
+      steps = max(res.option_uses[0], 1)
       step_ms = res.decode_s / steps * 1e3
-      rows_in_step = max(b, 2) if (dtype == jnp.bfloat16 and jax.default_backend() == "cpu") else b
-      bare = bare_step_ms(params, config, rows_in_step, len(prompt) + args.new_tokens // 2)
+      bare = bare_step_ms(params, config, batch_rows(params, b), len(prompt) + args.new_tokens // 2)
       row = {"dtype": dtype_name, "batch": b, "tok_s": b * steps / res.decode_s, "step_ms": step_ms,
              "bare_forward_ms": bare, "loop_overhead_ms": step_ms - bare, "floor_ms": floor_ms,
              "floor_tok_s": b * 1e3 / floor_ms, "vs_floor": step_ms / floor_ms}
+      if args.k0_check:
+        row.update(plain_vs_forced_k0(params, config, prompt, b, args.new_tokens, args.k0_repeats))
       rows.append(row)
       print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
   print()
@@ -93,6 +142,8 @@ def main():
   if args.json_out:
     with open(args.json_out, "w") as f:
       json.dump({"bandwidth_gbs": bw, "rows": rows}, f, indent=1)
+  if args.k0_check and not all(r["k0_within_3pct"] for r in rows):
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from train.eval_acceptance import held_out_prompts
 def main(num_prompts: int = 16, max_new_tokens: int = 64, passes: int = 3):
   config, params, tok = load_model(None, "float32")
   ids = [tok.encode(tok.apply_chat_template([t])) for t in held_out_prompts(num_prompts, 0)]
-  outs = generate(params, config, ids, max_new_tokens=max_new_tokens, warm=False).token_ids
+  outs = generate(params, config, ids, max_new_tokens=max_new_tokens).token_ids
   meta, weights, d2t = head_ckpt.load_heads(default_heads_path("eagle"), config, "eagle", jnp.float32)
   d2t_np = np.asarray(d2t)
   generated = np.concatenate([np.asarray(o) for o in outs])

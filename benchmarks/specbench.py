@@ -2,8 +2,8 @@
 
   python benchmarks/specbench.py --per_category=3 --max_new_tokens=64 --methods=ngram,draft --json_out=PATH
 
-Greedy, batch 1 by default. Every configuration runs the same prompts in this one process, warmed up
-(generate() compiles and runs once before timing). Speedup per category is output tokens/s of the method over
+Greedy, batch 1 by default. Every configuration runs the same prompts in this one process, warmed up, interleaved
+batch by batch. Speedup per category is output tokens/s of the method over
 the baseline's on the same prompts.
 """
 
@@ -15,8 +15,10 @@ import json
 import os
 import time
 
+from serve.calibrate import load_costs
 from serve.prompts import load_prompts
-from serve.runner import category_table, format_table, run_prompts
+from serve.runner import Arm, category_table, format_table, run_arms
+from spec_jax import adaptive, backend
 from spec_jax.checkpoints.load import load_model
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.registry import build_proposer
@@ -37,6 +39,9 @@ def main():
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--adaptive", default="on,off")
   ap.add_argument("--json_out", default=None)
+  ap.add_argument("--repeats", type=int, default=1)
+  ap.add_argument("--costs_file", default=os.path.join(os.path.dirname(__file__), "..", "configs", "costs",
+                                                        "gemma3_270m_cpu.json"))
   args = ap.parse_args()
 
   config, params, tok = load_model(None, args.dtype)
@@ -48,27 +53,27 @@ def main():
       seen[p.category] += 1
       chosen.append(p)
   ids = [tok.encode(p.text) for p in chosen]
-  common = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                sampling_args=dict(temperature=0.0, top_k=0, top_p=1.0), seed=0, impl="xla", progress=True)
   t0 = time.time()
-  base = run_prompts(params, config, tok, chosen, ids, proposer=NoneProposer(), proposer_params={},
-                     adaptive_k=False, label="baseline", **common)
-  results = {"baseline": base.summary, "runs": {}}
+  arms = [Arm("baseline", NoneProposer(), {}, adaptive_k=False)]
   for method in args.methods.split(","):
     proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=args.k,
                                        draft_layers=args.draft_layers)
     for adapt in args.adaptive.split(","):
-      label = f"{method}-adaptive-{adapt}"
-      run = run_prompts(params, config, tok, chosen, ids, proposer=proposer, proposer_params=pparams,
-                        adaptive_k=adapt == "on", label=label, **common)
-      lossless = all(a["token_ids"] == b["token_ids"] for a, b in zip(run.records, base.records))
-      table = category_table(base, run)
-      results["runs"][label] = {"summary": run.summary, "categories": table, "identical_to_baseline": lossless}
-      print(f"\n== {label} (identical to baseline: {lossless})")
-      print(format_table(table), flush=True)
-      if args.json_out:  # written after every run, so a partial benchmark still leaves its numbers
-        with open(args.json_out, "w") as f:
-          json.dump(results, f, indent=1)
+      ks = adaptive.option_set(proposer.k, adapt == "on")
+      costs = load_costs(args.costs_file, method, args.dtype, ks, backend.batch_rows(params, args.batch_size))
+      arms.append(Arm(f"{method}-adaptive-{adapt}", proposer, pparams, costs, adaptive_k=adapt == "on"))
+  # Every arm runs each batch in turn (A, B, C, A, B, C, ...): machine load hits them alike.
+  runs = run_arms(arms, params, config, tok, chosen, ids, batch_size=args.batch_size,
+                  max_new_tokens=args.max_new_tokens, sampling_args=dict(temperature=0.0, top_k=0, top_p=1.0),
+                  adaptive_k=False, seed=0, impl="xla", repeats=args.repeats, progress=True)
+  base = runs[0]
+  results = {"baseline": base.summary, "runs": {}}
+  for arm, run in zip(arms[1:], runs[1:]):
+    lossless = all(a["token_ids"] == b["token_ids"] for a, b in zip(run.records, base.records))
+    table = category_table(base, run, args.batch_size)
+    results["runs"][arm.label] = {"summary": run.summary, "categories": table, "identical_to_baseline": lossless}
+    print(f"\n== {arm.label} (identical to baseline: {lossless})")
+    print(format_table(table), flush=True)
   results["wall_s"] = time.time() - t0
   results["settings"] = vars(args)
   if args.json_out:

@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+
+import numpy as np
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -21,7 +24,8 @@ flags.DEFINE_string("output", None, "JSONL output, one line per prompt.")
 flags.DEFINE_string("summary_json", None, "Write aggregate metrics here.")
 flags.DEFINE_integer("limit", 0, "Use only the first N prompts (0: all).")
 flags.DEFINE_list("categories", [], "Keep only prompts of these categories.")
-flags.DEFINE_bool("compare", False, "Run the baseline, then the method, on the same prompts.")
+flags.DEFINE_bool("compare", False, "Run the baseline and the method on the same prompts, interleaved batch by batch.")
+flags.DEFINE_integer("repeats", 1, "Run everything this many times (interleaved) and report the spread.")
 flags.DEFINE_bool("progress", True, "Progress bar on stderr.")
 # Run settings: when given, they override the config file.
 flags.DEFINE_string("model", None, "A .gguf file or HF safetensors directory ('' = packaged Gemma 3 270M).")
@@ -41,11 +45,13 @@ flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
 flags.DEFINE_integer("draft_layers", None, "method=draft: 0 = the distilled draft checkpoint (--heads); N > 0 = "
                      "the early-exit self-draft of the target's first N layers.")
 flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
+flags.DEFINE_string("costs_file", None, "Step costs for the adaptive controller (python -m serve.calibrate); "
+                    "'' = the default cost model.")
 
 FLAGS = flags.FLAGS
 _OVERRIDABLE = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                 "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers",
-                "adaptive", "heads")
+                "adaptive", "heads", "costs_file")
 
 
 def settings() -> dict:
@@ -76,9 +82,21 @@ def main(argv):
     sys.exit(2)
 
 
-def run(cfg: dict) -> dict:
+@dataclasses.dataclass
+class Setup:
+  config: object
+  params: dict
+  tokenizer: object
+  impl: str
+  prompts: list
+  prompt_ids: list
+  proposer: object
+  proposer_params: dict
+
+
+def load_setup(cfg: dict) -> Setup:
+  """Model, tokenizer, prompts and proposer from the run settings (shared with serve.calibrate)."""
   from serve.prompts import load_prompts
-  from serve.runner import category_table, format_table, run_prompts
   from spec_jax.checkpoints.load import load_model
   from spec_jax.kernels import resolve_impl
   from spec_jax.proposers.registry import build_proposer
@@ -101,16 +119,31 @@ def run(cfg: dict) -> dict:
       cfg["method"], target_config=config, target_params=params, k=cfg["num_speculative_tokens"],
       ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl,
       heads_path=cfg.get("heads") or None)
-  common = dict(batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
-                sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
-                adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=impl, progress=FLAGS.progress)
+  return Setup(config, params, tokenizer, impl, prompts, prompt_ids, proposer, proposer_params)
+
+
+def run(cfg: dict) -> dict:
+  from serve.calibrate import load_costs
+  from serve.runner import Arm, category_table, format_table, run_arms
+  from spec_jax import adaptive, backend
   from spec_jax.proposers.base import NoneProposer
-  base = None
+
+  if FLAGS.repeats < 1:
+    raise ValueError(f"--repeats must be >= 1, got {FLAGS.repeats}")
+  setup = load_setup(cfg)
+  proposer, params = setup.proposer, setup.params
+  ks = adaptive.option_set(proposer.k, cfg["adaptive"])
+  costs = load_costs(cfg.get("costs_file") or "", proposer.name, cfg["dtype"], ks,
+                     backend.batch_rows(params, cfg["batch_size"])) if len(ks) > 1 else None
+  arms = [Arm(proposer.name, proposer, setup.proposer_params, costs)]
   if FLAGS.compare and proposer.k:
-    base = run_prompts(params, config, tokenizer, prompts, prompt_ids, proposer=NoneProposer(), proposer_params={},
-                       label="baseline", **common)
-  main_run = run_prompts(params, config, tokenizer, prompts, prompt_ids, proposer=proposer,
-                         proposer_params=proposer_params, label=proposer.name, **common)
+    arms.insert(0, Arm("baseline", NoneProposer(), {}))
+  runs = run_arms(arms, params, setup.config, setup.tokenizer, setup.prompts, setup.prompt_ids,
+                  batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
+                  sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
+                  adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=setup.impl, repeats=FLAGS.repeats,
+                  progress=FLAGS.progress)
+  base, main_run = (runs[0], runs[1]) if len(runs) == 2 else (None, runs[0])
 
   records = main_run.records
   if base is not None:
@@ -122,15 +155,20 @@ def run(cfg: dict) -> dict:
       for r in records:
         f.write(json.dumps(r, ensure_ascii=False) + "\n")
   run_info = {"method": proposer.name, "dtype": cfg["dtype"], "batch_size": cfg["batch_size"],
-              "num_speculative_tokens": proposer.k, "adaptive": cfg["adaptive"], "attention_impl": impl}
+              "num_speculative_tokens": proposer.k, "adaptive": cfg["adaptive"], "attention_impl": setup.impl,
+              "costs_file": cfg.get("costs_file") or "", "step_costs": None if costs is None else
+              [[round(float(c), 3) for c in row] for row in np.asarray(costs)[:1]], "repeats": FLAGS.repeats}
   if base is not None:
+    ratios = [m / b if b else 0.0 for m, b in zip(main_run.summary["tokens_per_s_by_repeat"],
+                                                  base.summary["tokens_per_s_by_repeat"])]
     summary = {"baseline": base.summary, "speculative": main_run.summary, "run": run_info,
                "speedup": main_run.summary["output_tokens_per_s"] / max(base.summary["output_tokens_per_s"], 1e-9),
-               "categories": category_table(base, main_run)}
+               "speedup_by_repeat": [round(x, 3) for x in ratios],
+               "categories": category_table(base, main_run, cfg["batch_size"])}
     table = format_table(summary["categories"])
   else:
     summary = dict(main_run.summary, run=run_info)
-    table = format_table(category_table(main_run, None))
+    table = format_table(category_table(main_run, None, cfg["batch_size"]))
   if FLAGS.summary_json:
     with open(FLAGS.summary_json, "w") as f:
       json.dump(summary, f, indent=1)
@@ -144,7 +182,9 @@ def run(cfg: dict) -> dict:
   if proposer.k:
     line += f", mean acceptance length {s['mean_acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}"
   if base is not None:
-    line += (f"; baseline {base.summary['output_tokens_per_s']:.1f} tok/s; speedup {summary['speedup']:.2f}x")
+    line += f"; baseline {base.summary['output_tokens_per_s']:.1f} tok/s; speedup {summary['speedup']:.2f}x"
+    if FLAGS.repeats > 1:
+      line += f" (per repeat {min(summary['speedup_by_repeat']):.2f}-{max(summary['speedup_by_repeat']):.2f}x)"
   print(line)
   return summary
 

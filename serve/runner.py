@@ -1,4 +1,8 @@
-"""Run a prompt set through generate() in batches and collect per-prompt records and aggregate metrics."""
+"""The measurement harness around the library's generate: warm-up, wall-clock timing, row padding, batching,
+interleaved A/B arms with repeats, and per-category tables.
+
+Timing lives here, not in spec_jax/: the library's `generate` reads no clock, so a seeded run is reproducible.
+"""
 
 from __future__ import annotations
 
@@ -9,62 +13,133 @@ import time
 import jax
 import numpy as np
 
+from spec_jax import backend
 from spec_jax.config import SamplingParams
-from spec_jax.decode import generate
+from spec_jax.decode import decode_loop, make_spec, result, start
 from spec_jax.stats import Stats, summarize
+
+
+@dataclasses.dataclass
+class Arm:
+  """One side of a comparison: a proposer (NoneProposer for the baseline) and its settings."""
+
+  label: str
+  proposer: object
+  proposer_params: dict
+  costs: object = None  # a [batch, len(ks)] cost table, [len(ks)] list, or None (default model)
+  adaptive_k: object = None  # None: run_arms' setting
+
+
+@dataclasses.dataclass
+class TimedBatch:
+  token_ids: list
+  finish_reasons: list
+  raw_stats: Stats
+  row_time_s: list  # prefill + decode time until the row finished (an estimate from its finishing step)
+  wall_s: float  # prefill + decode, excluding compile
+  prefill_s: float
+  decode_s: float
+  option_uses: list
+  ks: tuple
+
+
+def timed_generate(params, config, prompt_ids, *, max_new_tokens, sampling, proposer, proposer_params, adaptive_k,
+                   costs, seed, impl, stop_ids=(), warm=True) -> TimedBatch:
+  """Prefill + loop for one batch, timed. Compiles first (a run with one new token per row) when `warm`."""
+  n = len(prompt_ids)
+  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl)
+  both = {"target": params, "proposer": proposer_params}
+  slots = backend.batch_rows(params, n)
+
+  def run(max_new):
+    t0 = time.perf_counter()
+    state = start(both, spec, prompt_ids, max_new_tokens=max_new, sampling=sampling, costs=costs, seed=seed,
+                  num_slots=slots)
+    jax.block_until_ready(state.tokens)
+    t1 = time.perf_counter()
+    state = decode_loop(both, state, spec)
+    jax.block_until_ready(state.tokens)
+    return state, t1 - t0, time.perf_counter() - t1
+
+  if warm:
+    run(1)
+  state, prefill_s, decode_s = run(max_new_tokens)
+  res = result(state, n, spec)
+  steps = max(res.steps, 1)
+  return TimedBatch(res.token_ids, res.finish_reasons, res.raw_stats,
+                    [prefill_s + decode_s * d / steps for d in res.done_step], prefill_s + decode_s, prefill_s,
+                    decode_s, res.option_uses, res.ks)
 
 
 @dataclasses.dataclass
 class RunResult:
   records: list  # per prompt: id, category, prompt_token_ids, token_ids, text, finish_reason, time_s
-  summary: dict  # output_tokens, wall_s, output_tokens_per_s, acceptance metrics
+  summary: dict  # output_tokens, wall_s, output_tokens_per_s, acceptance metrics, repeat spread
   stats: Stats  # numpy counters, one row per prompt (input order)
 
 
-def run_prompts(params, config, tokenizer, prompts, prompt_ids, *, batch_size, max_new_tokens, sampling_args,
-                proposer, proposer_params, adaptive_k, seed, impl, stop_ids=(), progress=True, label=""):
-  """prompts: list of serve.prompts.Prompt; prompt_ids: their token ids (BOS included)."""
+def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size, max_new_tokens, sampling_args,
+             adaptive_k, seed, impl, stop_ids=(), repeats=1, progress=True) -> list:
+  """Every arm over the same batches, interleaved batch by batch (A, B, A, B, ...), `repeats` times, so that a
+  change in machine load hits every arm alike. Records and counters come from the last repeat (the outputs of a
+  seeded run are the same every repeat); tokens/s is reported per repeat and as min/median/max."""
   order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))  # similar lengths share a batch
   batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-  records = [None] * len(prompts)
-  stat_rows = [None] * len(prompts)
-  wall = 0.0
-  uses, costs, ks = None, None, None
+  state = [dict(records=[None] * len(prompts), stat_rows=[None] * len(prompts), walls=[0.0] * repeats, uses=None,
+                ks=None) for _ in arms]
   bar = None
   if progress:
     from tqdm import tqdm
-    bar = tqdm(total=len(prompts), desc=label or proposer.name, file=sys.stderr, unit="prompt")
-  for bi, batch in enumerate(batches):
-    n = len(batch)
-    sampling = SamplingParams.make(n, **sampling_args)
-    res = generate(params, config, [prompt_ids[i] for i in batch], max_new_tokens=max_new_tokens,
-                   sampling=sampling, proposer=proposer, proposer_params=proposer_params, adaptive_k=adaptive_k,
-                   stop_ids=stop_ids, seed=seed + bi, impl=impl)
-    wall += res.wall_s
-    uses = res.option_uses if uses is None else [a + b for a, b in zip(uses, res.option_uses)]
-    costs, ks = res.costs, res.ks
-    for j, i in enumerate(batch):
-      toks = res.token_ids[j]
-      records[i] = {
-          "id": prompts[i].id, "category": prompts[i].category, "prompt_token_ids": list(map(int, prompt_ids[i])),
-          "token_ids": toks, "text": tokenizer.decode(toks), "finish_reason": res.finish_reasons[j],
-          "time_s": round(res.row_time_s[j], 4),
-      }
-      stat_rows[i] = jax.tree.map(lambda x: x[j:j + 1], res.raw_stats)
-    if bar:
-      bar.update(n)
-      bar.set_postfix(tok_s=f"{sum(len(r['token_ids']) for r in records if r) / max(wall, 1e-9):.1f}")
+    bar = tqdm(total=len(batches) * repeats, desc="/".join(a.label for a in arms), file=sys.stderr, unit="batch")
+  for r in range(repeats):
+    for bi, batch in enumerate(batches):
+      sampling = SamplingParams.make(len(batch), **sampling_args)
+      for arm, st in zip(arms, state):
+        res = timed_generate(params, config, [prompt_ids[i] for i in batch], max_new_tokens=max_new_tokens,
+                             sampling=sampling, proposer=arm.proposer, proposer_params=arm.proposer_params,
+                             adaptive_k=adaptive_k if arm.adaptive_k is None else arm.adaptive_k, costs=_costs_for(arm.costs, len(batch), params), seed=seed + bi,
+                             impl=impl, stop_ids=stop_ids)
+        st["walls"][r] += res.wall_s
+        if r == repeats - 1:
+          st["uses"] = res.option_uses if st["uses"] is None else [a + b for a, b in zip(st["uses"], res.option_uses)]
+          st["ks"] = res.ks
+          for j, i in enumerate(batch):
+            toks = res.token_ids[j]
+            st["records"][i] = {
+                "id": prompts[i].id, "category": prompts[i].category,
+                "prompt_token_ids": list(map(int, prompt_ids[i])), "token_ids": toks, "text": tokenizer.decode(toks),
+                "finish_reason": res.finish_reasons[j], "time_s": round(res.row_time_s[j], 4),
+            }
+            st["stat_rows"][i] = jax.tree.map(lambda x: x[j:j + 1], res.raw_stats)
+      if bar:
+        bar.update(1)
   if bar:
     bar.close()
-  stats = jax.tree.map(lambda *xs: np.concatenate(xs), *stat_rows)
-  out_tokens = sum(len(r["token_ids"]) for r in records)
-  summary = {"prompts": len(prompts), "output_tokens": out_tokens, "wall_s": round(wall, 4),
-             "output_tokens_per_s": out_tokens / wall if wall else 0.0}
-  if proposer.k:
-    summary.update(_acceptance(summarize(stats)))
-    # What the adaptive controller saw and chose: step cost per k (relative to k = 0) and steps per k.
-    summary.update(draft_lengths=list(ks), step_costs=[round(c, 3) for c in costs], steps_per_draft_length=uses)
-  return RunResult(records, summary, stats)
+  out = []
+  for arm, st in zip(arms, state):
+    records = st["records"]
+    stats = jax.tree.map(lambda *xs: np.concatenate(xs), *st["stat_rows"])
+    out_tokens = sum(len(r["token_ids"]) for r in records)
+    rates = [out_tokens / w if w else 0.0 for w in st["walls"]]
+    summary = {"prompts": len(prompts), "output_tokens": out_tokens, "wall_s": round(float(np.median(st["walls"])), 4),
+               "output_tokens_per_s": float(np.median(rates)), "repeats": repeats,
+               "tokens_per_s_by_repeat": [round(x, 2) for x in rates]}
+    if arm.proposer.k:
+      summary.update(_acceptance(summarize(stats)))
+      summary.update(draft_lengths=list(st["ks"]), steps_per_draft_length=st["uses"])
+    out.append(RunResult(records, summary, stats))
+  return out
+
+
+def _costs_for(costs, n, params):
+  """A [batch, n_options] table is cut (or its last row repeated) to this batch's row count."""
+  if costs is None:
+    return None
+  c = np.asarray(costs, np.float32)
+  if c.ndim == 1:
+    return c
+  rows = backend.batch_rows(params, n)
+  return c[np.minimum(np.arange(rows), c.shape[0] - 1)]
 
 
 def _acceptance(s: dict) -> dict:
@@ -72,19 +147,26 @@ def _acceptance(s: dict) -> dict:
                             "verify_steps", "drafted_tokens", "accepted_tokens")}
 
 
-def category_table(base: RunResult, spec: RunResult | None) -> list[dict]:
-  """Per category (and 'all'): tokens/s for each run, speedup, acceptance metrics."""
+def category_table(base: RunResult, spec: RunResult | None, batch_size: int = 1) -> list[dict]:
+  """Per category (and 'all'): tokens/s for each run, speedup, acceptance metrics.
+
+  At batch 1 a row's time is measured. At batch > 1 rows of several categories share a step, so a category's
+  time is an estimate (each row's share up to the step at which it finished): those columns are marked '~'.
+  """
   cats = sorted({r["category"] for r in base.records})
   rows = []
   for cat in cats + ["all"]:
     idx = [i for i, r in enumerate(base.records) if cat == "all" or r["category"] == cat]
-    row = {"category": cat or "-", "prompts": len(idx)}
+    row = {"category": cat or "-", "prompts": len(idx), "estimated": batch_size > 1 and cat != "all"}
     for name, run in (("baseline", base), ("speculative", spec)):
       if run is None:
         continue
       toks = sum(len(run.records[i]["token_ids"]) for i in idx)
-      t = sum(run.records[i]["time_s"] for i in idx)
-      row[f"{name}_tok_s"] = toks / t if t else 0.0
+      if cat == "all":  # measured: all tokens over the arm's wall time
+        row[f"{name}_tok_s"] = run.summary["output_tokens_per_s"]
+      else:
+        t = sum(run.records[i]["time_s"] for i in idx)
+        row[f"{name}_tok_s"] = toks / t if t else 0.0
     if spec is not None:
       row["speedup"] = row["speculative_tok_s"] / row["baseline_tok_s"] if row["baseline_tok_s"] else 0.0
       s = summarize(spec.stats, idx)
@@ -102,16 +184,20 @@ def format_table(rows: list[dict]) -> str:
                       "mean_acceptance_length", "acceptance_rate", "per_position_acceptance") if c in rows[0]]
   short = {"baseline_tok_s": "base tok/s", "speculative_tok_s": "spec tok/s", "mean_acceptance_length": "mean acc len",
            "acceptance_rate": "acc rate", "per_position_acceptance": "acc by position"}
+  timed = {"baseline_tok_s", "speculative_tok_s", "speedup"}
 
-  def fmt(v):
+  def fmt(v, est):
     if isinstance(v, float):
-      return f"{v:.2f}"
+      return ("~" if est else "") + f"{v:.2f}"
     if isinstance(v, list):
       return " ".join(f"{x:.2f}" for x in v)
     return str(v)
 
-  table = [[short.get(c, c) for c in cols]] + [[fmt(r[c]) for c in cols] for r in rows]
+  table = [[short.get(c, c) for c in cols]] + [[fmt(r[c], r.get("estimated") and c in timed) for c in cols]
+                                               for r in rows]
   widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
   lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table]
   lines.insert(1, "  ".join("-" * w for w in widths))
+  if any(r.get("estimated") for r in rows):
+    lines.append("~ estimated: at batch > 1 rows share steps; per-category time is each row's share until it finished")
   return "\n".join(lines)

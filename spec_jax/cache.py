@@ -16,9 +16,12 @@ from spec_jax.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-  k: jax.Array  # [L, B, S, Hkv, D]
-  v: jax.Array  # [L, B, S, Hkv, D]
-  lengths: jax.Array  # int32[B], committed tokens per row (slot index == position)
+  """k, v [L, B, S, Hkv, D] in the activation dtype (L layers, B slots, S capacity); lengths int32[B] committed
+  entries per row (slot index == position)."""
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
@@ -29,13 +32,15 @@ class KVCache:
   def max_len(self) -> int:
     return self.k.shape[2]
 
-  @property
-  def batch(self) -> int:
-    return self.k.shape[1]
-
   def advance(self, n: jax.Array) -> "KVCache":
     """Commit n[B] more tokens per row."""
     return self.replace(lengths=self.lengths + n.astype(jnp.int32))
+
+  def insert_row(self, row: "KVCache", slot) -> "KVCache":
+    """Write a 1-row cache of the same capacity into row `slot` (traced); no other row is touched."""
+    put = lambda full, r: jax.lax.dynamic_update_index_in_dim(full, r.astype(full.dtype), slot, 1)
+    return KVCache(put(self.k, row.k), put(self.v, row.v),
+                   jax.lax.dynamic_update_index_in_dim(self.lengths, row.lengths, slot, 0))
 
   def nbytes(self) -> int:
     return self.k.size * self.k.dtype.itemsize * 2

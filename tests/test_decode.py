@@ -49,7 +49,7 @@ def test_baseline_greedy_matches_cache_free_reference():
   params = _params()
   rng = np.random.default_rng(0)
   prompts = _prompts(rng, [5, 12, 3])  # different lengths; 12 + 10 runs past the 8-token window
-  res = generate(params, CONFIG, prompts, max_new_tokens=10, warm=False)
+  res = generate(params, CONFIG, prompts, max_new_tokens=10)
   for p, got in zip(prompts, res.token_ids):
     assert got == _reference_greedy(params, CONFIG, p, 10)
 
@@ -57,9 +57,9 @@ def test_baseline_greedy_matches_cache_free_reference():
 def test_batch_invariance_float32():
   params = _params()
   prompts = _prompts(np.random.default_rng(1), [7, 4, 11, 6])
-  batched = generate(params, CONFIG, prompts, max_new_tokens=12, warm=False).token_ids
+  batched = generate(params, CONFIG, prompts, max_new_tokens=12).token_ids
   for i, p in enumerate(prompts):
-    alone = generate(params, CONFIG, [p], max_new_tokens=12, warm=False).token_ids[0]
+    alone = generate(params, CONFIG, [p], max_new_tokens=12).token_ids[0]
     assert alone == batched[i]
 
 
@@ -77,9 +77,9 @@ def test_ngram_greedy_is_lossless(seed):
   params = _params(seed)
   rng = np.random.default_rng(seed)
   prompts = _repetitive_prompts(rng, 3) + _prompts(rng, [6])
-  base = generate(params, CONFIG, prompts, max_new_tokens=20, warm=False)
+  base = generate(params, CONFIG, prompts, max_new_tokens=20)
   spec = generate(params, CONFIG, prompts, max_new_tokens=20, proposer=NgramProposer(k=4, ngram_max=3),
-                  adaptive_k=False, warm=False)
+                  adaptive_k=False)
   assert spec.token_ids == base.token_ids
   assert spec.finish_reasons == base.finish_reasons
   assert spec.stats["drafted_tokens"] > 0
@@ -90,26 +90,25 @@ def test_draft_model_greedy_is_lossless(seed):
   params = _params(seed)
   rng = np.random.default_rng(10 + seed)
   prompts = _prompts(rng, [5, 9, 3])
-  base = generate(params, CONFIG, prompts, max_new_tokens=16, warm=False)
+  base = generate(params, CONFIG, prompts, max_new_tokens=16)
   proposer, pparams = early_exit_proposer(CONFIG, params, 2, k=3)
   spec = generate(params, CONFIG, prompts, max_new_tokens=16, proposer=proposer, proposer_params=pparams,
-                  adaptive_k=False, warm=False)
+                  adaptive_k=False)
   assert spec.token_ids == base.token_ids
   assert spec.stats["accepted_tokens"] > 0  # the early exit agrees sometimes: the accept path runs
   # An independent draft model (another random model, Llama layout, same vocab) for a different acceptance.
   dcfg = tiny_llama_config(vocab_size=CONFIG.vocab_size)
   other = DraftModelProposer(config=dcfg, k=4)
   spec2 = generate(params, CONFIG, prompts, max_new_tokens=16, proposer=other,
-                   proposer_params=init_params(dcfg, jax.random.PRNGKey(99)), adaptive_k=False, warm=False)
+                   proposer_params=init_params(dcfg, jax.random.PRNGKey(99)), adaptive_k=False)
   assert spec2.token_ids == base.token_ids
 
 
 def test_stop_token_inside_accepted_chunk_and_exact_max_tokens():
   params = _params(0)
   prompts = _repetitive_prompts(np.random.default_rng(5), 3)
-  base = generate(params, CONFIG, prompts, max_new_tokens=24, warm=False)
-  spec = generate(params, CONFIG, prompts, max_new_tokens=24, proposer=NgramProposer(k=6), adaptive_k=False,
-                  warm=False)
+  base = generate(params, CONFIG, prompts, max_new_tokens=24)
+  spec = generate(params, CONFIG, prompts, max_new_tokens=24, proposer=NgramProposer(k=6), adaptive_k=False)
   assert spec.token_ids == base.token_ids
   assert spec.stats["mean_acceptance_length"] > 1.2  # multi-token commits happen
   # Stop at a token the run emits mid-output: the output is cut right after its first occurrence.
@@ -117,13 +116,12 @@ def test_stop_token_inside_accepted_chunk_and_exact_max_tokens():
   stop = out[len(out) // 2]
   cut = out.index(stop) + 1
   res = generate(params, CONFIG, prompts, max_new_tokens=24, proposer=NgramProposer(k=6), adaptive_k=False,
-                 stop_ids=(stop,), warm=False)
+                 stop_ids=(stop,))
   assert res.token_ids[0] == out[:cut]
   assert res.finish_reasons[0] == "stop"
   # Per-row token limits are exact, whatever the chunk sizes.
   limits = [1, 7, 13]
-  res = generate(params, CONFIG, prompts, max_new_tokens=limits, proposer=NgramProposer(k=6), adaptive_k=False,
-                 warm=False)
+  res = generate(params, CONFIG, prompts, max_new_tokens=limits, proposer=NgramProposer(k=6), adaptive_k=False)
   for got, want, lim, why in zip(res.token_ids, base.token_ids, limits, res.finish_reasons):
     assert got == want[:lim]
     assert len(got) == lim or why == "stop"
@@ -137,24 +135,27 @@ def test_adaptive_controller_switches_off_and_back_on():
   # Nothing accepted: speculation stops paying and is switched off.
   for _ in range(5):
     st = adaptive.observe(st, 2, 4, active, jnp.array([0, 0]))
-  assert int(adaptive.choose(st, active, ks, probe_every=3)) == 0
+  assert int(adaptive.choose(st, active, active, ks, probe_every=3)) == 0
   for _ in range(3):
     st = adaptive.observe(st, 0, 0, active, jnp.array([0, 0]))
-  assert int(adaptive.choose(st, active, ks, probe_every=3)) == 1  # a probe
+  assert int(adaptive.choose(st, active, active, ks, probe_every=3)) == 1  # a probe
   # The probe and following steps accept everything: the controller goes back to full k.
   for _ in range(6):
     st = adaptive.observe(st, 2, 4, active, jnp.array([4, 4]))
-  assert int(adaptive.choose(st, active, ks, probe_every=3)) == 2
+  assert int(adaptive.choose(st, active, active, ks, probe_every=3)) == 2
+  # Rows that may not be drafted for (speculation off for them, or globally) never get a draft.
+  none = jnp.array([False, False])
+  assert int(adaptive.choose(st, active, none, ks, probe_every=3)) == 0
 
 
 def test_adaptive_generation_stays_lossless_and_uses_several_k():
   params = _params(1)
   rng = np.random.default_rng(3)
   prompts = _repetitive_prompts(rng, 2)
-  base = generate(params, CONFIG, prompts, max_new_tokens=40, warm=False)
+  base = generate(params, CONFIG, prompts, max_new_tokens=40)
   # Drafting is made to look expensive, so the controller drops to k = 0 and then probes.
   spec = generate(params, CONFIG, prompts, max_new_tokens=40, proposer=NgramProposer(k=4), adaptive_k=True,
-                  costs=[1.0, 1.6, 2.2], probe_every=4, warm=False)
+                  costs=[1.0, 1.6, 2.2], probe_every=4)
   assert spec.token_ids == base.token_ids
   assert spec.ks == (0, 2, 4)
   assert sum(u > 0 for u in spec.option_uses) >= 2
@@ -173,9 +174,9 @@ def test_speculative_sampling_matches_plain_sampling_distribution():
   dparams = init_params(dcfg, jax.random.PRNGKey(4))
   plain, specd, stats = [], [], []
   for c in range(calls):
-    plain += generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=100 + c, warm=False).token_ids
+    plain += generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=100 + c).token_ids
     spec = generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=200 + c, proposer=draft,
-                    proposer_params=dparams, adaptive_k=False, warm=False)
+                    proposer_params=dparams, adaptive_k=False)
     specd += spec.token_ids
     stats.append(spec.stats["acceptance_rate"])
   plain, specd = np.array(plain), np.array(specd)
@@ -193,11 +194,11 @@ def test_speculative_sampling_matches_plain_sampling_distribution():
 def test_bad_generation_input():
   params = _params()
   with pytest.raises(ValueError, match="empty"):
-    generate(params, CONFIG, [[2, 5], []], max_new_tokens=4, warm=False)
-  with pytest.raises(ValueError, match="exceeds the model's context"):
-    generate(params, CONFIG, [[2] * 250], max_new_tokens=20, warm=False)
+    generate(params, CONFIG, [[2, 5], []], max_new_tokens=4)
+  with pytest.raises(ValueError, match="exceeds the context"):
+    generate(params, CONFIG, [[2] * 250], max_new_tokens=20)
   with pytest.raises(ValueError, match="max_new_tokens"):
-    generate(params, CONFIG, [[2, 5]], max_new_tokens=0, warm=False)
+    generate(params, CONFIG, [[2, 5]], max_new_tokens=0)
   with pytest.raises(ValueError, match="temperature"):
     SamplingParams.make(1, temperature=-0.5)
   with pytest.raises(ValueError, match="top_p"):
@@ -209,7 +210,7 @@ def test_bad_generation_input():
 def test_draft_catches_up_after_steps_without_drafting():
   """After adaptive k = 0 steps the draft must not read cache slots it never wrote: its proposal equals a
   cache-free greedy continuation by the draft model of the committed tokens."""
-  from spec_jax.proposers.base import ProposeContext
+  from spec_jax.proposers.base import PrefillOut, ProposeContext
   params = _params(0)
   proposer, dparams = early_exit_proposer(CONFIG, params, 2, k=3)
   rng = np.random.default_rng(7)
@@ -217,7 +218,10 @@ def test_draft_catches_up_after_steps_without_drafting():
   S, prompt_len = 64, 6
   tokens = np.zeros((1, S), np.int32)
   tokens[0, :len(committed)] = committed
-  cache = proposer.prefill(dparams, jnp.asarray(tokens[:, :8]), jnp.asarray([prompt_len]), S, 8)
+  pre = PrefillOut(prompt_tokens=jnp.asarray(tokens[:, :8]), tokens=jnp.asarray(tokens),
+                   lengths=jnp.asarray([prompt_len + 1]), prompt_lens=jnp.asarray([prompt_len]), prompt_hidden=None,
+                   last_hidden=jnp.zeros((1, CONFIG.d_model)), chunk=8)
+  cache = jax.jit(lambda p: proposer.init(p, pre, S))(dparams)
   ctx = ProposeContext(jnp.asarray(tokens), jnp.asarray([len(committed)], jnp.int32), SamplingParams.make(1),
                        jnp.zeros((1, CONFIG.d_model)))
   draft, _ = jax.jit(lambda c: proposer.propose(dparams, c, ctx, 3, jax.random.PRNGKey(0)))(cache)

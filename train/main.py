@@ -43,7 +43,7 @@ def build_data(cfg, config, params, tokenizer, log):
   spec = data_lib.DataSpec(**dict(cfg.data))
 
   def generate_fn(batch, temperature, seed):
-    res = generate(params, config, batch, max_new_tokens=spec.max_new_tokens, warm=False, seed=seed,
+    res = generate(params, config, batch, max_new_tokens=spec.max_new_tokens, seed=seed,
                    sampling=SamplingParams.make(len(batch), temperature=temperature),
                    stop_ids=tokenizer.stop_ids if tokenizer else ())
     return res.token_ids

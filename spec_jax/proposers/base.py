@@ -1,8 +1,11 @@
-"""The proposer protocol. Proposers are frozen dataclasses (static under jit); their state is a pytree.
+"""The proposer protocol. Proposers are frozen dataclasses (static under jit); their state is a pytree whose
+leaves carry the batch (slot) axis, so one row can be replaced while the others keep decoding.
 
-  init(params, ctx)            -> state          after prefill
-  propose(params, state, ctx, k, key) -> (Draft, state)
-  update(params, state, result) -> state         after verify/commit
+  needs_prompt_hidden: bool                       whether init() reads the prompt's target hidden states
+  init(params, prefill: PrefillOut, capacity)     -> state     the rows of `prefill`, after the target's prefill
+  propose(params, state, ctx, k, key)             -> (Draft, state)
+  update(params, state, result: VerifyResult)     -> state     after verify/commit (every step, k = 0 included)
+  insert(state, slot, row_state)                  -> state     write a 1-row state (from init) into row `slot`
 
 `params` is the proposer's own weights (an empty dict for model-free proposers). A draft token < 0 means
 "nothing proposed here": the verifier never accepts it nor anything after it.
@@ -11,7 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Protocol
+from typing import Any, ClassVar, Optional, Protocol
 
 import jax
 from flax import struct
@@ -19,48 +22,107 @@ from flax import struct
 
 @struct.dataclass
 class Draft:
-  tokens: jax.Array  # int32[B, k]; < 0 where there is no proposal
-  probs: Optional[jax.Array] = None  # float32[B, k, V] the drafter's sampling distribution; None: deterministic
+  """tokens int32[B, k] (< 0 where there is no proposal); probs float32[B, k, V] the drafter's sampling
+  distribution, None when the drafts are deterministic."""
+
+  tokens: jax.Array
+  probs: Optional[jax.Array] = None
+
+
+@struct.dataclass
+class PrefillOut:
+  """What a proposer starts from, after the target's prefill and the first sampled token.
+
+  prompt_tokens int32[B, P]: the right-padded prompts (P a multiple of `chunk`, or equal to it).
+  tokens int32[B, S]: the token buffer; row b holds its prompt and the first new token in tokens[b, :lengths[b]].
+  lengths int32[B]: prompt_lens + 1.
+  prompt_lens int32[B].
+  prompt_hidden [B, P, D] | None: the target's final-normed hidden states of the padded prompt (P = bucket),
+    only for proposers with needs_prompt_hidden.
+  last_hidden [B, D]: the target's hidden state at the last prompt token (it predicted the first new token).
+  chunk int (static): the prefill chunk the prompt was padded for.
+  """
+
+  prompt_tokens: jax.Array
+  tokens: jax.Array
+  lengths: jax.Array
+  prompt_lens: jax.Array
+  prompt_hidden: Optional[jax.Array]
+  last_hidden: jax.Array
+  chunk: int = struct.field(pytree_node=False, default=512)
 
 
 @struct.dataclass
 class ProposeContext:
-  tokens: jax.Array  # int32[B, S] token buffer; row b's committed tokens are tokens[b, :lengths[b]]
-  lengths: jax.Array  # int32[B]
-  sampling: Any  # SamplingParams (drafters that sample use the target's settings)
-  last_hidden: jax.Array  # [B, D] target's final hidden at the last token fed (predicts tokens[b, lengths-1])
+  """tokens int32[B, S] (row b's committed tokens are tokens[b, :lengths[b]]); lengths int32[B]; sampling
+  SamplingParams (drafters that sample use the target's settings); last_hidden [B, D] the target's final hidden at
+  the last token fed (it predicted tokens[b, lengths-1])."""
+
+  tokens: jax.Array
+  lengths: jax.Array
+  sampling: Any
+  last_hidden: jax.Array
 
 
 @struct.dataclass
 class VerifyResult:
-  tokens: jax.Array  # int32[B, k+1] verifier output; the first `emitted[b]` were committed
-  num_accepted: jax.Array  # int32[B] drafts accepted before cuts
-  emitted: jax.Array  # int32[B] tokens committed this step (after EOS / max-token cuts; 0 for done rows)
-  new_lengths: jax.Array  # int32[B] buffer lengths after commit
-  hidden: jax.Array  # [B, k+1, D] target hidden states of the fed tokens (last committed + drafts)
+  """tokens int32[B, k+1] verifier output, of which the first `emitted[b]` were committed; num_accepted int32[B]
+  drafts accepted before cuts; emitted int32[B] tokens committed this step (after EOS/limit cuts; 0 for done
+  rows); new_lengths int32[B] buffer lengths after commit; hidden [B, k+1, D] target hidden states of the fed
+  tokens (last committed + drafts)."""
+
+  tokens: jax.Array
+  num_accepted: jax.Array
+  emitted: jax.Array
+  new_lengths: jax.Array
+  hidden: jax.Array
 
 
 class Proposer(Protocol):
   name: str
   k: int  # the largest number of tokens it drafts per step
+  needs_prompt_hidden: ClassVar[bool]
 
-  def init(self, params, ctx: ProposeContext): ...
+  def init(self, params, prefill: PrefillOut, capacity: int): ...
   def propose(self, params, state, ctx: ProposeContext, k: int, key: jax.Array) -> tuple[Draft, Any]: ...
   def update(self, params, state, result: VerifyResult): ...
+  def insert(self, state, slot, row_state): ...
+
+
+def write_row(full: jax.Array, row: jax.Array, slot, axis: int = 0) -> jax.Array:
+  """full with row (size 1 on `axis`) written at index `slot` (traced) of `axis`."""
+  return jax.lax.dynamic_update_index_in_dim(full, row.astype(full.dtype), slot, axis)
+
+
+def write_rows_tree(full, row, slot, axis: int = 0):
+  """write_row over matching pytrees whose leaves all carry the batch on `axis`."""
+  return jax.tree.map(lambda f, r: write_row(f, r, slot, axis), full, row)
 
 
 @dataclasses.dataclass(frozen=True)
-class NoneProposer:
+class Stateless:
+  """Base for proposers that keep no state between steps (ngram, medusa)."""
+
+  needs_prompt_hidden: ClassVar[bool] = False
+
+  def init(self, params, prefill, capacity):
+    return ()
+
+  def update(self, params, state, result):
+    return state
+
+  def insert(self, state, slot, row_state):
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class NoneProposer(Stateless):
   """k = 0: plain decoding through the same loop."""
 
   name: str = "none"
   k: int = 0
 
-  def init(self, params, ctx):
-    return ()
-
   def propose(self, params, state, ctx, k, key):
     raise AssertionError("the none proposer is never asked for drafts")
 
-  def update(self, params, state, result):
-    return state
+

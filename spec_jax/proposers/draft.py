@@ -16,7 +16,7 @@ also keeps XLA:CPU off its slow single-row bfloat16 path.
 from __future__ import annotations
 
 import dataclasses
-import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +24,11 @@ import jax.numpy as jnp
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
+from spec_jax.prefill import prefill as prefill_fn
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
-from spec_jax.proposers.base import Draft
+from spec_jax.proposers.base import PrefillOut
+from spec_jax.proposers.chain import draft_chain
 from spec_jax.sampling import sample_with_probs
 
 
@@ -35,20 +37,24 @@ CATCH_UP = 16  # tokens per catch-up forward after steps that drafted nothing
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer:
+  """State: the draft's KVCache (k, v [L', B, S, Hkv, D]; lengths int32[B], the slots valid for committed
+  tokens)."""
+
   config: ModelConfig  # the draft's config (same vocabulary as the target)
   k: int = 4
   impl: str = "xla"
   name: str = "draft"
+  needs_prompt_hidden: ClassVar[bool] = False
 
-  def prefill(self, params, prompt_tokens, prompt_lens, max_len: int, chunk: int):
-    """Fill the draft cache with the prompts (host-side, before the loop)."""
-    from spec_jax.decode import prefill
-    cache = KVCache.init(self.config, prompt_tokens.shape[0], max_len, params["final_norm"].dtype)
-    cache, _ = prefill(params, prompt_tokens, prompt_lens, cache, config=self.config, impl=self.impl, chunk=chunk)
+  def init(self, params, prefill: PrefillOut, capacity: int) -> KVCache:
+    """Fill the draft cache with the prompts (the same padded chunks as the target's prefill)."""
+    cache = KVCache.init(self.config, prefill.tokens.shape[0], capacity, params["final_norm"].dtype)
+    cache, _ = prefill_fn(params, prefill.prompt_tokens, prefill.prompt_lens, cache, config=self.config,
+                          impl=self.impl, chunk=prefill.chunk)
     return cache
 
-  def init(self, params, ctx):
-    raise AssertionError("DraftModelProposer state comes from prefill()")
+  def insert(self, state: KVCache, slot, row_state: KVCache) -> KVCache:
+    return state.insert_row(row_state, slot)
 
   def catch_up(self, params, cache: KVCache, tokens, upto, width: int = CATCH_UP):
     """Feed committed tokens until cache.lengths >= upto[b] in every row (a no-op when already there)."""
@@ -69,7 +75,6 @@ class DraftModelProposer:
     return jax.lax.while_loop(lambda c: jnp.any(c.lengths < upto), body, cache)
 
   def propose(self, params, cache: KVCache, ctx, k, key):
-    B = ctx.lengths.shape[0]
     start = ctx.lengths - 2
     cache = self.catch_up(params, cache, ctx.tokens, start)
     feed = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
@@ -84,24 +89,20 @@ class DraftModelProposer:
 
     logits, _, cache = run(params, feed, pos, cache.replace(lengths=start))
     cache = cache.replace(lengths=ctx.lengths)
-    keys = jax.random.split(key, k)
 
-    def draw(logits, key):
+    def draw(carry, key):
+      logits = carry[0]
       if reduced:
         return vocab.draw(key, logits, ctx.sampling, params["d2t"], self.config.vocab_size)
       return sample_with_probs(key, logits, ctx.sampling)
 
-    def step(carry, key):
-      logits, cache = carry
-      tok, q = draw(logits, key)
+    def advance(carry, tok):
+      _, cache = carry
       nxt, _, cache = run(params, tok[:, None], cache.lengths[:, None], cache)
-      return (nxt[:, 0], cache.replace(lengths=cache.lengths + 1)), (tok, q)
+      return nxt[:, 0], cache.replace(lengths=cache.lengths + 1)
 
-    (logits, cache), (toks, qs) = jax.lax.scan(step, (logits[:, 1], cache), keys[:k - 1])
-    last_tok, last_q = draw(logits, keys[k - 1])
-    tokens = jnp.concatenate([toks.T.reshape(B, k - 1), last_tok[:, None]], axis=1)
-    probs = jnp.concatenate([jnp.swapaxes(qs, 0, 1), last_q[:, None]], axis=1)
-    return Draft(tokens=tokens.astype(jnp.int32), probs=probs), cache
+    draft, (_, cache) = draft_chain(draw, advance, (logits[:, 1], cache), key, k)
+    return draft, cache
 
   def update(self, params, cache, result):
     if result.tokens.shape[1] == 1:  # a k = 0 step: the draft did not run, its cache is unchanged

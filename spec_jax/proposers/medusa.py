@@ -22,7 +22,7 @@ import numpy as np
 from spec_jax.config import ModelConfig
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
-from spec_jax.proposers.base import Draft
+from spec_jax.proposers.base import Draft, Stateless
 
 
 def param_shapes(d_model: int, num_heads: int) -> dict:
@@ -44,7 +44,7 @@ def head_features(heads: dict, hidden: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaProposer:
+class MedusaProposer(Stateless):
   vocab_size: int  # the target's V (drafts and q are returned over it)
   num_heads: int
   k: int = 4
@@ -55,17 +55,11 @@ class MedusaProposer:
     if not 1 <= self.k <= self.num_heads:
       raise ValueError(f"medusa drafts at most {self.num_heads} tokens (one per head), got k={self.k}")
 
-  def init(self, params, ctx):
-    return ()
-
   def propose(self, params, state, ctx, k, key):
     feats = head_features(params["heads"], ctx.last_hidden)[:, :k]  # [B, k, D]
     logits = vocab.project(feats, params["rows"])
     tokens, q = vocab.draw(key, logits, ctx.sampling, params.get("d2t"), self.vocab_size)
     return Draft(tokens=tokens, probs=q), state
-
-  def update(self, params, state, result):
-    return state
 
 
 def runtime_params(heads: dict, target_params: dict, d2t: Optional[jax.Array] = None) -> dict:

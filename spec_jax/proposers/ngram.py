@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from spec_jax.proposers.base import Draft
+from spec_jax.proposers.base import Draft, Stateless
 from spec_jax.proposers.ngram_lookup import ngram_draft
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(Stateless):
   k: int = 4
   ngram_min: int = 1
   ngram_max: int = 3
@@ -20,12 +20,6 @@ class NgramProposer:
       raise ValueError(f"ngram needs k >= 1 and 1 <= ngram_min <= ngram_max, got k={self.k}, "
                        f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
 
-  def init(self, params, ctx):
-    return ()
-
   def propose(self, params, state, ctx, k, key):
     toks = ngram_draft(ctx.tokens, ctx.lengths, k=k, ngram_min=self.ngram_min, ngram_max=self.ngram_max)
     return Draft(tokens=toks), state
-
-  def update(self, params, state, result):
-    return state

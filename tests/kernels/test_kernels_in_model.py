@@ -18,11 +18,11 @@ def test_greedy_generation_identical_to_xla(impl):
   rng = np.random.default_rng(0)
   span = rng.integers(3, CONFIG.vocab_size, 5).tolist()
   prompts = [[2] + span * 3, [2] + rng.integers(3, CONFIG.vocab_size, 9).tolist()]
-  want = generate(params, CONFIG, prompts, max_new_tokens=12, impl="xla", warm=False)
-  got = generate(params, CONFIG, prompts, max_new_tokens=12, impl=impl, warm=False)
+  want = generate(params, CONFIG, prompts, max_new_tokens=12, impl="xla")
+  got = generate(params, CONFIG, prompts, max_new_tokens=12, impl=impl)
   assert got.token_ids == want.token_ids
   spec = generate(params, CONFIG, prompts, max_new_tokens=12, impl=impl, proposer=NgramProposer(k=3),
-                  adaptive_k=False, warm=False)
+                  adaptive_k=False)
   assert spec.token_ids == want.token_ids
 
 

@@ -28,7 +28,7 @@ def _self_distilled(cfg):
   config, params, _ = load_target(cfg)
   rng = np.random.default_rng(0)
   prompts = [[config.bos_id] + rng.integers(3, config.vocab_size, 4).tolist() for _ in range(8)]
-  out = generate(params, config.replace(eos_ids=()), prompts, max_new_tokens=19, warm=False).token_ids
+  out = generate(params, config.replace(eos_ids=()), prompts, max_new_tokens=19).token_ids
   toks, mask = data_lib.pack([p + o for p, o in zip(prompts, out)], 24)
   return data_lib.Dataset(toks, mask, toks[:4], mask[:4])
 

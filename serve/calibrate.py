@@ -1,0 +1,111 @@
+"""Step costs for the adaptive controller: measure them once, write them to a file, name the file in a config.
+
+  python -m serve.calibrate --method=ngram --output=configs/costs/gemma3_270m_cpu.json   # adds/updates one entry
+
+A cost is the wall time of one loop step drafting k tokens over that of a k = 0 step, at a given number of busy
+slots. The library never reads a clock (a seeded run is reproducible); the serving harness and the server load
+these tables. Timing is round-robin over the options with the best of `reps` kept, so a burst of other load hits
+every option alike. A drafting step also runs everything a k = 0 step runs, so a measured cost below 1 is noise:
+costs are clipped to be non-decreasing in k.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+
+def entry_key(method: str, dtype: str, k: int) -> str:
+  return f"{method}/{dtype}/k{k}"
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "option"))
+def _one_step(params, state, spec, option):
+  from spec_jax.decode import spec_step
+  return spec_step(params, state, spec, option)
+
+
+def measure_costs(params, spec, prompts, *, batch: int, occupancies=None, reps: int = 5, max_new: int = 64) -> dict:
+  """Costs [len(occupancies), len(ks)] measured on a state with a busy slots of `batch` (prompts cycled)."""
+  from spec_jax import slots
+  occupancies = sorted(set(occupancies or [a for a in (1, 2, 4, 8, 16, 32, 64) if a < batch] + [batch]))
+  S = 512 * (1 + (max(len(p) for p in prompts) + max_new + spec.k_max) // 512)
+  table = []
+  for a in occupancies:
+    state = slots.empty_state(params, spec, batch=batch, capacity=S)
+    for slot in range(a):
+      req = slots.make_request(prompts[slot % len(prompts)], max_new=max_new, spec=spec, capacity=S)
+      state = slots.insert(params, state, slot, req, spec)
+    for i in range(len(spec.ks)):
+      jax.block_until_ready(_one_step(params, state, spec, i).lengths)  # compile
+    times = [float("inf")] * len(spec.ks)
+    for _ in range(reps):
+      for i in range(len(spec.ks)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(_one_step(params, state, spec, i).lengths)
+        times[i] = min(times[i], time.perf_counter() - t0)
+    costs = np.maximum.accumulate(np.asarray(times) / times[0])
+    table.append([round(float(c), 4) for c in costs])
+  return {"ks": list(spec.ks), "batch": batch, "occupancies": occupancies, "costs": table}
+
+
+def table_for(entry: dict, ks, batch: int) -> np.ndarray:
+  """An entry's costs as the controller's [batch, len(ks)] table (linear between measured occupancies)."""
+  if list(entry["ks"]) != list(ks):
+    raise ValueError(f"the calibration was measured for draft lengths {entry['ks']}, this run uses {list(ks)}")
+  occ = np.asarray(entry["occupancies"], float)
+  costs = np.asarray(entry["costs"], float)
+  a = np.arange(1, batch + 1, dtype=float)
+  return np.stack([np.interp(a, occ, costs[:, j]) for j in range(costs.shape[1])], axis=1).astype(np.float32)
+
+
+def load_costs(path: str, method: str, dtype: str, ks, batch: int):
+  """The cost table for this run from a calibration file, or None (the default model) when the file has no
+  entry for it. A missing file is an error: a config that names one expects it."""
+  if not path or method == "none":
+    return None
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"costs file {path!r} not found (write it with python -m serve.calibrate)")
+  with open(path, encoding="utf-8") as f:
+    entries = json.load(f)
+  entry = entries.get(entry_key(method, dtype, max(ks)))
+  return None if entry is None else table_for(entry, ks, batch)
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  from serve import generate as gen
+  from spec_jax.decode import make_spec
+
+  FLAGS = flags.FLAGS
+  cfg = gen.settings()
+  setup = gen.load_setup(cfg)
+  spec = make_spec(setup.config, setup.proposer, adaptive_k=True, impl=setup.impl)
+  params = {"target": setup.params, "proposer": setup.proposer_params}
+  entry = measure_costs(params, spec, setup.prompt_ids, batch=FLAGS.calibrate_batch, reps=FLAGS.calibrate_reps)
+  entry["machine"] = f"{os.cpu_count()} cpus, {jax.default_backend()}"
+  entry["date"] = time.strftime("%Y-%m-%d")
+  entries = {}
+  if os.path.isfile(FLAGS.output_costs):
+    with open(FLAGS.output_costs, encoding="utf-8") as f:
+      entries = json.load(f)
+  entries[entry_key(cfg["method"], cfg["dtype"], spec.k_max)] = entry
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output_costs)), exist_ok=True)
+  with open(FLAGS.output_costs, "w", encoding="utf-8") as f:
+    json.dump(entries, f, indent=1, sort_keys=True)
+  print(json.dumps(entry))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  import serve.generate  # noqa: F401  (its flags: --config, --method, --prompts, ...)
+  flags.DEFINE_string("output_costs", "configs/costs/gemma3_270m_cpu.json", "The calibration file to update.")
+  flags.DEFINE_integer("calibrate_batch", 1, "Slots of the state the costs are for (occupancies 1..batch).")
+  flags.DEFINE_integer("calibrate_reps", 7, "Timed repeats per option (best kept).")
+  app.run(main)

@@ -1,0 +1,62 @@
+"""Chunked prefill of right-padded prompts into a KV cache, below the decode loop and the proposers.
+
+The target and every cached proposer (the draft model) prefill through here, so no proposer imports the loop.
+Prompts are padded to a bucket (powers of two below the chunk, multiples of it above) so compiles stay few.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.cache import KVCache
+from spec_jax.config import ModelConfig
+from spec_jax.models.transformer import forward
+
+DEFAULT_CHUNK = 512
+
+
+def bucket(max_prompt: int, chunk: int = DEFAULT_CHUNK) -> tuple[int, int]:
+  """-> (padded prompt length, chunk): one chunk of a power of two up to `chunk`, multiples of `chunk` above."""
+  if max_prompt <= chunk:
+    p = max(16, 1 << (max(max_prompt, 1) - 1).bit_length())
+    return p, p
+  return -(-max_prompt // chunk) * chunk, chunk
+
+
+def _chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, impl):
+  """One chunk at positions start..start+C-1. Keeps each row's hidden state at its last prompt token."""
+  B, C = chunk.shape
+  positions = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
+  cache = cache.replace(lengths=jnp.full((B,), start, jnp.int32))
+  _, hidden, cache = forward(params, chunk, positions, cache, config=config, impl=impl, compute_logits=False)
+  idx = prompt_lens - 1 - start
+  here = (idx >= 0) & (idx < C)
+  h = jnp.take_along_axis(hidden, jnp.clip(idx, 0, C - 1)[:, None, None], axis=1)[:, 0]
+  return cache, jnp.where(here[:, None], h, last_hidden), hidden
+
+
+prefill_chunk = jax.jit(_chunk, static_argnames=("config", "impl"), donate_argnames=("cache",))
+
+
+def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *, config: ModelConfig,
+            impl: str = "xla", chunk: int = DEFAULT_CHUNK, return_all: bool = False):
+  """Right-padded prompts [B, P] (P a multiple of `chunk`) -> (cache with lengths = prompt_lens, hidden[B, D]).
+
+  With `return_all`, the hidden states of every prompt position [B, P, D] come back third (EAGLE reads them).
+  Inside another jit (slot insert) the jitted chunks simply inline.
+  """
+  B, P = tokens.shape
+  if P % chunk:
+    raise ValueError(f"padded prompt length {P} is not a multiple of the prefill chunk {chunk}")
+  last_hidden = jnp.zeros((B, config.d_model), params["final_norm"].dtype)
+  every = []
+  for start in range(0, P, chunk):
+    cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], jnp.int32(start), cache, prompt_lens,
+                                     last_hidden, config=config, impl=impl)
+    if return_all:
+      every.append(hidden)
+  cache = cache.replace(lengths=prompt_lens.astype(jnp.int32))
+  if return_all:
+    return cache, last_hidden, jnp.concatenate(every, axis=1)
+  return cache, last_hidden

@@ -1,0 +1,150 @@
+"""Slots: fill one row of a running DecodeState with a new request, empty it again, read it out.
+
+The shape of JetStream's engine API over `decode.py`: a host scheduler keeps a state of B slots, `insert`s a
+request into a free slot (prefill plus a write of that row only), runs `decode_loop` for a bounded number of
+steps, reads the committed tokens from a `snapshot`, and `release`s finished slots. Every function is jitted
+with the slot as a traced index, so none recompiles per slot or per call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from spec_jax import adaptive
+from spec_jax.cache import KVCache
+from spec_jax.config import SamplingParams, validate_sampling
+from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec, check_fits, start_rows
+from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill
+from spec_jax.proposers.base import write_row, write_rows_tree
+from spec_jax.stats import Stats
+
+
+@struct.dataclass
+class Request:
+  """One request, ready for `insert`. tokens int32[P]: the prompt (BOS included) right-padded to a bucket;
+  prompt_len, max_new int32[]; sampling: SamplingParams of one row; speculate bool[]: drafts allowed for it;
+  key: the PRNG key of its first token."""
+
+  tokens: jax.Array
+  prompt_len: jax.Array
+  max_new: jax.Array
+  sampling: SamplingParams
+  speculate: jax.Array
+  key: jax.Array
+
+
+@struct.dataclass
+class Snapshot:
+  """Copies of what the host reads after a loop call (new buffers: safe to read while the next call runs).
+
+  tokens int32[B, S]; lengths, prompt_lens int32[B]; done bool[B]; finish int32[B] FINISH_*; per-row counters
+  since insert: steps, drafted, accepted int32[B], drafted_at, accepted_at int32[B, K]; option_uses int32[n] steps
+  per option since the state was made; step int32[] loop steps so far; spec_enabled bool[].
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  prompt_lens: jax.Array
+  done: jax.Array
+  finish: jax.Array
+  steps: jax.Array
+  drafted: jax.Array
+  accepted: jax.Array
+  drafted_at: jax.Array
+  accepted_at: jax.Array
+  option_uses: jax.Array
+  step: jax.Array
+  spec_enabled: jax.Array
+
+
+def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, speculate: bool = True, seed: int = 0,
+                 chunk: int = DEFAULT_CHUNK) -> Request:
+  """Host-side: check the request (ValueError with the reason) and pad it for `insert`."""
+  n = len(prompt_ids)
+  check_fits(spec.config, n, int(max_new), spec.k_max, capacity)
+  validate_sampling(temperature, top_k, top_p)
+  P, _ = bucket(n, chunk)
+  if P > capacity:
+    raise ValueError(f"prompt ({n} tokens) pads to {P}, over the slot capacity of {capacity} tokens")
+  tokens = np.zeros((P,), np.int32)
+  tokens[:n] = prompt_ids
+  return Request(tokens=jnp.asarray(tokens), prompt_len=jnp.int32(n), max_new=jnp.int32(max_new),
+                 sampling=SamplingParams.make(1, temperature, top_k, top_p), speculate=jnp.asarray(bool(speculate)),
+                 key=jax.random.PRNGKey(seed))
+
+
+def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0) -> DecodeState:
+  """A state of `batch` free slots of `capacity` tokens each (a multiple of the prefill chunk is best)."""
+  return _empty(params, spec, batch, capacity, jnp.asarray(adaptive.default_costs(spec.ks) if costs is None else
+                                                           costs, jnp.float32), jax.random.PRNGKey(seed))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "batch", "capacity"))
+def _empty(params, spec, batch, capacity, costs, key):
+  # One dummy request of one token per row, prefilled and marked free: every leaf gets its real shape and dtype.
+  P, chunk = bucket(1)
+  prompt = jnp.zeros((batch, P), jnp.int32).at[:, 0].set(spec.config.bos_id)
+  lens = jnp.ones((batch,), jnp.int32)
+  cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype)
+  cache, hidden, every = prefill(params["target"], prompt, lens, cache, config=spec.config, impl=spec.impl,
+                                 chunk=chunk, return_all=True)
+  state = start_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), bool), key,
+                     cache, hidden, every if spec.proposer.needs_prompt_hidden else None, capacity, chunk)
+  return state.replace(done=jnp.ones((batch,), bool), finish=jnp.full((batch,), FINISH_ABORT, jnp.int32),
+                       adapt=adaptive.AdaptState.init(batch, costs))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> DecodeState:
+  """Prefill `req` and write it into row `slot` (traced) of a running state; no other row changes."""
+  S = state.capacity
+  P = req.tokens.shape[0]
+  _, chunk = bucket(P)
+  prompt, lens = req.tokens[None], req.prompt_len[None]
+  cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
+  cache, hidden, every = prefill(params["target"], prompt, lens, cache, config=spec.config, impl=spec.impl,
+                                 chunk=chunk, return_all=True)
+  row = start_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.speculate[None], req.key, cache,
+                   hidden, every if spec.proposer.needs_prompt_hidden else None, S, chunk)
+  put = functools.partial(write_row, slot=slot)
+  return state.replace(
+      tokens=put(state.tokens, row.tokens), lengths=put(state.lengths, row.lengths),
+      prompt_lens=put(state.prompt_lens, row.prompt_lens), max_new=put(state.max_new, row.max_new),
+      cache=state.cache.insert_row(row.cache, slot),
+      pstate=spec.proposer.insert(state.pstate, slot, row.pstate),
+      done=put(state.done, row.done), finish=put(state.finish, row.finish), speculate=put(state.speculate, row.speculate),
+      sampling=write_rows_tree(state.sampling, row.sampling, slot),
+      stats=write_rows_tree(state.stats, Stats.zeros(1, spec.k_max), slot),
+      adapt=state.adapt.reset_row(slot), last_hidden=put(state.last_hidden, row.last_hidden),
+      done_step=put(state.done_step, state.step[None]))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release(state: DecodeState, slot) -> DecodeState:
+  """Free slot `slot`: it stops running (a request still running there is aborted)."""
+  running = ~state.done[slot]
+  return state.replace(done=state.done.at[slot].set(True),
+                       finish=state.finish.at[slot].set(jnp.where(running, FINISH_ABORT, state.finish[slot])))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_speculation(state: DecodeState, enabled) -> DecodeState:
+  """The global switch: off, every step drafts k = 0; requests in flight continue exactly."""
+  return state.replace(spec_enabled=jnp.asarray(enabled, bool))
+
+
+@jax.jit
+def snapshot(state: DecodeState) -> Snapshot:
+  s = state.stats
+  cp = jnp.copy
+  return Snapshot(tokens=cp(state.tokens), lengths=cp(state.lengths), prompt_lens=cp(state.prompt_lens),
+                  done=cp(state.done), finish=cp(state.finish), steps=cp(s.steps), drafted=cp(s.drafted),
+                  accepted=cp(s.accepted), drafted_at=cp(s.drafted_at), accepted_at=cp(s.accepted_at),
+                  option_uses=cp(state.adapt.uses), step=cp(state.step), spec_enabled=cp(state.spec_enabled))

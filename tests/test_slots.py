@@ -1,0 +1,159 @@
+"""Slots: a request inserted into a running batch (or into a released slot) decodes exactly as it does alone,
+for every proposer; insert touches no other row; the loop runs a bounded number of steps without recompiling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax import slots
+from spec_jax.decode import FINISH_ABORT, decode_loop, generate, make_spec
+from spec_jax.proposers.base import NoneProposer
+from spec_jax.proposers.draft import early_exit_proposer
+from spec_jax.proposers.ngram import NgramProposer
+from tests.proposers.test_medusa_eagle import CONFIG, _eagle, _medusa, _params, _prompts
+
+CAPACITY = 128
+MAX_NEW = 14
+
+
+def _proposer(name, params):
+  if name == "none":
+    return NoneProposer(), {}
+  if name == "ngram":
+    return NgramProposer(k=3), {}
+  if name == "draft":
+    return early_exit_proposer(CONFIG, params, 2, k=3)
+  return (_medusa if name == "medusa" else _eagle)(params)
+
+
+def _run_to_end(params, state, spec, steps=3):
+  while not bool(np.all(np.asarray(state.done))):
+    state = decode_loop(params, state, spec, steps)
+  return state
+
+
+def _out(state, slot):
+  s = slots.snapshot(state)
+  return np.asarray(s.tokens)[slot, int(s.prompt_lens[slot]):int(s.lengths[slot])].tolist()
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "draft", "medusa", "eagle"])
+def test_insert_mid_decode_and_after_release_equals_alone(name):
+  params = _params()
+  proposer, pparams = _proposer(name, params)
+  prompts = _prompts(3, [9, 5, 12, 7])
+  alone = [generate(params, CONFIG, [p], max_new_tokens=MAX_NEW, proposer=proposer, proposer_params=pparams,
+                    adaptive_k=False).token_ids[0] for p in prompts]
+  spec = make_spec(CONFIG, proposer, adaptive_k=False)
+  both = {"target": params, "proposer": pparams}
+  req = lambda p, n=MAX_NEW: slots.make_request(p, max_new=n, spec=spec, capacity=CAPACITY)
+  state = slots.empty_state(both, spec, batch=3, capacity=CAPACITY)
+  state = slots.insert(both, state, 0, req(prompts[0]), spec)
+  state = slots.insert(both, state, 2, req(prompts[1], 100), spec)  # runs until it is aborted
+  state = decode_loop(both, state, spec, 3)  # slots 0 and 2 are mid-decode
+  assert not np.asarray(state.done)[[0, 2]].any()
+  state = slots.insert(both, state, 1, req(prompts[2]), spec)
+  state = decode_loop(both, state, spec, 2)
+  # Slot 2 is released mid-decode (an abort) and refilled while the others keep decoding.
+  state = slots.release(state, 2)
+  assert int(state.finish[2]) == FINISH_ABORT
+  state = slots.insert(both, state, 2, req(prompts[3]), spec)
+  state = _run_to_end(both, state, spec)
+  assert _out(state, 0) == alone[0]
+  assert _out(state, 1) == alone[2]
+  assert _out(state, 2) == alone[3]
+  # A finished slot, released and filled again.
+  state = slots.release(state, 0)
+  state = slots.insert(both, state, 0, req(prompts[1]), spec)
+  state = _run_to_end(both, state, spec)
+  assert _out(state, 0) == alone[1]
+  if name != "none":
+    snap = slots.snapshot(state)
+    assert int(np.asarray(snap.drafted).sum()) > 0
+
+
+def test_insert_touches_no_other_row_and_loop_is_bounded():
+  params = _params()
+  proposer, pparams = _eagle(params)
+  spec = make_spec(CONFIG, proposer, adaptive_k=True)
+  both = {"target": params, "proposer": pparams}
+  state = slots.empty_state(both, spec, batch=3, capacity=CAPACITY)
+  for slot, p in enumerate(_prompts(5, [6, 11])):
+    state = slots.insert(both, state, slot, slots.make_request(p, max_new=40, spec=spec, capacity=CAPACITY), spec)
+  state = decode_loop(both, state, spec, 4)
+  assert int(state.step) <= 4
+  before = jax.tree.map(np.asarray, state)
+  state = slots.insert(both, state, 2, slots.make_request(_prompts(6, [9])[0], max_new=40, spec=spec,
+                                                          capacity=CAPACITY), spec)
+  after = jax.tree.map(np.asarray, state)
+  for field in ("tokens", "lengths", "prompt_lens", "max_new", "done", "finish", "last_hidden"):
+    np.testing.assert_array_equal(getattr(after, field)[:2], getattr(before, field)[:2], err_msg=field)
+  np.testing.assert_array_equal(after.cache.k[:, :2], before.cache.k[:, :2])
+  np.testing.assert_array_equal(after.pstate.cache.k[:, :2], before.pstate.cache.k[:, :2])
+  np.testing.assert_array_equal(after.pstate.pend_feat[:2], before.pstate.pend_feat[:2])
+  np.testing.assert_array_equal(after.stats.drafted[:2], before.stats.drafted[:2])
+  assert int(after.stats.drafted[2]) == 0 and not after.done[2]
+  # Bounded calls with different step counts reuse one compiled loop.
+  n0 = decode_loop._cache_size()
+  step = int(state.step)
+  state = decode_loop(both, state, spec, 1)
+  state = decode_loop(both, state, spec, 5)
+  assert int(state.step) <= step + 6
+  assert decode_loop._cache_size() == n0
+
+
+def test_speculation_switch_and_per_request_opt_out_stay_exact():
+  params = _params(1)
+  spec = make_spec(CONFIG, NgramProposer(k=4), adaptive_k=True)
+  both = {"target": params, "proposer": {}}
+  prompts = _prompts(7, [12, 10])
+  alone = [generate(params, CONFIG, [p], max_new_tokens=30).token_ids[0] for p in prompts]
+  state = slots.empty_state(both, spec, batch=2, capacity=CAPACITY)
+  state = slots.insert(both, state, 0, slots.make_request(prompts[0], max_new=30, spec=spec, capacity=CAPACITY),
+                       spec)
+  state = slots.insert(both, state, 1, slots.make_request(prompts[1], max_new=30, spec=spec, capacity=CAPACITY,
+                                                          speculate=False), spec)
+  state = decode_loop(both, state, spec, 3)
+  state = slots.set_speculation(state, False)
+  drafted = np.asarray(state.stats.drafted).copy()
+  state = decode_loop(both, state, spec, 4)
+  np.testing.assert_array_equal(np.asarray(state.stats.drafted), drafted)  # off: nothing drafted
+  state = slots.set_speculation(state, True)
+  state = _run_to_end(both, state, spec)
+  assert _out(state, 0) == alone[0] and _out(state, 1) == alone[1]
+  assert int(state.stats.drafted[1]) == 0  # the request that opted out was never drafted for
+  assert int(state.stats.drafted[0]) > 0
+
+
+def test_bad_requests_are_refused_on_the_host():
+  spec = make_spec(CONFIG, NgramProposer(k=4))
+  with pytest.raises(ValueError, match="empty"):
+    slots.make_request([], max_new=4, spec=spec, capacity=CAPACITY)
+  with pytest.raises(ValueError, match="context"):
+    slots.make_request([2] * 120, max_new=8, spec=spec, capacity=CAPACITY)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    slots.make_request([2, 3], max_new=0, spec=spec, capacity=CAPACITY)
+  with pytest.raises(ValueError, match="top_p"):
+    slots.make_request([2, 3], max_new=4, spec=spec, capacity=CAPACITY, top_p=0.0)
+
+
+def test_a_row_without_room_finishes_with_a_capacity_error_not_a_clamped_write():
+  """The host checks keep this from happening; if a state is built wrongly anyway, the row stops with an error
+  instead of overwriting its committed cache entries."""
+  from spec_jax.decode import FINISH_CAPACITY
+  params = _params()
+  spec = make_spec(CONFIG, NgramProposer(k=4), adaptive_k=False)
+  both = {"target": params, "proposer": {}}
+  state = slots.empty_state(both, spec, batch=2, capacity=CAPACITY)
+  for slot in range(2):
+    state = slots.insert(both, state, slot, slots.make_request(_prompts(8, [6])[0], max_new=10, spec=spec,
+                                                               capacity=CAPACITY), spec)
+  state = state.replace(max_new=state.max_new.at[0].set(10_000))  # misuse: a limit past the capacity
+  n = int(state.cache.lengths[0])  # committed entries so far
+  cache_before = np.asarray(state.cache.k[:, 0, :n])
+  state = _run_to_end(both, state, spec, steps=50)
+  assert int(state.finish[0]) == FINISH_CAPACITY
+  assert int(state.lengths[0]) <= CAPACITY
+  np.testing.assert_array_equal(np.asarray(state.cache.k[:, 0, :n]), cache_before)
+  assert len(_out(state, 1)) == 10
