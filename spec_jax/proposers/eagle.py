@@ -12,8 +12,8 @@ Cache bookkeeping, zero-copy like the draft model's: with L = lengths, the EAGLE
 - update feeds the pending pair and the k+1 verified pairs (hidden[:, j], out[:, j]) at slots L-2 .. L+k-1,
   overwriting the stale drafts, and keeps cache.lengths = new L - 2; the pair of the last committed token
   becomes the new pending pair. Slots past a row's length are stale and overwritten later, nothing is copied.
-- prefill writes the prompt pairs from the prompt's hidden states (decode.py passes them when
-  `needs_prompt_hidden`); `start` fills in the first sampled token of the pending pair.
+- init writes the prompt pairs from the prompt's hidden states (`needs_prompt_hidden`), and the pending pair is
+  (f of the last prompt token, the first sampled token).
 The state has the same shape for every k, so adaptive speculation's branches agree.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,8 @@ from spec_jax.config import ModelConfig
 from spec_jax.models import transformer as tfm
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
-from spec_jax.proposers.base import Draft
+from spec_jax.proposers.base import PrefillOut, write_row
+from spec_jax.proposers.chain import draft_chain
 
 
 def layer_config(target: ModelConfig, mlp_dim: Optional[int] = None) -> ModelConfig:
@@ -84,9 +85,12 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
 
 @struct.dataclass
 class EagleState:
-  cache: KVCache  # one layer; lengths = L - 2 after update
-  pend_feat: jax.Array  # [B, D] f_{L-2}
-  pend_tok: jax.Array  # int32[B] tokens[L-1]
+  """cache: the EAGLE layer's KVCache (k, v [1, B, S, Hkv, D]; lengths int32[B] = L - 2 after update);
+  pend_feat [B, D] the feature f_{L-2}; pend_tok int32[B] the token tokens[L-1]."""
+
+  cache: KVCache
+  pend_feat: jax.Array
+  pend_tok: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,46 +101,47 @@ class EagleProposer:
   reduced: bool = False
   impl: str = "xla"
   name: str = "eagle"
-  needs_prompt_hidden: bool = True
+  needs_prompt_hidden: ClassVar[bool] = True
 
-  def prefill(self, params, prompt_tokens, prompt_lens, max_len: int, chunk: int, prompt_hidden=None):
-    if prompt_hidden is None:
-      raise ValueError("the eagle proposer needs the prompt's hidden states")
-    return _prefill(self, params, prompt_tokens, prompt_lens, prompt_hidden, max_len)
+  def init(self, params, prefill: PrefillOut, capacity: int) -> EagleState:
+    """Pairs (f_t, tok_{t+1}) for every prompt position at slots t (cache.lengths = prompt_lens - 1); the pending
+    pair is the last prompt token's feature with the first sampled token."""
+    prompt, lens, hidden = prefill.prompt_tokens, prefill.prompt_lens, prefill.prompt_hidden
+    B, P = prompt.shape
+    dtype = params["fc"].dtype
+    cache = KVCache.init(self.config, B, capacity, dtype)
+    nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
+    pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    _, cache = eagle_forward(params, self.config, hidden, nxt, pos, cache, impl=self.impl)
+    last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+    first = jnp.take_along_axis(prefill.tokens, (prefill.lengths - 1)[:, None], axis=1)[:, 0]
+    return EagleState(cache=cache.replace(lengths=(lens - 1).astype(jnp.int32)), pend_feat=last.astype(dtype),
+                      pend_tok=first.astype(jnp.int32))
 
-  def start(self, params, state: EagleState, ctx):
-    """After the first token is sampled: it completes the pending pair."""
-    tok = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)[:, 0]
-    return state.replace(pend_tok=tok.astype(jnp.int32))
-
-  def init(self, params, ctx):
-    raise AssertionError("EagleProposer state comes from prefill()")
+  def insert(self, state: EagleState, slot, row: EagleState) -> EagleState:
+    return EagleState(cache=state.cache.insert_row(row.cache, slot),
+                      pend_feat=write_row(state.pend_feat, row.pend_feat, slot),
+                      pend_tok=write_row(state.pend_tok, row.pend_tok, slot))
 
   def propose(self, params, state: EagleState, ctx, k, key):
-    B = ctx.lengths.shape[0]
     d2t = params.get("d2t")
     run = functools.partial(eagle_forward, params, self.config, impl=self.impl)
     cache = state.cache.replace(lengths=ctx.lengths - 2)
     # The pending pair, read from ctx (identical to the state's after update).
     tok0 = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
     feat, cache = run(ctx.last_hidden[:, None], tok0, cache.lengths[:, None], cache)
-    keys = jax.random.split(key, k)
 
-    def draw(feat, key):
-      return vocab.draw(key, vocab.project(feat, params["rows"]), ctx.sampling, d2t, self.vocab_size)
+    def draw(carry, key):
+      return vocab.draw(key, vocab.project(carry[0], params["rows"]), ctx.sampling, d2t, self.vocab_size)
 
-    def step(carry, key):
+    def advance(carry, tok):
       feat, cache = carry
-      tok, q = draw(feat, key)
       cache = cache.replace(lengths=cache.lengths + 1)
       nxt, cache = run(feat[:, None], tok[:, None], cache.lengths[:, None], cache)
-      return (nxt[:, 0], cache), (tok, q)
+      return nxt[:, 0], cache
 
-    (feat, cache), (toks, qs) = jax.lax.scan(step, (feat[:, 0], cache), keys[:k - 1])
-    last_tok, last_q = draw(feat, keys[k - 1])
-    tokens = jnp.concatenate([toks.T.reshape(B, k - 1), last_tok[:, None]], axis=1)
-    probs = jnp.concatenate([jnp.swapaxes(qs, 0, 1), last_q[:, None]], axis=1)
-    return Draft(tokens=tokens, probs=probs), state.replace(cache=cache)
+    draft, (_, cache) = draft_chain(draw, advance, (feat[:, 0], cache), key, k)
+    return draft, state.replace(cache=cache)
 
   def update(self, params, state: EagleState, result):
     e = result.emitted
@@ -155,21 +160,6 @@ class EagleProposer:
         cache=cache.replace(lengths=result.new_lengths - 2),
         pend_feat=jnp.where(live[:, None], new_feat.astype(state.pend_feat.dtype), state.pend_feat),
         pend_tok=jnp.where(live, new_tok, state.pend_tok).astype(jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnames=("proposer", "max_len"))
-def _prefill(proposer: EagleProposer, params, prompt_tokens, prompt_lens, prompt_hidden, max_len):
-  """Pairs (f_t, tok_{t+1}) for every prompt position at slots t; cache.lengths = prompt_lens - 1."""
-  B, P = prompt_tokens.shape
-  cfg = proposer.config
-  dtype = params["fc"].dtype
-  cache = KVCache.init(cfg, B, max_len, dtype)
-  nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((B, 1), prompt_tokens.dtype)], axis=1)
-  pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-  _, cache = eagle_forward(params, cfg, prompt_hidden, nxt, pos, cache, impl=proposer.impl)
-  last = jnp.take_along_axis(prompt_hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-  return EagleState(cache=cache.replace(lengths=(prompt_lens - 1).astype(jnp.int32)),
-                    pend_feat=last.astype(dtype), pend_tok=jnp.zeros((B,), jnp.int32))
 
 
 def runtime_params(weights: dict, target_params: dict, d2t: Optional[jax.Array] = None) -> dict:

@@ -65,10 +65,10 @@ def _distilled(params, d2t=None, k=3, seed=3, config=CONFIG):
 def test_greedy_is_lossless_with_random_heads(make, d2t, adaptive):
   params = _params()
   prompts = _prompts(0, [5, 13, 3])  # batch > 1, rows of different lengths
-  base = generate(params, CONFIG, prompts, max_new_tokens=18, warm=False)
+  base = generate(params, CONFIG, prompts, max_new_tokens=18)
   proposer, pparams = make(params, d2t)
   spec = generate(params, CONFIG, prompts, max_new_tokens=18, proposer=proposer, proposer_params=pparams,
-                  adaptive_k=adaptive, warm=False)
+                  adaptive_k=adaptive)
   assert spec.token_ids == base.token_ids
   assert spec.finish_reasons == base.finish_reasons
   assert spec.stats["drafted_tokens"] > 0
@@ -78,15 +78,15 @@ def test_untied_target_and_sampled_decoding_run():
   cfg = tiny_llama_config(vocab_size=CONFIG.vocab_size)
   params = _params(3, cfg)
   prompts = _prompts(1, [6, 9])
-  base = generate(params, cfg, prompts, max_new_tokens=12, warm=False)
+  base = generate(params, cfg, prompts, max_new_tokens=12)
   proposer, pparams = _eagle(params, D2T, config=cfg)
   assert generate(params, cfg, prompts, max_new_tokens=12, proposer=proposer, proposer_params=pparams,
-                  adaptive_k=False, warm=False).token_ids == base.token_ids
+                  adaptive_k=False).token_ids == base.token_ids
   sampling = SamplingParams.stack([(0.9, 0, 1.0), (0.7, 20, 0.9)])
   for make in (_medusa, _eagle):
     proposer, pparams = make(params, D2T, config=cfg)
     res = generate(params, cfg, prompts, max_new_tokens=12, sampling=sampling, proposer=proposer,
-                   proposer_params=pparams, adaptive_k=False, seed=5, warm=False)
+                   proposer_params=pparams, adaptive_k=False, seed=5)
     assert all(len(t) == 12 or r == "stop" for t, r in zip(res.token_ids, res.finish_reasons))
     assert all(0 <= x < cfg.vocab_size for t in res.token_ids for x in t)
     assert res.stats["drafted_tokens"] > 0
@@ -223,7 +223,7 @@ def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemm
            "Write a Python function that returns the squares of a list of numbers.",
            "Explain what a hash table is in two sentences."]
   prompts = [tok.encode(tok.apply_chat_template([t])) for t in texts]
-  base = generate(params, config, prompts, max_new_tokens=32, warm=False)
+  base = generate(params, config, prompts, max_new_tokens=32)
   runs = {"early_exit": build_proposer("draft", target_config=config, target_params=params, k=3, draft_layers=6)}
   runs["draft"] = _distill_gemma3_draft(config, params, prompts, str(tmp_path))
   for method in ("medusa", "eagle"):
@@ -232,7 +232,7 @@ def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemm
     runs[method] = build_proposer(method, target_config=config, target_params=params, k=4)
   for method, (proposer, pparams) in runs.items():
     res = generate(params, config, prompts, max_new_tokens=32, proposer=proposer, proposer_params=pparams,
-                   adaptive_k=False, warm=False)
+                   adaptive_k=False)
     assert res.token_ids == base.token_ids, method
     assert res.stats["accepted_tokens"] > 0, method
 
@@ -267,9 +267,8 @@ def test_eagle_cache_matches_a_cache_free_recompute():
   proposer, pparams = _eagle(params, D2T, k=3)
   proposer = Checked(config=proposer.config, vocab_size=proposer.vocab_size, k=3, reduced=True)
   prompts = _prompts(2, [4, 11, 7])
-  base = generate(params, CONFIG, prompts, max_new_tokens=[6, 16, 11], warm=False)
+  base = generate(params, CONFIG, prompts, max_new_tokens=[6, 16, 11])
   res = generate(params, CONFIG, prompts, max_new_tokens=[6, 16, 11], proposer=proposer,
-                 proposer_params=dict(pparams, target=params), adaptive_k=True, costs=[1.0, 1.01, 1.02],
-                 warm=False)
+                 proposer_params=dict(pparams, target=params), adaptive_k=True, costs=[1.0, 1.01, 1.02])
   assert res.token_ids == base.token_ids
   assert len(diffs) >= 3 and max(diffs) < 1e-4, diffs
