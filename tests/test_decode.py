@@ -125,6 +125,12 @@ def test_stop_token_inside_accepted_chunk_and_exact_max_tokens():
   for got, want, lim, why in zip(res.token_ids, base.token_ids, limits, res.finish_reasons):
     assert got == want[:lim]
     assert len(got) == lim or why == "stop"
+  # Counters count what was committed: drafts cut by the limit or a stop token are not "accepted".
+  for res in (res, spec):
+    st = res.raw_stats
+    np.testing.assert_array_equal(st.emitted, [len(t) - 1 for t in res.token_ids])  # the first token is prefill's
+    assert (st.accepted <= st.emitted).all() and (st.accepted >= st.emitted - st.steps).all()
+    np.testing.assert_array_equal(st.accepted_at.sum(1), st.accepted)
 
 
 def test_adaptive_controller_switches_off_and_back_on():
