@@ -15,12 +15,19 @@ from flax import struct
 
 @struct.dataclass
 class Stats:
-  steps: jax.Array  # int32[B] verify steps the row took part in
-  drafted: jax.Array  # int32[B] draft tokens proposed (valid ones)
-  accepted: jax.Array  # int32[B] draft tokens accepted
-  emitted: jax.Array  # int32[B] tokens committed by verify steps
-  drafted_at: jax.Array  # int32[B, K] per draft position
-  accepted_at: jax.Array  # int32[B, K]
+  """Per-row counters since the row started (K = max(k_max, 1)).
+
+  steps int32[B]: verify steps the row took part in; drafted int32[B]: valid draft tokens proposed for it;
+  accepted int32[B]: drafts committed (accepted by the verifier and not cut by a stop token or the token limit);
+  emitted int32[B]: tokens committed by verify steps; drafted_at, accepted_at int32[B, K]: the same per position.
+  """
+
+  steps: jax.Array
+  drafted: jax.Array
+  accepted: jax.Array
+  emitted: jax.Array
+  drafted_at: jax.Array
+  accepted_at: jax.Array
 
   @classmethod
   def zeros(cls, batch: int, k_max: int) -> "Stats":
