@@ -30,6 +30,13 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  import logging
+  import signal
+  logging.getLogger("httpx").setLevel(logging.WARNING)  # absl logs at INFO: one line per request otherwise
+
+  def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the server of the running arm is stopped
+    raise KeyboardInterrupt(f"signal {signum}")
+  signal.signal(signal.SIGTERM, _interrupt)
   from serve.loadtest.analyze import analyze
   from serve.loadtest.pipeline import print_verdict, run
   if FLAGS.analyze_only:

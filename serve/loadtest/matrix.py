@@ -69,6 +69,22 @@ def arm_server(arm: dict, cfg: dict, out_dir: str):
       info["exit_code"] = proc.stop()
 
 
+def server_reports(url: str, api_key: str = "") -> dict:
+  """What the running server says it serves (/v1/models, GET /admin/speculation), so the report shows that each
+  arm ran the method and k it was meant to. Missing routes are skipped."""
+  import httpx
+  headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+  out = {}
+  for key, path in (("models", "/v1/models"), ("speculation", "/admin/speculation")):
+    try:
+      r = httpx.get(url + path, headers=headers, timeout=10)
+      if r.status_code == 200:
+        out[key] = r.json()
+    except (httpx.HTTPError, ValueError):
+      pass
+  return out
+
+
 def usage_check(records: list, summary: dict) -> dict:
   """Per point: /metrics counter deltas against the sums of the per-request usage objects."""
   ok = [r for r in records if r["status"] == "ok"]
@@ -99,6 +115,7 @@ def run_arm(arm: dict, cfg: dict, points: list, prompts: list, out_dir: str, rec
     model = cfg.get("model_name") or "gemma-3-270m"
     timeout = float(cfg["request_timeout"])
     api_key = cfg.get("api_key", "")
+    info["reported"] = server_reports(url, api_key)
     n_warm = int(cfg.get("warmup_requests", 0))
     if n_warm:
       t = time.perf_counter()

@@ -254,6 +254,15 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
         f"Checked: **{'identical' if fs['identical'] else 'DIFFERENT: ' + ', '.join(fs['differences'])}**.", ""]
   if fs["flags"]:
     L += ["```", " ".join(fs["flags"]), "```", ""]
+  rows = []
+  for arm, res in results.items():
+    rep = (res.get("server") or {}).get("reported") or {}
+    sp = rep.get("speculation") or {}
+    mdl = ((rep.get("models") or {}).get("data") or [{}])[0]
+    rows.append([arm, _spec(res.get("speculative_config")), sp.get("method", "–"), sp.get("k_max", "–"),
+                 sp.get("ks", "–"), sp.get("enabled", "–"), mdl.get("id", "–"), mdl.get("max_model_len", "–")])
+  L += ["What each server reported at start (`GET /admin/speculation`, `/v1/models`):", ""]
+  L += _table(["arm", "requested", "method", "k max", "k options", "enabled", "model", "max_model_len"], rows) + [""]
   if fs["targeted_arms"]:
     L += [f"Arms targeted by URL (settings not checked by the tool): {', '.join(fs['targeted_arms'])}.", ""]
   L += ["Traffic:", "", "```json", json.dumps(fs["traffic"], indent=1), "```", "",

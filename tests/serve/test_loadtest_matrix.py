@@ -186,6 +186,8 @@ def test_matrix_slow_arm_rolls_back_identical_is_neutral(tiny_model, prompts_fil
         assert sp["draft_tokens"] > 0 and sp["drafts"] > 0
       else:
         assert sp["draft_tokens"] == 0
+  assert points["slow_ngram"]["server"]["reported"]["speculation"]["method"] == "slow_ngram"
+  assert points["identical"]["server"]["reported"]["speculation"]["k_max"] == 0
   assert points["slow_ngram"]["points"]["greedy/c1"]["samples"]["rss_bytes"]["max"] > 0
   assert points["baseline"]["points"]["greedy/c2"]["samples"]["slots_in_use"]["max"] >= 1
 
@@ -200,6 +202,7 @@ def test_tool_starts_and_stops_the_server(tiny_model, prompts_file, tmp_path):
   srv = points["baseline"]["server"]
   assert srv["launched"] and srv["exit_code"] == 0  # SIGTERM: drained and exited cleanly
   assert "--speculative_config={}" in srv["argv"] and f"--model={tiny_model}" in srv["argv"]
+  assert srv["reported"]["speculation"]["method"] == "none" and srv["reported"]["models"]["data"][0]["id"] == MODEL
   assert "ready: http://" in (tmp_path / "server_baseline.log").read_text()
   assert points["baseline"]["points"]["greedy/c2"]["samples"]["rss_bytes"]["max"] > 10 * 2**20
   assert summary["stats"]["baseline"]["greedy/c2"]["all"]["completed"] == 4
