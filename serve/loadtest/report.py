@@ -249,9 +249,13 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
     L += ["## Plots", ""] + [f"![{f[:-4]}]({f})" for f in files] + [""]
   # How it was measured.
   fs = summary["fixed_settings"]
+  if fs["flags"] is None:
+    check = "Not checked: the tool started no server (every arm was targeted by URL)"
+  else:
+    check = "Checked: " + ("**identical**" if fs["identical"] else "**DIFFERENT**: " + ", ".join(fs["differences"]))
   L += ["## Fixed settings", "",
         "Every launched arm ran the same server command line; only `--speculative_config` (and the port) differ. "
-        f"Checked: **{'identical' if fs['identical'] else 'DIFFERENT: ' + ', '.join(fs['differences'])}**.", ""]
+        f"{check}.", ""]
   if fs["flags"]:
     L += ["```", " ".join(fs["flags"]), "```", ""]
   rows = []
@@ -265,8 +269,9 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
   L += _table(["arm", "requested", "method", "k max", "k options", "enabled", "model", "max_model_len"], rows) + [""]
   if fs["targeted_arms"]:
     L += [f"Arms targeted by URL (settings not checked by the tool): {', '.join(fs['targeted_arms'])}.", ""]
-  L += ["Traffic:", "", "```json", json.dumps(fs["traffic"], indent=1), "```", "",
-        "Guardrails (set before the run):", "", "```json", json.dumps(summary["guardrails"], indent=1), "```", ""]
+  L += ["Traffic:", ""] + [f"- `{k}`: `{json.dumps(v)}`" for k, v in fs["traffic"].items()]
+  L += ["", "Guardrails (set before the run):", ""]
+  L += [f"- `{k}`: `{json.dumps(v)}`" for k, v in summary["guardrails"].items()] + [""]
   uc = summary["usage_checks"]
   bad = [(a, k, n) for a, by in uc.items() for k, c in by.items() for n, v in c.items()
          if isinstance(v, dict) and v.get("match") is False]
@@ -286,11 +291,14 @@ def _recommend(summary: dict) -> str:
   lv = summary["tuned"]["levels"]
   on = [f"c{c} ({v['arm']})" for c, v in sorted(lv.items(), key=lambda kv: int(kv[0])) if v["arm"]]
   off = [f"c{c}" for c, v in sorted(lv.items(), key=lambda kv: int(kv[0])) if not v["arm"]]
-  segs_off = sorted({s for a in summary["arms"] for _, s in summary["overall"][a]["off"] if s != "all"})
-  parts = []
-  parts.append("Speculation on at " + (", ".join(on) if on else "no measured concurrency") + "; off at " +
-               (", ".join(off) if off else "none") + ".")
-  if segs_off:
-    parts.append("Segments where some arm rolls back: " + ", ".join(segs_off[:8]) + ("…" if len(segs_off) > 8 else "")
-                 + ".")
+  parts = ["Speculation on at " + (", ".join(on) if on else "no measured concurrency") + "; off at " +
+           (", ".join(off) if off else "none") + "."]
+  for a in summary["arms"]:  # arms worth keeping somewhere: where they still hurt a segment
+    o = summary["overall"][a]
+    if o["overall"] != "keep":
+      continue
+    segs = sorted({s for k, s in o["off"] if s != "all" and k in o["loads_on"]})
+    if segs:
+      parts.append(f"{a} keeps on all traffic but rolls back for " + ", ".join(segs[:8]) +
+                   ("…" if len(segs) > 8 else "") + " at those loads.")
   return " ".join(parts)
