@@ -57,7 +57,7 @@ class InProcessServer:
     # One step per engine iteration: every token is its own event, so ITL is a step time, not a batch of them.
     cfg.update(model=model, dtype="float32", max_num_seqs=2, max_model_len=128, served_model_name=MODEL,
                speculative_config=json.dumps(speculative_config), adaptive=adaptive, port=free_port(),
-               steps_per_sync=1)
+               steps_per_sync=1, costs_file="")  # the tiny model has no calibrated step costs
     engine, tokenizer, _ = S.build_engine(cfg)
     if slow:
       p = engine.spec.proposer
