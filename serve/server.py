@@ -57,7 +57,8 @@ flags.DEFINE_integer("steps_per_sync", None, "Decode steps per engine iteration 
 flags.DEFINE_string("api_key", None, "When set, /v1 and /admin need 'Authorization: Bearer KEY'.")
 flags.DEFINE_string("served_model_name", None, "The model id clients send (default gemma-3-270m).")
 flags.DEFINE_string("guardrails", None, "Automatic rollback, JSON inline or a file (serve/guardrails.py).")
-flags.DEFINE_string("costs_file", None, "Step costs per occupancy from serve.calibrate (default: cost model).")
+flags.DEFINE_string("costs_file", None, "Step costs per occupancy from serve.calibrate ('' = the default cost model; "
+                    "unset = the config's).")
 flags.DEFINE_float("request_timeout_s", None, "A request still unfinished after this long fails with 504.")
 flags.DEFINE_float("drain_timeout_s", None, "SIGTERM: how long running requests may take to finish.")
 flags.DEFINE_list("warmup_prompt_lens", None, "Compile insert for these prompt lengths before serving.")
@@ -121,9 +122,12 @@ def build_engine(cfg: dict):
   ks = tuple(sorted(k for k in ks if k <= sc.k))
   B = cfg["max_num_seqs"]
   base = None
-  if cfg["costs_file"]:
+  if cfg["costs_file"] and sc.k:
     from serve.calibrate import load_costs
-    base = load_costs(cfg["costs_file"], ks, B)
+    try:
+      base = load_costs(cfg["costs_file"], proposer.name, cfg["dtype"], ks, B)
+    except ValueError as e:  # measured for other draft lengths (a per-concurrency file can add some)
+      log.warning("%s: %s; using the default cost model", cfg["costs_file"], e)
   costs = cost_table(sc, ks, B, base)
   if sc.k and not cfg["adaptive"]:
     costs[:, 0] = np.float32(1e9)  # adaptive off: always the full k while speculation is on

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import json
 import os
 import signal
 import socket
@@ -151,17 +150,23 @@ def metric(m: dict, name: str, **labels) -> float:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-  """The model file, beside a compilation cache that every server of the session shares (the first compiles)."""
-  d = tmp_path_factory.mktemp("tiny_model")
-  return write_tiny_model(d / "tiny.gguf")
+  """The model file, beside a compilation cache that every server of the session shares (the first compiles).
+
+  One fixed path under the session's base directory: other test modules import this fixture, and each import is
+  a fixture of its own, but they all find the same file and cache."""
+  path = tmp_path_factory.getbasetemp() / "tiny_server_model" / "tiny.gguf"
+  if not path.exists():
+    path.parent.mkdir(exist_ok=True)
+    write_tiny_model(path)
+  return str(path)
 
 
 def tiny_server(tiny_model, *args, **kw) -> LiveServer:
   """Every tiny server has the same slots, capacity and proposer, so all but the first load their programs from
-  the shared compilation cache."""
+  the shared compilation cache. The config's calibrated step costs are Gemma's: the tiny model uses the default."""
   cache = os.path.join(os.path.dirname(tiny_model), "xla_cache")
   return LiveServer(f"--model={tiny_model}", "--dtype=float32", f"--served_model_name={MODEL}", "--max_model_len=256",
-                    "--max_num_seqs=4", "--steps_per_sync=4", "--warmup_prompt_lens=1,17,33",
+                    "--max_num_seqs=4", "--steps_per_sync=4", "--warmup_prompt_lens=1,17,33", "--costs_file=",
                     f"--compilation_cache_dir={cache}",
                     '--speculative_config={"method": "ngram", "num_speculative_tokens": 4}', *args, **kw)
 
