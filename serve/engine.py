@@ -184,9 +184,9 @@ class Engine:
     with self._lock:
       if self._draining or self._stop:
         raise EngineStopped("the server is shutting down")
-      if len(self._waiting) >= self.max_queue:
+      if len(self._waiting) >= self.max_queue + len(self._free):  # max_queue waits beyond the free slots
         self.metrics.errors.labels(kind="overloaded").inc()
-        raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
+        raise QueueFull(f"all {self.B} slots are busy and the waiting queue is full ({self.max_queue} requests)")
       self._waiting.append(req)
       self.metrics.waiting.set(len(self._waiting))
       self._lock.notify()
@@ -338,7 +338,8 @@ class Engine:
   def _tick_guardrails(self, now: float) -> None:
     if self.guard is None or not self._admin_on or self.spec.k_max == 0:
       return
-    event = self.guard.decide(now)
+    with self._lock:  # the admin switch resets the guardrails from the HTTP thread
+      event = self.guard.decide(now)
     if event is None:
       return
     enabled, reason = event
@@ -439,7 +440,8 @@ class Engine:
         log.exception("streaming failed for %s", req.id)
         self._fail(req, 500, "engine", f"engine error: {type(e).__name__}: {e}")
     if self.guard is not None:
-      self.guard.observe(now, drafted, accepted, itl)
+      with self._lock:
+        self.guard.observe(now, drafted, accepted, itl)
     return time.perf_counter() - t1
 
   def _advance(self, req: EngineRequest, slot: int, arr, now: float, itl: list) -> tuple[int, int]:

@@ -51,7 +51,7 @@ flags.DEFINE_string("speculative_config", None,
                     "vLLM-style JSON, inline or a file: method, num_speculative_tokens, prompt_lookup_min/max, model; "
                     "or {\"per_concurrency\": {\"1\": {...}, ...}}. '{}' = off. Unset: the config's method.")
 flags.DEFINE_integer("max_num_seqs", None, "Decode slots (requests decoded together).")
-flags.DEFINE_integer("max_queue", None, "Waiting requests before 429.")
+flags.DEFINE_integer("max_queue", None, "Requests that may wait beyond the free slots; more get 429.")
 flags.DEFINE_integer("max_model_len", None, "Tokens per slot (prompt + output + k + 1).")
 flags.DEFINE_integer("steps_per_sync", None, "Decode steps per engine iteration (between host syncs).")
 flags.DEFINE_string("api_key", None, "When set, /v1 and /admin need 'Authorization: Bearer KEY'.")
