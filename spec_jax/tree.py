@@ -1,0 +1,82 @@
+"""Token trees for tree speculation: depths, the tree attention mask, positions, and KV compaction after a verify.
+
+A tree is given per row by `parents` int32 [B, N]: node 0 is the root (parent -1), and every other node's parent
+has a lower index (so a node at depth d has index >= d). A node whose parent is -1 other than the root (e.g. a
+padding slot) counts as a root of its own: depth 0, attends to itself only. Everything is jittable with static
+shapes; nothing loops over nodes at run time.
+
+The loop feeds the N tree tokens at cache slots lengths + node index (positions base + depth), verifies with
+`spec_jax.verify.verify_tree`, then `compact_accepted` moves the kept K/V (root, then the accepted nodes) into
+consecutive slots so the cache is a plain prefix again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def ancestor_mask(parents: jax.Array) -> jax.Array:
+  """bool [B, N, N]: mask[b, i, j] iff node j is node i or one of its ancestors (what node i may attend to).
+
+  The reflexive-transitive closure of the parent relation by repeated squaring: ceil(log2 N) boolean [N, N]
+  products per row, exact for any depth up to N - 1.
+  """
+  b, n = parents.shape
+  j = lax.broadcasted_iota(jnp.int32, (b, n, n), 2)
+  i = lax.broadcasted_iota(jnp.int32, (b, n, n), 1)
+  reach = (j == i) | (j == parents.astype(jnp.int32)[:, :, None])
+  for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
+    f = reach.astype(jnp.float32)
+    reach = jnp.einsum("bik,bkj->bij", f, f, precision=lax.Precision.HIGHEST) > 0
+  return reach
+
+
+def node_depths(parents: jax.Array) -> jax.Array:
+  """int32 [B, N]: the number of ancestors of each node (root 0)."""
+  return (jnp.sum(ancestor_mask(parents), axis=-1) - 1).astype(jnp.int32)
+
+
+def tree_positions(base: jax.Array, parents: jax.Array) -> jax.Array:
+  """int32 [B, N]: the position of each node, base[b] (the root's position) + its depth; siblings share one."""
+  return (base.astype(jnp.int32)[:, None] + node_depths(parents)).astype(jnp.int32)
+
+
+def compact_accepted(cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array, accepted_nodes: jax.Array,
+                     num_accepted: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Move the accepted path's K/V into consecutive cache slots, per row, on device.
+
+  cache_k, cache_v: [L, B, S, Hkv, Dh] (KVCache.k / .v) where the tree forward wrote node i of row b at slot
+  lengths[b] + i. accepted_nodes int32 [B, D+1] and num_accepted int32 [B] as verify_tree returns them: slot
+  lengths[b] + t receives node accepted_nodes[b, t] for t <= num_accepted[b] (t = 0 is the root, which stays).
+  Slots past lengths + num_accepted are stale and may hold anything afterwards (they are beyond the new length).
+  `lengths` is not advanced here: the caller advances the cache by the tokens it commits (<= num_accepted + 1).
+
+  The D+1 source entries are gathered first (sources are never below their destinations: a node at depth t has
+  index >= t), then written back with one dynamic_update_slice per row and array, in place under donation. A
+  window that would run past S is shifted back (not clamped onto other slots) and fills its extra slots with their
+  own contents.
+  """
+  _, b, s, _, _ = cache_k.shape
+  w = accepted_nodes.shape[1]
+  if w > s:
+    raise ValueError(f"accepted_nodes has {w} columns, more than the cache's {s} slots")
+  lengths = lengths.astype(jnp.int32)
+  start = jnp.clip(lengths, 0, s - w)  # [B]
+  dest = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w] the slots written
+  t = dest - lengths[:, None]  # path index of each written slot
+  moves = (t >= 0) & (t <= num_accepted.astype(jnp.int32)[:, None])
+  node = jnp.take_along_axis(accepted_nodes.astype(jnp.int32), jnp.clip(t, 0, w - 1), axis=1)
+  src = jnp.clip(jnp.where(moves, lengths[:, None] + node, dest), 0, s - 1)  # [B, w]
+  idx = src[None, :, :, None, None]
+
+  def move(cache):
+    block = jnp.take_along_axis(cache, idx, axis=2)  # [L, B, w, Hkv, Dh]
+    for r in range(b):
+      cache = lax.dynamic_update_slice(cache, block[:, r:r + 1], (0, r, start[r], 0, 0))
+    return cache
+
+  return move(cache_k), move(cache_v)

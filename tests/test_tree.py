@@ -1,0 +1,129 @@
+"""spec_jax.tree: depths, ancestor mask, positions and KV compaction against plain numpy references."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax import tree
+from spec_jax.verify import verify_tree
+from spec_jax.config import SamplingParams
+
+
+def random_parents(rng, b, n, chain_bias=0.0):
+  """Random trees, one per row: parents[i] uniform below i (or i - 1 with probability chain_bias)."""
+  parents = np.full((b, n), -1, np.int32)
+  for r in range(b):
+    for i in range(1, n):
+      parents[r, i] = i - 1 if rng.random() < chain_bias else rng.integers(0, i)
+  return parents
+
+
+def ref_ancestors(parents):
+  b, n = parents.shape
+  mask = np.zeros((b, n, n), bool)
+  for r in range(b):
+    for i in range(n):
+      j = i
+      while j >= 0:
+        mask[r, i, j] = True
+        j = parents[r, j]
+  return mask
+
+
+TREES = [
+    np.array([[-1, 0, 0, 1, 1, 2, 3, 6]], np.int32),
+    np.array([[-1, 0, 1, 2, 3, 4, 5, 6]], np.int32),  # a chain: depth N - 1
+    np.array([[-1, 0, 0, 0, 0, 0, 0, 0]], np.int32),  # a star
+    np.array([[-1, 0, -1, 1, -1, 0, 5, 3]], np.int32),  # padding slots with parent -1
+]
+
+
+@pytest.mark.parametrize("parents", TREES + [random_parents(np.random.default_rng(0), 5, 17, 0.5),
+                                             random_parents(np.random.default_rng(1), 3, 64, 0.9)])
+def test_mask_depths_positions(parents):
+  mask = np.asarray(jax.jit(tree.ancestor_mask)(jnp.asarray(parents)))
+  ref = ref_ancestors(parents)
+  np.testing.assert_array_equal(mask, ref)
+  depths = np.asarray(tree.node_depths(jnp.asarray(parents)))
+  np.testing.assert_array_equal(depths, ref.sum(-1) - 1)
+  assert depths.dtype == np.int32
+  base = np.arange(parents.shape[0], dtype=np.int32) * 7 + 3
+  pos = np.asarray(tree.tree_positions(jnp.asarray(base), jnp.asarray(parents)))
+  np.testing.assert_array_equal(pos, base[:, None] + ref.sum(-1) - 1)
+
+
+def test_chain_depth_is_index():
+  parents = TREES[1]
+  np.testing.assert_array_equal(tree.node_depths(jnp.asarray(parents)), np.arange(8)[None])
+
+
+def ref_compact(k, lengths, nodes, n_acc):
+  out = k.copy()
+  for r in range(k.shape[1]):
+    for t in range(n_acc[r] + 1):
+      out[:, r, lengths[r] + t] = k[:, r, lengths[r] + nodes[r, t]]
+  return out
+
+
+def test_compact_accepted_moves_path_keeps_prefix():
+  rng = np.random.default_rng(3)
+  l, b, s, h, d = 2, 4, 24, 2, 3
+  k = rng.normal(size=(l, b, s, h, d)).astype(np.float32)
+  v = rng.normal(size=(l, b, s, h, d)).astype(np.float32)
+  lengths = np.array([0, 5, 9, 20], np.int32)  # row 3: lengths + D + 1 = 24 = S, the window touches the end
+  nodes = np.array([[0, 2, 5, 7], [0, 1, 3, -1], [0, -1, -1, -1], [0, 1, 2, 3]], np.int32)
+  n_acc = np.array([3, 2, 0, 3], np.int32)
+  fn = jax.jit(tree.compact_accepted, donate_argnums=(0, 1))
+  k2, v2 = fn(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc))
+  k2, v2 = np.asarray(k2), np.asarray(v2)
+  rk, rv = ref_compact(k, lengths, nodes, n_acc), ref_compact(v, lengths, nodes, n_acc)
+  for r in range(b):
+    keep = lengths[r] + n_acc[r] + 1  # the committed prefix after the step, including the moved entries
+    np.testing.assert_array_equal(k2[:, r, :keep], rk[:, r, :keep])
+    np.testing.assert_array_equal(v2[:, r, :keep], rv[:, r, :keep])
+    # Nothing below the old length is touched, in any row.
+    np.testing.assert_array_equal(k2[:, r, :lengths[r]], k[:, r, :lengths[r]])
+
+
+def test_compact_accepted_window_near_the_end_is_shifted_not_clamped():
+  """lengths + D + 1 > S (a row whose tree was shorter than the window): the committed prefix must survive."""
+  rng = np.random.default_rng(4)
+  l, b, s, h, d = 1, 2, 10, 1, 2
+  k = rng.normal(size=(l, b, s, h, d)).astype(np.float32)
+  lengths = np.array([8, 7], np.int32)
+  nodes = np.array([[0, 1, -1, -1, -1], [0, 2, -1, -1, -1]], np.int32)
+  n_acc = np.array([1, 1], np.int32)
+  k2, _ = tree.compact_accepted(jnp.asarray(k), jnp.asarray(k), jnp.asarray(lengths), jnp.asarray(nodes),
+                                jnp.asarray(n_acc))
+  np.testing.assert_array_equal(np.asarray(k2), ref_compact(k, lengths, nodes, n_acc))
+
+
+def test_compact_after_verify_tree_matches_path_tokens():
+  """End to end on fake K/V that store the fed token: after verify_tree + compaction, slots lengths .. lengths + n
+  hold the root then the accepted tokens, i.e. the committed tokens minus the not-yet-fed last one."""
+  rng = np.random.default_rng(5)
+  b, n, v, s = 6, 9, 7, 32
+  parents = random_parents(rng, b, n, 0.4)
+  toks = rng.integers(0, v, size=(b, n)).astype(np.int32)
+  logits = rng.normal(size=(b, n, v)).astype(np.float32) * 3
+  for r in range(b):  # make acceptance likely: node i's logits score its children's tokens
+    for i in range(1, n):
+      logits[r, parents[r, i], toks[r, i]] += 3.0
+  params = SamplingParams.make(b, 1.0)
+  tokens, n_acc, nodes = verify_tree(jnp.asarray(logits), jnp.asarray(toks), jnp.asarray(parents), None,
+                                     jax.random.key(0), params, max_depth=n - 1, max_children=n - 1)
+  tokens, n_acc, nodes = np.asarray(tokens), np.asarray(n_acc), np.asarray(nodes)
+  assert n_acc.max() >= 2
+  lengths = rng.integers(0, s - n, size=b).astype(np.int32)
+  cache = np.full((1, b, s, 1, 1), -5.0, np.float32)
+  for r in range(b):
+    cache[0, r, lengths[r]:lengths[r] + n, 0, 0] = toks[r]
+  k2, _ = tree.compact_accepted(jnp.asarray(cache), jnp.asarray(cache), jnp.asarray(lengths), jnp.asarray(nodes),
+                                jnp.asarray(n_acc))
+  k2 = np.asarray(k2)[0, :, :, 0, 0]
+  for r in range(b):
+    m = n_acc[r]
+    np.testing.assert_array_equal(k2[r, lengths[r]:lengths[r] + m + 1], np.r_[toks[r, 0], tokens[r, :m]])
