@@ -22,7 +22,8 @@ from spec_jax.proposers import eagle, medusa, vocab
 
 def target_features(target_params, config, tokens):
   """Final-normed hidden states [B, T, D] of the frozen target (no logits: the heads project themselves)."""
-  return jax.lax.stop_gradient(causal_forward(target_params, tokens, config))
+  _, hidden, _ = tfm.forward(target_params, tokens, cache=None, config=config, compute_logits=False)
+  return jax.lax.stop_gradient(hidden)
 
 
 def _shift(x, n, fill=0):
@@ -148,39 +149,12 @@ def optax_smooth_l1(x, beta=1.0):
   return jnp.where(ax < beta, 0.5 * ax * ax / beta, ax - 0.5 * beta)
 
 
-def causal_forward(params, tokens, cfg):
-  """The model's final-normed hidden states [B, T, D] over whole sequences, without a KV cache: each layer is
-  layer_qkv, causal (windowed) attention and layer_finish, as in `forward`. Training's one whole-sequence forward
-  (target features, the distilled draft): the cached form's backward pass through its (empty) cache read gave NaN
-  gradients under jit on XLA:CPU for Gemma 3's weights."""
-  B, T = tokens.shape
-  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  G = cfg.num_heads // cfg.num_kv_heads
-  i = jnp.arange(T)
-  causal = i[None, :] <= i[:, None]
-
-  def body(x, xs):
-    p, window, base = xs
-    q, k, v = tfm.layer_qkv(cfg, x, p, pos, base)
-    qg = q.reshape(B, T, cfg.num_kv_heads, G, -1)
-    sc = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * cfg.attn_scale
-    ok = causal & jnp.where(window > 0, (i[:, None] - i[None, :]) < window, True)
-    w = jax.nn.softmax(jnp.where(ok[None, None, None], sc, NEG_INF), axis=-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return tfm.layer_finish(cfg, x, o.reshape(B, T, cfg.num_heads, -1).astype(x.dtype), p), None
-
-  x = tfm.embed(params, tokens, cfg)
-  x, _ = jax.lax.scan(body, x, (params["layers"], jnp.asarray(cfg.layer_windows()),
-                                jnp.asarray(cfg.layer_rope_bases())))
-  return tfm.rms_norm(x, params["final_norm"], cfg.norm_eps)
-
-
 def draft_kl_loss(draft_params, frozen, hidden, tokens, mask, *, cfg):
   """KL(target || draft) per position over the output rows in frozen["rows"] (all V, or the reduced draft
   vocabulary, where both distributions are renormalized over the N draft ids). draft_params are the draft's
   layers and final norm; frozen holds the shared embedding; hidden are the target's features (its logits are
   hidden @ rows.T, so no 262k-wide logits are ever stored)."""
-  h = causal_forward(dict(draft_params, embed=frozen["embed"]), tokens, cfg)
+  _, h, _ = tfm.forward(dict(draft_params, embed=frozen["embed"]), tokens, cache=None, config=cfg, compute_logits=False)
   student = vocab.project(h, frozen["rows"])
   teacher = jax.lax.stop_gradient(vocab.project(hidden.astype(h.dtype), frozen["rows"]))
   p_log = jax.nn.log_softmax(teacher, -1)

@@ -17,8 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from spec_jax.kernels.pallas_gpu import (NEG_INF, block_bounds, effective_window, from_rows, require_backend,
-                                         round_up, row_inputs, to_rows, visible)
+from spec_jax.kernels.common import (NEG_INF, block_bounds, effective_window, from_rows, require_backend, round_up,
+                                     row_inputs, to_rows, visible)
 
 
 def _kernel(lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, q_ref, k_ref, v_ref, o_ref,

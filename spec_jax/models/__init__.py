@@ -1,5 +1,5 @@
 """One config-driven decoder-only transformer (Gemma 3, Llama, Qwen2)."""
 
-from spec_jax.models.transformer import Transformer, forward, lm_head, init_params, param_shapes
+from spec_jax.models.transformer import decoder_layer, forward, init_params, lm_head, param_shapes
 
-__all__ = ["Transformer", "forward", "lm_head", "init_params", "param_shapes"]
+__all__ = ["decoder_layer", "forward", "init_params", "lm_head", "param_shapes"]

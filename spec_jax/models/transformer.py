@@ -1,9 +1,9 @@
 """A decoder-only transformer whose layers are stacked on a leading axis and scanned.
 
-The parameters are a plain dict pytree (names below); the NNX `Transformer` module owns them for users who want
-a module, and `forward` is the pure function that jitted code calls. Layer-varying settings (sliding window,
-RoPE base) are scanned inputs, so one compiled layer body serves Gemma 3's local and global layers and compile
-time stays flat in depth.
+The parameters are a plain dict pytree (names below) and `forward` is the pure function that jitted code calls:
+with a KV cache for prefill, decode and verify, without one (cache=None) for training's whole sequences.
+Layer-varying settings (sliding window, RoPE base) are scanned inputs, so one compiled layer body serves Gemma 3's
+local and global layers and compile time stays flat in depth.
 
 Param names (L = layers, D = d_model, H/K = query/kv heads, d = head_dim, F = mlp_dim, V = vocab):
   embed [V, D]; final_norm [D]; lm_head [D, V] (only when embeddings are not tied)
@@ -22,7 +22,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from spec_jax import kernels
 from spec_jax.cache import KVCache
@@ -71,21 +70,6 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-class Transformer(nnx.Module):
-  """NNX owner of the params. Jitted code uses `nnx.split` once, then `forward` on the pure dict."""
-
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, params: dict | None = None):
-    self.config = config
-    p = params if params is not None else init_params(config, rngs.params(), dtype)
-    self.params = nnx.data(jax.tree.map(nnx.Param, p))
-
-  def pure_params(self) -> dict:
-    return jax.tree.map(lambda v: v[...], self.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-  def __call__(self, tokens, positions, cache, **kw):
-    return forward(self.pure_params(), tokens, positions, cache, config=self.config, **kw)
-
-
 def rms_norm(x, w, eps):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -103,7 +87,7 @@ def rope(x, positions, base):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _dot(eq, x, w):
+def dot(eq, x, w):
   """einsum accumulating in float32, back in x's dtype. XLA:CPU runs a bfloat16 dot with bfloat16 output
   ~3x slower (and a 262k-wide one ~14x slower) than the same dot with float32 output."""
   return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -118,9 +102,9 @@ def _activation(name):
 def layer_qkv(c: ModelConfig, x, p, positions, base):
   """A layer's attention inputs: q [B, T, H, d], k and v [B, T, K, d], RoPE applied."""
   h = rms_norm(x, p["attn_norm"], c.norm_eps)
-  q = _dot("btd,dhk->bthk", h, p["q"])
-  k = _dot("btd,dhk->bthk", h, p["k"])
-  v = _dot("btd,dhk->bthk", h, p["v"])
+  q = dot("btd,dhk->bthk", h, p["q"])
+  k = dot("btd,dhk->bthk", h, p["k"])
+  v = dot("btd,dhk->bthk", h, p["v"])
   if c.qkv_bias:
     q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
   if c.qk_norm:
@@ -130,27 +114,38 @@ def layer_qkv(c: ModelConfig, x, p, positions, base):
 
 def layer_finish(c: ModelConfig, x, attn, p):
   """The rest of a layer after attention: output projection, residuals and the MLP."""
-  o = _dot("bthk,hkd->btd", attn, p["o"])
+  o = dot("bthk,hkd->btd", attn, p["o"])
   if c.post_norms:
     o = rms_norm(o, p["post_attn_norm"], c.norm_eps)
   x = x + o
   h = rms_norm(x, p["mlp_norm"], c.norm_eps)
-  m = _activation(c.activation)(_dot("btd,df->btf", h, p["gate"])) * _dot("btd,df->btf", h, p["up"])
-  m = _dot("btf,fd->btd", m, p["down"])
+  m = _activation(c.activation)(dot("btd,df->btf", h, p["gate"])) * dot("btd,df->btf", h, p["up"])
+  m = dot("btf,fd->btd", m, p["down"])
   if c.post_norms:
     m = rms_norm(m, p["post_mlp_norm"], c.norm_eps)
   return x + m
 
 
-def _layer(config: ModelConfig, impl: str, x, p, k_layer, v_layer, window, base, positions, lengths):
-  """One decoder layer reading this layer's cache [B, S, K, d]. Returns (x, k_new, v_new [B, T, K, d])."""
+def decoder_layer(config: ModelConfig, x, p, k_layer, v_layer, window, base, positions, lengths, *,
+                  impl: str = "xla"):
+  """One decoder layer over x [B, T, D] at positions [B, T] -> (x, k_new, v_new [B, T, K, d]).
+
+  It reads this layer's cache k_layer/v_layer [B, S, K, d], whose committed slots are < lengths[b], and does not
+  write it: the caller writes k_new/v_new at slots lengths[b] .. (write_rows). With k_layer = v_layer = None it
+  attends over the T tokens only (causal, windowed by position), as training's cache-free forward does.
+  """
   c = config
-  T = x.shape[1]
+  B, T = positions.shape
   q, k, v = layer_qkv(c, x, p, positions, base)
+  if k_layer is None:
+    # An empty cache beside the new tokens; always the XLA form, the one training differentiates (the Pallas
+    # kernels have no backward pass).
+    k_layer = v_layer = jnp.zeros((B, 0) + k.shape[2:], k.dtype)
+    impl = "xla"
   k, v = k.astype(k_layer.dtype), v.astype(v_layer.dtype)
-  if impl == "xla":
-    attn = kernels.attention_xla_split(q, k_layer, v_layer, k, v, positions, lengths + T, scale=c.attn_scale,
-                                       window=window)
+  if impl == "xla":  # the new tokens beside the cache: a cache write inside the layer scan made XLA:CPU copy it
+    attn = kernels.attention(q, k_layer, v_layer, positions, lengths + T, scale=c.attn_scale, window=window,
+                             k_new=k, v_new=v, impl=impl)
   else:  # the kernels read the new tokens from the cache, as their contract says
     k_all = write_rows(k_layer[None], k[None], lengths)[0]
     v_all = write_rows(v_layer[None], v[None], lengths)[0]
@@ -192,34 +187,41 @@ def lm_head(params, hidden):
   return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def forward(params: dict, tokens, positions, cache: KVCache, *, config: ModelConfig, impl: str = "xla",
-            compute_logits: bool = True, return_layers: Sequence[int] = ()):
-  """tokens/positions [B, T] -> (logits [B, T, V] float32 | None, hidden [B, T, D], cache[, layer hiddens]).
+def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, *, config: ModelConfig,
+            impl: str = "xla", compute_logits: bool = True, return_layers: Sequence[int] = ()):
+  """tokens/positions [B, T] -> (logits [B, T, V] float32 | None, hidden [B, T, D], cache | None[, layer hiddens]).
 
-  The new K/V land at slots cache.lengths[b] + t; `cache.lengths` is not advanced (the caller commits).
+  With a cache, the new K/V land at slots cache.lengths[b] + t; `cache.lengths` is not advanced (the caller
+  commits). With cache=None, the T tokens attend only to each other (causal, sliding-windowed by position), no
+  cache is allocated and None comes back: training's whole-sequence forward. positions default to 0 .. T-1.
   `hidden` is the final-normed last hidden state (what the LM head reads). With `return_layers`, the outputs
   of those layers (0-based, before the final norm) come back too as [len(return_layers), B, T, D].
   """
   c = config
   impl = kernels.resolve_impl(impl)
+  B, T = tokens.shape
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   x = embed(params, tokens, c)
   windows = jnp.asarray(c.layer_windows())
   bases = jnp.asarray(c.layer_rope_bases())
-  lengths = cache.lengths
+  lengths = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
   collect = bool(return_layers)
 
   def body(x, xs):
-    p, k_layer, v_layer, window, base = xs
-    x, k_new, v_new = _layer(c, impl, x, p, k_layer, v_layer, window, base, positions, lengths)
-    return x, (k_new, v_new, x if collect else None)
+    p, window, base, *kv = xs
+    k_layer, v_layer = kv or (None, None)
+    x, k_new, v_new = decoder_layer(c, x, p, k_layer, v_layer, window, base, positions, lengths, impl=impl)
+    return x, ((k_new, v_new) if kv else None, x if collect else None)
 
   # The cache is read-only inside the scan; all layers' new entries are written after it, in place.
-  x, (k_new, v_new, per_layer) = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v, windows, bases))
-  k_all = write_rows(cache.k, k_new, lengths)
-  v_all = write_rows(cache.v, v_new, lengths)
+  kv = () if cache is None else (cache.k, cache.v)
+  x, (new_kv, per_layer) = jax.lax.scan(body, x, (params["layers"], windows, bases) + kv)
+  new_cache = None
+  if cache is not None:
+    new_cache = cache.replace(k=write_rows(cache.k, new_kv[0], lengths), v=write_rows(cache.v, new_kv[1], lengths))
   hidden = rms_norm(x, params["final_norm"], c.norm_eps)
   logits = lm_head(params, hidden) if compute_logits else None
-  new_cache = cache.replace(k=k_all, v=v_all)
   if collect:
     return logits, hidden, new_cache, per_layer[np.asarray(return_layers)]
   return logits, hidden, new_cache

@@ -66,7 +66,7 @@ def layer_input(params: dict, cfg: ModelConfig, feats, toks):
   e = tfm.embed({"embed": params["embed"], "final_norm": params["out_norm"]}, toks, cfg).astype(params["fc"].dtype)
   f = tfm.rms_norm(feats.astype(e.dtype), params["feat_norm"], cfg.norm_eps)
   e = tfm.rms_norm(e, params["emb_norm"], cfg.norm_eps)
-  return tfm._dot("btd,de->bte", jnp.concatenate([f, e], axis=-1), params["fc"])
+  return tfm.dot("btd,de->bte", jnp.concatenate([f, e], axis=-1), params["fc"])
 
 
 def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache: KVCache, impl: str = "xla"):
@@ -76,8 +76,8 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
   params needs "embed" (the target's frozen token embedding) beside the EAGLE weights.
   """
   x = layer_input(params, cfg, feats, toks)
-  x, k_new, v_new = tfm._layer(cfg, impl, x, params["layer"], cache.k[0], cache.v[0], jnp.int32(0),
-                               jnp.float32(cfg.rope_base), positions, cache.lengths)
+  x, k_new, v_new = tfm.decoder_layer(cfg, x, params["layer"], cache.k[0], cache.v[0], jnp.int32(0),
+                                      jnp.float32(cfg.rope_base), positions, cache.lengths, impl=impl)
   cache = cache.replace(k=tfm.write_rows(cache.k, k_new[None], cache.lengths),
                         v=tfm.write_rows(cache.v, v_new[None], cache.lengths))
   return tfm.rms_norm(x, params["out_norm"], cfg.norm_eps), cache

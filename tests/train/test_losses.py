@@ -1,5 +1,5 @@
 """Training losses: EAGLE's training-time test sees exactly what the decode loop's draft chain sees, and the
-cache-free training forward equals the model's forward."""
+target's features (the model's cache-free forward) equal its cached forward."""
 
 import jax
 import jax.numpy as jnp
@@ -74,12 +74,13 @@ def test_loss_reports_every_pass():
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_causal_forward_equals_the_cached_forward(window):
+def test_target_features_are_the_cached_forward(window):
+  """Training's features come from forward(cache=None); they equal the cached forward's hidden states."""
   from spec_jax.models.transformer import forward
   cfg = tiny_gemma_config(sliding_window=window)  # T = 12 > window: the local layers' window matters
   params = init_params(cfg, jax.random.PRNGKey(4))
   toks = jnp.asarray(np.random.default_rng(4).integers(3, cfg.vocab_size, (2, 12)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
   _, want, _ = forward(params, toks, pos, KVCache.init(cfg, 2, 12), config=cfg, compute_logits=False)
-  got = losses.causal_forward(params, toks, cfg)
+  got = losses.target_features(params, cfg, toks)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
