@@ -18,7 +18,8 @@ jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 from serve import server
 flags.FLAGS(["server", f"--model={sys.argv[1]}", "--dtype=float32", "--max_model_len=256", "--max_num_seqs=4",
-             "--steps_per_sync=4", "--costs_file=", '--speculative_config={"method": "ngram", "num_speculative_tokens": 4}'])
+             "--steps_per_sync=4", "--costs_file=",
+             '--speculative_config={"method": "ngram", "num_speculative_tokens": 4}'])
 engine, tok, _ = server.build_engine(server.settings())
 engine.start(warmup_prompt_lens=[1])
 good = [engine.make_request(tok.encode(p), max_new=10) for p in ("the cat", "a dog ran")]

@@ -25,12 +25,15 @@ def test_greedy_server_output_equals_serve_generate(tmp_path):
                      + "\n")
   out = tmp_path / "out.jsonl"
   r = subprocess.run([sys.executable, "-m", "serve.generate", f"--prompts={prompts}", f"--output={out}",
-                      f"--max_new_tokens={N}", "--dtype=float32", "--method=ngram", "--progress=false"],
+                      f"--max_new_tokens={N}", "--dtype=float32", "--method=ngram", "--progress=false",
+                      "--config.costs_file="],
                      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   ref = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
 
+  # Greedy output does not depend on the step costs: both sides use the default cost model.
   server = LiveServer("--dtype=float32", "--max_num_seqs=4", "--max_model_len=512", "--warmup_prompt_lens=1",
+                      "--costs_file=",
                       f"--compilation_cache_dir={os.path.join(str(tmp_path), 'xla_cache')}", timeout=900)
   try:
     c = server.client(timeout=600)

@@ -24,8 +24,13 @@ def ops_server(tiny_model, tmp_path_factory):
   spec = tmp_path_factory.mktemp("spec") / "speculative_config.json"
   spec.write_text(json.dumps({"per_concurrency": {"1": {"method": "ngram", "num_speculative_tokens": 4},
                                                   "4": {"num_speculative_tokens": 0}}}))
+  # Calibrated step costs (serve.calibrate's format) that make k = 2 prohibitive and k = 4 free: the adaptive
+  # controller then never drafts 2 (with the default costs it mostly does).
+  costs = spec.parent / "costs.json"
+  costs.write_text(json.dumps({"ngram/float32/k4": {"ks": [0, 2, 4], "batch": 4, "occupancies": [1, 4],
+                                                    "costs": [[1.0, 1e6, 1.0], [1.0, 1e6, 1.0]]}}))
   s = tiny_server(tiny_model, "--max_queue=2", f"--speculative_config={spec}",
-                  f"--guardrails={json.dumps(GUARDRAILS)}")
+                  f"--guardrails={json.dumps(GUARDRAILS)}", f"--costs_file={costs}")
   yield s
   if s.proc.poll() is None:
     s.stop()
@@ -91,6 +96,9 @@ def test_guardrails_trip_and_the_probe_fails(ops_server):
   assert r.usage.model_extra["drafted_tokens"] == 0
   log = ops_server.log()
   assert "guardrails: speculation off" in log and "guardrails: speculation on (probe)" in log
+  # The calibrated costs file was applied: while speculation was on, k = 4 was drafted and k = 2 never.
+  steps = lambda k: metric(m, "spec_jax:spec_decode_steps_total", k=k)
+  assert steps(4) > 0 and steps(2) == 0
 
 
 def test_per_concurrency_config_file_and_sigterm_drain(ops_server):
