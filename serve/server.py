@@ -292,12 +292,12 @@ def create_app(engine, tokenizer, cfg: dict):
           yield sse(c(rid))
         while True:
           d = await next_delta(out, event)
-          if d.error:
+          if d.text or d.token_ids:
+            yield sse(chunk_fn(rid, d.text, None, d.token_ids if with_ids else None, include_usage))
+          if d.error:  # headers are sent: the error goes in the stream, as vLLM sends it
             status, kind, msg = d.error
             yield sse(APIError(status, msg, code=kind).body())
             break
-          if d.text or d.token_ids:
-            yield sse(chunk_fn(rid, d.text, None, d.token_ids if with_ids else None, include_usage))
           if d.finished:
             yield sse(chunk_fn(rid, "", d.finish_reason, None, include_usage))
             if include_usage and d.usage is not None:
