@@ -3,7 +3,8 @@
 JetStream's orchestrator shape over `spec_jax.slots`. Each iteration of the engine thread:
 1. frees the slots of requests that finished, were aborted (client gone) or timed out (`slots.release`);
 2. inserts waiting requests into free slots (`slots.insert`: prefill plus a write of that row);
-3. dispatches `decode_loop` for up to `steps_per_sync` steps and a `snapshot` of its result;
+3. dispatches `decode_loop` for up to `steps_per_sync` steps (one right after an insert, for TTFT) and a
+   `snapshot` of its result;
 4. reads the previous iteration's snapshot (its loop is done; the one just dispatched runs meanwhile, since JAX
    dispatch is asynchronous), and hands each request its new tokens: detokenized incrementally, cut at `stop`
    strings, merged into the request's `Output`.
@@ -300,12 +301,15 @@ class Engine:
     now = time.monotonic()
     self._tick_guardrails(now)
     self._reap(now)
-    self._admit(now)
+    admitted = self._admit(now)
     snap = None
     if self._slot_req:
       self._apply_speculation()
+      # Right after an insert, one step: the new request's first tokens go out after its prefill plus one step
+      # rather than plus steps_per_sync steps (TTFT).
+      steps = 1 if admitted else self.steps
       try:
-        self.state = decode_loop(self.params, self.state, self.spec, np.int32(self.steps))
+        self.state = decode_loop(self.params, self.state, self.spec, np.int32(steps))
         snap = (slots.snapshot(self.state), dict(self._slot_req))
       except Exception as e:
         log.exception("decode failed")
@@ -375,11 +379,13 @@ class Engine:
           keep.append(req)
       self._waiting = keep
 
-  def _admit(self, now: float) -> None:
+  def _admit(self, now: float) -> int:
+    """-> how many requests were inserted."""
+    n = 0
     while self._free:
       with self._lock:
         if not self._waiting:
-          return
+          return n
         req = self._waiting.popleft()
       slot = self._free.popleft()
       try:
@@ -397,6 +403,8 @@ class Engine:
       self._slot_req[slot] = req
       self.metrics.queue_time.observe(now - req.arrival)
       self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+      n += 1
+    return n
 
   def _device_failure(self, e: Exception) -> None:
     """The state may be lost: fail every request holding a slot (500) and start again from a fresh state."""
