@@ -32,7 +32,7 @@ import numpy as np
 
 from serve.guardrails import Guardrails
 from serve.metrics import Metrics
-from spec_jax import slots
+from spec_jax import backend, slots
 from spec_jax.decode import FINISH_NAMES, decode_loop
 
 log = logging.getLogger("spec_jax.engine")
@@ -271,7 +271,9 @@ class Engine:
       self._thread.join(timeout=30)
 
   def _fresh_state(self):
-    state = slots.empty_state(self.params, self.spec, batch=self.B, capacity=self.capacity, costs=self.costs,
+    # On XLA:CPU a bfloat16 state of one row takes the slow 1-row dot path: it gets a second, never-used row.
+    rows = backend.batch_rows(self.params["target"], self.B)
+    state = slots.empty_state(self.params, self.spec, batch=rows, capacity=self.capacity, costs=self.costs,
                               seed=self.seed)
     self._applied_on = None
     self._last_uses = np.zeros(len(self.spec.ks), np.int64)
