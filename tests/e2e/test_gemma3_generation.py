@@ -26,7 +26,7 @@ def batched_run(gemma3_f32, greedy_fixture):
   config, params = gemma3_f32
   prompts = [r["prompt_ids"] for r in greedy_fixture]
   # No stop tokens: transformers generated a fixed 64 tokens.
-  return generate(params, config.replace(eos_ids=()), prompts, max_new_tokens=64, warm=False)
+  return generate(params, config.replace(eos_ids=()), prompts, max_new_tokens=64)
 
 
 def test_greedy_matches_transformers(gemma3_f32, greedy_fixture, batched_run):
@@ -38,8 +38,7 @@ def test_greedy_matches_transformers(gemma3_f32, greedy_fixture, batched_run):
 def test_batch_invariance(gemma3_f32, greedy_fixture, batched_run):
   config, params = gemma3_f32
   for i in (0, 3):
-    alone = generate(params, config.replace(eos_ids=()), [greedy_fixture[i]["prompt_ids"]], max_new_tokens=64,
-                     warm=False)
+    alone = generate(params, config.replace(eos_ids=()), [greedy_fixture[i]["prompt_ids"]], max_new_tokens=64)
     assert alone.token_ids[0] == batched_run.token_ids[i]
 
 
@@ -48,12 +47,11 @@ def test_ngram_and_draft_are_lossless(gemma3_f32, greedy_fixture, batched_run):
   config = config.replace(eos_ids=())
   prompts = [r["prompt_ids"] for r in greedy_fixture][:6]
   want = [t[:48] for t in batched_run.token_ids[:6]]
-  ngram = generate(params, config, prompts, max_new_tokens=48, proposer=NgramProposer(k=4), adaptive_k=False,
-                   warm=False)
+  ngram = generate(params, config, prompts, max_new_tokens=48, proposer=NgramProposer(k=4), adaptive_k=False)
   assert ngram.token_ids == want
   assert ngram.stats["accepted_tokens"] > 0
   proposer, pparams = early_exit_proposer(config, params, 6, k=3)
   draft = generate(params, config, prompts, max_new_tokens=48, proposer=proposer, proposer_params=pparams,
-                   adaptive_k=False, warm=False)
+                   adaptive_k=False)
   assert draft.token_ids == want
   assert draft.stats["accepted_tokens"] > 0
