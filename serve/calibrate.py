@@ -20,8 +20,9 @@ import jax
 import numpy as np
 
 
-def entry_key(method: str, dtype: str, k: int) -> str:
-  return f"{method}/{dtype}/k{k}"
+def entry_key(method: str, dtype: str, k: int, batch: int) -> str:
+  """Costs depend on the state's row count (every row rides along in the forward), not only on the busy ones."""
+  return f"{method}/{dtype}/k{k}/b{batch}"
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "option"))
@@ -65,15 +66,15 @@ def table_for(entry: dict, ks, batch: int) -> np.ndarray:
 
 
 def load_costs(path: str, method: str, dtype: str, ks, batch: int):
-  """The cost table for this run from a calibration file, or None (the default model) when the file has no
-  entry for it. A missing file is an error: a config that names one expects it."""
+  """The cost table for a state of `batch` rows from a calibration file, or None (the default model) when the file
+  has no entry for it. A missing file is an error: a config that names one expects it."""
   if not path or method == "none":
     return None
   if not os.path.isfile(path):
     raise FileNotFoundError(f"costs file {path!r} not found (write it with python -m serve.calibrate)")
   with open(path, encoding="utf-8") as f:
     entries = json.load(f)
-  entry = entries.get(entry_key(method, dtype, max(ks)))
+  entry = entries.get(entry_key(method, dtype, max(ks), batch))
   return None if entry is None else table_for(entry, ks, batch)
 
 
@@ -81,6 +82,7 @@ def main(argv):
   del argv
   from absl import flags
   from serve import generate as gen
+  from spec_jax import backend
   from spec_jax.decode import make_spec
 
   FLAGS = flags.FLAGS
@@ -88,6 +90,9 @@ def main(argv):
   setup = gen.load_setup(cfg)
   spec = make_spec(setup.config, setup.proposer, adaptive_k=True, impl=setup.impl)
   params = {"target": setup.params, "proposer": setup.proposer_params}
+  if FLAGS.calibrate_batch != backend.batch_rows(setup.params, FLAGS.calibrate_batch):
+    raise ValueError(f"a {cfg['dtype']} state of {FLAGS.calibrate_batch} row(s) runs with "
+                     f"{backend.batch_rows(setup.params, FLAGS.calibrate_batch)} on this backend: calibrate that")
   entry = measure_costs(params, spec, setup.prompt_ids, batch=FLAGS.calibrate_batch, reps=FLAGS.calibrate_reps)
   entry["machine"] = f"{os.cpu_count()} cpus, {jax.default_backend()}"
   entry["date"] = time.strftime("%Y-%m-%d")
@@ -95,7 +100,7 @@ def main(argv):
   if os.path.isfile(FLAGS.output_costs):
     with open(FLAGS.output_costs, encoding="utf-8") as f:
       entries = json.load(f)
-  entries[entry_key(cfg["method"], cfg["dtype"], spec.k_max)] = entry
+  entries[entry_key(cfg["method"], cfg["dtype"], spec.k_max, FLAGS.calibrate_batch)] = entry
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output_costs)), exist_ok=True)
   with open(FLAGS.output_costs, "w", encoding="utf-8") as f:
     json.dump(entries, f, indent=1, sort_keys=True)
@@ -106,6 +111,7 @@ if __name__ == "__main__":
   from absl import app, flags
   import serve.generate  # noqa: F401  (its flags: --config, --method, --prompts, ...)
   flags.DEFINE_string("output_costs", "configs/costs/gemma3_270m_cpu.json", "The calibration file to update.")
-  flags.DEFINE_integer("calibrate_batch", 1, "Slots of the state the costs are for (occupancies 1..batch).")
+  flags.DEFINE_integer("calibrate_batch", 2, "Rows of the state the costs are for (occupancies 1..batch); serve.generate "
+                       "runs a bfloat16 batch of 1 with 2 rows on CPU, the server max_num_seqs rows.")
   flags.DEFINE_integer("calibrate_reps", 7, "Timed repeats per option (best kept).")
   app.run(main)

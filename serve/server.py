@@ -120,7 +120,8 @@ def build_engine(cfg: dict):
   # k = 0 is always an option, so the global switch (and a request's speculate=false) can turn drafting off.
   ks = {0} | set(adaptive.option_set(sc.k, cfg["adaptive"])) | {k for _, k in sc.per_concurrency}
   ks = tuple(sorted(k for k in ks if k <= sc.k))
-  B = cfg["max_num_seqs"]
+  from spec_jax import backend
+  B = backend.batch_rows(params, cfg["max_num_seqs"])  # the state's rows (the engine adds one for bf16 x 1 on CPU)
   base = None
   if cfg["costs_file"] and sc.k:
     from serve.calibrate import load_costs
@@ -134,7 +135,7 @@ def build_engine(cfg: dict):
   stop_ids = tuple(sorted(set(config.eos_ids) | set(tokenizer.stop_ids)))
   spec = LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=stop_ids, impl=impl)
   capacity = min(cfg["max_model_len"], config.max_seq_len)
-  engine = Engine({"target": params, "proposer": proposer_params}, spec, tokenizer, max_num_seqs=B,
+  engine = Engine({"target": params, "proposer": proposer_params}, spec, tokenizer, max_num_seqs=cfg["max_num_seqs"],
                   capacity=capacity, max_queue=cfg["max_queue"], steps_per_sync=cfg["steps_per_sync"], costs=costs,
                   spec_config=sc, guardrails=guard, request_timeout_s=cfg["request_timeout_s"], seed=cfg["seed"])
   return engine, tokenizer, sc

@@ -27,7 +27,7 @@ def ops_server(tiny_model, tmp_path_factory):
   # Calibrated step costs (serve.calibrate's format) that make k = 2 prohibitive and k = 4 free: the adaptive
   # controller then never drafts 2 (with the default costs it mostly does).
   costs = spec.parent / "costs.json"
-  costs.write_text(json.dumps({"ngram/float32/k4": {"ks": [0, 2, 4], "batch": 4, "occupancies": [1, 4],
+  costs.write_text(json.dumps({"ngram/float32/k4/b4": {"ks": [0, 2, 4], "batch": 4, "occupancies": [1, 4],
                                                     "costs": [[1.0, 1e6, 1.0], [1.0, 1e6, 1.0]]}}))
   s = tiny_server(tiny_model, "--max_queue=2", f"--speculative_config={spec}",
                   f"--guardrails={json.dumps(GUARDRAILS)}", f"--costs_file={costs}")
