@@ -82,17 +82,15 @@ def attention_xla_split(q, k_cache, v_cache, k_new, v_new, q_positions, kv_lengt
   s_old = jnp.where(committed[:, None, None], s_old, NEG_INF)
   s_new = jnp.where(new_ok[:, None, None], s_new, NEG_INF)
   p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
-  # Masked slots already have p == 0; masking again keeps them out of the backward pass. Its row sum
-  # sum_s p * (g_o . v_cache[s]) would otherwise see 0 * g_o . v_cache[s], and XLA:CPU (jaxlib 0.10, YNNPACK
-  # fusions) computes g_o . v_cache as garbage, NaN included, when v_cache is a broadcast zero, i.e. a cache made
-  # inside the jitted function (KVCache.init) and differentiated. It fuses the dot, the broadcast and a reduce
-  # into one `__ynn_fusion` that misreads the broadcast; 0 * NaN then reaches every score of the row, and dq,
-  # dk and all gradients upstream came out NaN (dv stayed finite). Shapes decide whether XLA picks that fusion:
-  # B = 8, T >= 128 does, tiny ones don't (Gemma 3 270M training ran B = 8, T = 192). Minimal reproduction, which
-  # returns garbage instead of 0 there:
+  # Masked slots already have p == 0; the select keeps them out of the backward pass too. Without it, the softmax
+  # backward's row sum, sum_s p[s] * (g_o . v_cache[s]), reads g_o . v_cache at masked slots, and XLA:CPU (jaxlib
+  # 0.10) computes that dot as garbage, NaN at times, when v_cache is a broadcast zero (a cache made inside the
+  # jitted function by KVCache.init) and the dot, the broadcast and the sum land in one YNNPACK fusion
+  # (`__ynn_fusion`), which XLA picks at shapes like B = 8, T = 128 (Gemma 3 270M training: T = 192), not at
+  # tiny ones. 0 * NaN then reached every score of the row, so dq, dk and all gradients upstream were NaN.
+  # Minimal reproduction, which returns garbage instead of 0:
   #   jax.jit(lambda a, z: jnp.einsum("bij,bjk->bik", a, jnp.broadcast_to(z, (1, 64, 64))).sum(-1))(
   #       jnp.ones((1, 64, 64)), 0.0)
-  # The select's gradient drops those terms, and XLA no longer forms that fusion (tests/models/test_transformer.py).
   p_old = jnp.where(committed[:, None, None], p[..., :S], 0.0)
   o = (jnp.einsum("bkgts,bskd->btkgd", p_old.astype(v_cache.dtype), v_cache,
                   preferred_element_type=jnp.float32)
