@@ -24,47 +24,55 @@ from absl import app, flags
 from fastapi import Request
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_270m.py"),
-    "ml_collections config file: model, proposer and run settings (serve.generate's).")
-# serve.generate's run flags: when given, they override the config file.
-flags.DEFINE_string("model", None, "A .gguf file or HF safetensors directory ('' = packaged Gemma 3 270M).")
-flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weights and activations dtype.")
-flags.DEFINE_enum("attention_impl", None, ["auto", "xla", "pallas_gpu", "pallas_tpu"], "Attention kernel.")
-flags.DEFINE_integer("max_new_tokens", None, "Default max_tokens of a request that gives none.")
-flags.DEFINE_float("temperature", None, "Default temperature (0 is greedy).")
-flags.DEFINE_integer("top_k", None, "Default top_k (0 is off).")
-flags.DEFINE_float("top_p", None, "Default top_p (1 is off).")
-flags.DEFINE_integer("seed", None, "Seed of the engine's sampling stream (a request's seed picks its first token).")
-flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle"],
-                  "Draft source when --speculative_config is not given.")
-flags.DEFINE_string("heads", None, "Medusa/EAGLE/draft checkpoint (path stem); '' = the one in heads/.")
-flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
-flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
-flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
-flags.DEFINE_integer("draft_layers", None, "method=draft: N > 0 = early-exit self-draft of N target layers.")
-flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
-# Server settings (a config file may also hold them; explicit flags win).
-flags.DEFINE_string("host", None, "Bind address (default 127.0.0.1: loopback only).")
-flags.DEFINE_integer("port", None, "Port (default 8000).")
-flags.DEFINE_string("speculative_config", None,
-                    "vLLM-style JSON, inline or a file: method, num_speculative_tokens, prompt_lookup_min/max, model; "
-                    "or {\"per_concurrency\": {\"1\": {...}, ...}}. '{}' = off. Unset: the config's method.")
-flags.DEFINE_integer("max_num_seqs", None, "Decode slots (requests decoded together).")
-flags.DEFINE_integer("max_queue", None, "Requests that may wait beyond the free slots; more get 429.")
-flags.DEFINE_integer("max_model_len", None, "Tokens per slot (prompt + output + k + 1).")
-flags.DEFINE_integer("steps_per_sync", None, "Decode steps per engine iteration (between host syncs).")
-flags.DEFINE_string("api_key", None, "When set, /v1 and /admin need 'Authorization: Bearer KEY'.")
-flags.DEFINE_string("served_model_name", None, "The model id clients send (default gemma-3-270m).")
-flags.DEFINE_string("guardrails", None, "Automatic rollback, JSON inline or a file (serve/guardrails.py).")
-flags.DEFINE_string("costs_file", None, "Step costs per occupancy from serve.calibrate ('' = the default cost model; "
-                    "unset = the config's).")
-flags.DEFINE_float("request_timeout_s", None, "A request still unfinished after this long fails with 504.")
-flags.DEFINE_float("drain_timeout_s", None, "SIGTERM: how long running requests may take to finish.")
-flags.DEFINE_list("warmup_prompt_lens", None, "Compile insert for these prompt lengths before serving.")
-flags.DEFINE_string("log_level", None, "debug, info, warning.")
-flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache: a restart loads the compiled "
-                    "programs instead of compiling again ('' = off; default ~/.cache/spec_jax/xla).")
+_CONFIG = None
+
+
+def define_flags() -> None:
+  """The command line, defined only when this module runs as a script: the module is also imported in-process
+  (build_engine, create_app) next to other absl programs that define --config."""
+  global _CONFIG
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_270m.py"),
+      "ml_collections config file: model, proposer and run settings (serve.generate's).")
+  # serve.generate's run flags: when given, they override the config file.
+  flags.DEFINE_string("model", None, "A .gguf file or HF safetensors directory ('' = packaged Gemma 3 270M).")
+  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weights and activations dtype.")
+  flags.DEFINE_enum("attention_impl", None, ["auto", "xla", "pallas_gpu", "pallas_tpu"], "Attention kernel.")
+  flags.DEFINE_integer("max_new_tokens", None, "Default max_tokens of a request that gives none.")
+  flags.DEFINE_float("temperature", None, "Default temperature (0 is greedy).")
+  flags.DEFINE_integer("top_k", None, "Default top_k (0 is off).")
+  flags.DEFINE_float("top_p", None, "Default top_p (1 is off).")
+  flags.DEFINE_integer("seed", None, "Seed of the engine's sampling stream (a request's seed picks its first token).")
+  flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle"],
+                    "Draft source when --speculative_config is not given.")
+  flags.DEFINE_string("heads", None, "Medusa/EAGLE/draft checkpoint (path stem); '' = the one in heads/.")
+  flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
+  flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
+  flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
+  flags.DEFINE_integer("draft_layers", None, "method=draft: N > 0 = early-exit self-draft of N target layers.")
+  flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
+  # Server settings (a config file may also hold them; explicit flags win).
+  flags.DEFINE_string("host", None, "Bind address (default 127.0.0.1: loopback only).")
+  flags.DEFINE_integer("port", None, "Port (default 8000).")
+  flags.DEFINE_string("speculative_config", None,
+                      "vLLM-style JSON, inline or a file: method, num_speculative_tokens, prompt_lookup_min/max, model; "
+                      "or {\"per_concurrency\": {\"1\": {...}, ...}}. '{}' = off. Unset: the config's method.")
+  flags.DEFINE_integer("max_num_seqs", None, "Decode slots (requests decoded together).")
+  flags.DEFINE_integer("max_queue", None, "Requests that may wait beyond the free slots; more get 429.")
+  flags.DEFINE_integer("max_model_len", None, "Tokens per slot (prompt + output + k + 1).")
+  flags.DEFINE_integer("steps_per_sync", None, "Decode steps per engine iteration (between host syncs).")
+  flags.DEFINE_string("api_key", None, "When set, /v1 and /admin need 'Authorization: Bearer KEY'.")
+  flags.DEFINE_string("served_model_name", None, "The model id clients send (default gemma-3-270m).")
+  flags.DEFINE_string("guardrails", None, "Automatic rollback, JSON inline or a file (serve/guardrails.py).")
+  flags.DEFINE_string("costs_file", None, "Step costs per occupancy from serve.calibrate ('' = the default cost model; "
+                      "unset = the config's).")
+  flags.DEFINE_float("request_timeout_s", None, "A request still unfinished after this long fails with 504.")
+  flags.DEFINE_float("drain_timeout_s", None, "SIGTERM: how long running requests may take to finish.")
+  flags.DEFINE_list("warmup_prompt_lens", None, "Compile insert for these prompt lengths before serving.")
+  flags.DEFINE_string("log_level", None, "debug, info, warning.")
+  flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache: a restart loads the compiled "
+                      "programs instead of compiling again ('' = off; default ~/.cache/spec_jax/xla).")
+
 
 FLAGS = flags.FLAGS
 RUN_FLAGS = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "method",
@@ -463,4 +471,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
