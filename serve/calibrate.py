@@ -111,7 +111,7 @@ if __name__ == "__main__":
   from absl import app, flags
   import serve.generate  # noqa: F401  (its flags: --config, --method, --prompts, ...)
   flags.DEFINE_string("output_costs", "configs/costs/gemma3_270m_cpu.json", "The calibration file to update.")
-  flags.DEFINE_integer("calibrate_batch", 2, "Rows of the state the costs are for (occupancies 1..batch); serve.generate "
-                       "runs a bfloat16 batch of 1 with 2 rows on CPU, the server max_num_seqs rows.")
+  flags.DEFINE_integer("calibrate_batch", 2, "Rows of the state the costs are for (occupancies 1..batch); "
+                       "serve.generate runs a bfloat16 batch of 1 with 2 rows on CPU, the server max_num_seqs rows.")
   flags.DEFINE_integer("calibrate_reps", 7, "Timed repeats per option (best kept).")
   app.run(main)

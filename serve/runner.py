@@ -97,8 +97,9 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
       for arm, st in zip(arms, state):
         res = timed_generate(params, config, [prompt_ids[i] for i in batch], max_new_tokens=max_new_tokens,
                              sampling=sampling, proposer=arm.proposer, proposer_params=arm.proposer_params,
-                             adaptive_k=adaptive_k if arm.adaptive_k is None else arm.adaptive_k, costs=_costs_for(arm.costs, len(batch), params), seed=seed + bi,
-                             impl=impl, stop_ids=stop_ids)
+                             adaptive_k=adaptive_k if arm.adaptive_k is None else arm.adaptive_k,
+                             costs=_costs_for(arm.costs, len(batch), params), seed=seed + bi, impl=impl,
+                             stop_ids=stop_ids)
         st["walls"][r] += res.wall_s
         if r == repeats - 1:
           st["uses"] = res.option_uses if st["uses"] is None else [a + b for a, b in zip(st["uses"], res.option_uses)]

@@ -52,8 +52,8 @@ def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *
   last_hidden = jnp.zeros((B, config.d_model), params["final_norm"].dtype)
   every = []
   for start in range(0, P, chunk):
-    cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], jnp.int32(start), cache, prompt_lens,
-                                     last_hidden, config=config, impl=impl)
+    cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], jnp.int32(start), cache,
+                                               prompt_lens, last_hidden, config=config, impl=impl)
     if return_all:
       every.append(hidden)
   cache = cache.replace(lengths=prompt_lens.astype(jnp.int32))
