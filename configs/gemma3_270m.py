@@ -22,6 +22,6 @@ def get_config():
   c.adaptive = True
   # Step costs for the adaptive controller, measured by `python -m serve.calibrate` on this 2-core CPU ('' = the
   # default model 1 + 0.25 k). A method without an entry there uses the default model.
-  c.costs_file = ""
+  c.costs_file = "configs/costs/gemma3_270m_cpu.json"
   c.heads = ""  # medusa/eagle/draft checkpoint; "" = heads/<method>_gemma3_270m
   return c
