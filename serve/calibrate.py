@@ -70,6 +70,9 @@ def load_costs(path: str, method: str, dtype: str, ks, batch: int):
   has no entry for it. A missing file is an error: a config that names one expects it."""
   if not path or method == "none":
     return None
+  repo_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", path)
+  if not os.path.isabs(path) and not os.path.isfile(path) and os.path.isfile(repo_path):
+    path = repo_path  # configs name files relative to the repository
   if not os.path.isfile(path):
     raise FileNotFoundError(f"costs file {path!r} not found (write it with python -m serve.calibrate)")
   with open(path, encoding="utf-8") as f:
