@@ -6,8 +6,8 @@ For each dtype and batch size: tokens/s of the jitted while-loop decode (prefill
 bare forward step of the same shape, and their difference per step (what the loop adds: sampling, commit,
 bookkeeping). The floor is the weight bytes read per step over the measured read bandwidth.
 
-The k = 0 check (on by default) keeps plain decoding and the speculative loop forced to k = 0 within 3 % of each
-other, and exits 1 when they are not.
+The k = 0 check (on by default) compares plain decoding with the speculative loop forced to k = 0, interleaved,
+and exits 1 when plain decoding is more than 3 % slower (a slow baseline inflates every speedup).
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def bare_step_ms(params, config, batch, ctx_len, steps=16, reps=3):
 
 def plain_vs_forced_k0(params, config, prompt, batch, new_tokens, repeats):
   """Plain decoding (one k = 0 branch) against the speculative loop (ngram, adaptive k in {0, 2, 4} through
-  lax.switch) with speculation switched off, so every step takes its k = 0 branch: the same work, so the same
-  speed. Interleaved A, B, A, B in this process; the check fails when the medians differ by more than 3 %."""
+  lax.switch) with speculation switched off, so every step takes its k = 0 branch. Interleaved A, B, A, B in this
+  process. The check fails when plain decoding is more than 3 % slower than that k = 0 step: a slow baseline
+  inflates every speedup (it was ~25 % slower before the LM-head fix). The other direction, the speculative
+  loop's k = 0 step being slower, is reported as what the switch itself costs (it copies state per step)."""
   both = {"target": params, "proposer": {}}
   plain = make_spec(config, NoneProposer())
   spec = make_spec(config, NgramProposer(k=4), adaptive_k=True)
@@ -92,12 +94,12 @@ def plain_vs_forced_k0(params, config, prompt, batch, new_tokens, repeats):
     b.append(run(spec, True))
   ratio = float(np.median(b) / np.median(a))
   pairs = [y / x for x, y in zip(a, b)]
-  ok = abs(ratio - 1) <= 0.03
+  ok = ratio >= 1 / 1.03  # plain at most 3 % slower than the k = 0 step
   print(f"  plain {1e3 * np.median(a):.2f} ms/step vs speculative loop at k = 0 {1e3 * np.median(b):.2f} ms/step: "
-        f"ratio {ratio:.3f} (pairs {min(pairs):.3f}-{max(pairs):.3f}) {'OK' if ok else 'FAIL: over 3 %'}",
+        f"ratio {ratio:.3f} (pairs {min(pairs):.3f}-{max(pairs):.3f}) {'OK' if ok else 'FAIL: plain decoding over 3 % slower'}",
         flush=True)
   return {"plain_ms": 1e3 * float(np.median(a)), "forced_k0_ms": 1e3 * float(np.median(b)), "k0_ratio": ratio,
-          "k0_pair_min": min(pairs), "k0_pair_max": max(pairs), "k0_within_3pct": ok}
+          "k0_pair_min": min(pairs), "k0_pair_max": max(pairs), "plain_not_slower": ok}
 
 
 def main():
@@ -142,7 +144,7 @@ def main():
   if args.json_out:
     with open(args.json_out, "w") as f:
       json.dump({"bandwidth_gbs": bw, "rows": rows}, f, indent=1)
-  if args.k0_check and not all(r["k0_within_3pct"] for r in rows):
+  if args.k0_check and not all(r["plain_not_slower"] for r in rows):
     sys.exit(1)
 
 
