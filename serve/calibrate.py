@@ -68,7 +68,7 @@ def table_for(entry: dict, ks, batch: int) -> np.ndarray:
 def load_costs(path: str, method: str, dtype: str, ks, batch: int):
   """The cost table for a state of `batch` rows from a calibration file, or None (the default model) when the file
   has no entry for it. A missing file is an error: a config that names one expects it."""
-  if not path or method == "none":
+  if not path or method == "none" or len(ks) < 2:  # one option: nothing to choose, no costs needed
     return None
   repo_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", path)
   if not os.path.isabs(path) and not os.path.isfile(path) and os.path.isfile(repo_path):
