@@ -17,6 +17,7 @@ from absl import flags
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 from serve import server
+server.define_flags()
 flags.FLAGS(["server", f"--model={sys.argv[1]}", "--dtype=float32", "--max_model_len=256", "--max_num_seqs=4",
              "--steps_per_sync=4", "--costs_file=",
              '--speculative_config={"method": "ngram", "num_speculative_tokens": 4}'])
