@@ -20,7 +20,8 @@ def to_torch_layout(name, w):
   return w
 
 
-def write_tiny_gguf(path, config, params, *, arch="gemma3", drop=(), reshape=None):
+def write_tiny_gguf(path, config, params, *, arch="gemma3", drop=(), reshape=None, extra=None):
+  """`extra(writer)`, when given, adds more metadata (a tokenizer) before the file is written."""
   w = gguf.GGUFWriter(str(path), arch)
   w.add_block_count(config.num_layers)
   w.add_embedding_length(config.d_model)
@@ -36,6 +37,8 @@ def write_tiny_gguf(path, config, params, *, arch="gemma3", drop=(), reshape=Non
   w.add_bos_token_id(config.bos_id)
   w.add_eos_token_id(config.eos_ids[0])
   w.add_pad_token_id(config.pad_id)
+  if extra is not None:
+    extra(w)
   tensors = {"token_embd.weight": np.asarray(params["embed"]), "output_norm.weight": np.asarray(params["final_norm"])}
   for ours, theirs in INV.items():
     for i in range(config.num_layers):

@@ -28,10 +28,8 @@ WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "and", "a", "is"]
 
 def write_tiny_model(path) -> str:
   """A GGUF holding both a tiny random Gemma 3 and a tokenizer (Gemma's special layout, bytes, letters, words)."""
-  import gguf
-
   from spec_jax.models.transformer import init_params
-  from tests.checkpoints.gguf_writer import INV, to_torch_layout
+  from tests.checkpoints.gguf_writer import write_tiny_gguf
   from tests.conftest import tiny_gemma_config
 
   tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "  ", "   "]
@@ -46,37 +44,17 @@ def write_tiny_model(path) -> str:
   params = jax.tree.map(np.asarray, init_params(config, jax.random.PRNGKey(0)))
   embed = np.array(params["embed"])
   embed[[1, 6, 106]] = 0.0  # stop tokens (<eos>, <end_of_turn>, id 106) never win: runs end at max_tokens
-  w = gguf.GGUFWriter(str(path), "gemma3")
-  w.add_block_count(config.num_layers)
-  w.add_embedding_length(config.d_model)
-  w.add_feed_forward_length(config.mlp_dim)
-  w.add_head_count(config.num_heads)
-  w.add_head_count_kv(config.num_kv_heads)
-  w.add_key_length(config.head_dim)
-  w.add_value_length(config.head_dim)
-  w.add_layer_norm_rms_eps(config.norm_eps)
-  w.add_rope_freq_base(config.rope_base)
-  w.add_sliding_window(config.sliding_window)
-  w.add_context_length(config.max_seq_len)
-  w.add_tokenizer_model("llama")
-  w.add_token_list(tokens)
-  w.add_token_scores(scores)
-  w.add_token_types(types)
-  w.add_bos_token_id(2)
-  w.add_eos_token_id(1)
-  w.add_unk_token_id(3)
-  w.add_pad_token_id(0)
-  w.add_add_space_prefix(False)
-  w.add_tensor("token_embd.weight", np.ascontiguousarray(embed, np.float32))
-  w.add_tensor("output_norm.weight", np.ascontiguousarray(params["final_norm"], np.float32))
-  for ours, theirs in INV.items():
-    for i in range(config.num_layers):
-      w.add_tensor(f"blk.{i}.{theirs}.weight",
-                   np.ascontiguousarray(to_torch_layout(ours, np.asarray(params["layers"][ours][i])), np.float32))
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  params["embed"] = embed
+
+  def tokenizer(w):
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(3)
+    w.add_add_space_prefix(False)
+
+  write_tiny_gguf(path, config, params, extra=tokenizer)
   return str(path)
 
 
