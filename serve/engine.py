@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from serve.guardrails import Guardrails
+from serve import timing_probe
 from serve.metrics import Metrics
 from spec_jax import backend, slots
 from spec_jax.decode import FINISH_NAMES, decode_loop
@@ -122,6 +123,7 @@ class EngineRequest:
   output: Output
   arrival: float
   deadline: Optional[float]
+  speculate: bool = True
   aborted: bool = False  # set by the HTTP layer (client gone)
   slot: int = -1
   finished: bool = False
@@ -142,14 +144,18 @@ class Engine:
 
   def __init__(self, params, spec, tokenizer, *, max_num_seqs: int, capacity: int, max_queue: int = 64,
                steps_per_sync: int = 8, costs=None, spec_config=None, guardrails=None,
-               request_timeout_s: float = 600.0, seed: int = 0, metrics: Optional[Metrics] = None):
+               request_timeout_s: float = 600.0, seed: int = 0, metrics: Optional[Metrics] = None,
+               timing_probe_s: float = 10.0):
     if max_num_seqs < 1 or max_queue < 0 or steps_per_sync < 1:
       raise ValueError("max_num_seqs and steps_per_sync must be >= 1, max_queue >= 0")
     self.params, self.spec, self.tokenizer = params, spec, tokenizer
     self.B, self.capacity, self.max_queue, self.steps = max_num_seqs, capacity, max_queue, steps_per_sync
     self.costs, self.spec_config, self.seed = costs, spec_config, seed
     self.request_timeout_s = request_timeout_s
-    self.metrics = metrics or Metrics(spec.k_max)
+    self.metrics = metrics or Metrics(spec.k_max, timing_probe.device_memory() is not None)
+    self.timing_probe_s = timing_probe_s  # 0: never probe the step time split
+    self._next_probe = 0.0
+    self._next_memory = 0.0
     self.metrics.slots_total.set(max_num_seqs)
     self.guard = Guardrails(guardrails, time.monotonic()) if guardrails is not None else None
     self._lock = threading.Condition()
@@ -179,6 +185,7 @@ class Engine:
     timeout = self.request_timeout_s if timeout_s is None else timeout_s
     return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), device_req=dev,
                          stop=tuple(s for s in stop if s), output=output or Output(), arrival=now,
+                         speculate=bool(speculate),
                          deadline=now + timeout if timeout else None)
 
   def submit(self, req: EngineRequest) -> None:
@@ -241,6 +248,8 @@ class Engine:
     self.state = slots.set_speculation(self.state, False)
     self.state = slots.set_speculation(self.state, True)
     self.state = decode_loop(self.params, self.state, self.spec, np.int32(self.steps))
+    if self.timing_probe_s > 0 and self.spec.k_max > 0:
+      timing_probe.time_propose(self.params, self.state, self.spec)  # compile now, not under traffic
     snap = slots.snapshot(self.state)
     self.state = slots.release(self.state, np.int32(0))
     jax.block_until_ready((jax.device_get(snap), self.state))
@@ -311,7 +320,10 @@ class Engine:
       # rather than plus steps_per_sync steps (TTFT).
       steps = 1 if admitted else self.steps
       try:
-        self.state = decode_loop(self.params, self.state, self.spec, np.int32(steps))
+        if self._probe_due(now):
+          self._timed_loop(steps)
+        else:
+          self.state = decode_loop(self.params, self.state, self.spec, np.int32(steps))
         snap = (slots.snapshot(self.state), dict(self._slot_req))
       except Exception as e:
         log.exception("decode failed")
@@ -321,10 +333,38 @@ class Engine:
     if pending is not None:
       host += self._process(*pending)
     self.metrics.host_time.observe(host)
+    if self.metrics.device_memory is not None and now >= self._next_memory:
+      self._next_memory = now + 1.0
+      mem = timing_probe.device_memory()
+      if mem is not None:
+        self.metrics.device_memory.set(mem[0])
+        self.metrics.device_memory_peak.set(mem[1])
     running, waiting = self.counts()
     self.metrics.running.set(running)
     self.metrics.slots_in_use.set(running)
     self.metrics.waiting.set(waiting)
+
+  def _probe_due(self, now: float) -> bool:
+    """Time this iteration? Only while some running request drafts (a k = 0 batch has no proposer time)."""
+    if self.timing_probe_s <= 0 or now < self._next_probe or not self._applied_on:
+      return False
+    return any(r.speculate for r in self._slot_req.values())
+
+  def _timed_loop(self, steps: int) -> None:
+    """The iteration's loop call, timed alone, after one timed `propose` on the same state (timing_probe.py)."""
+    jax.block_until_ready(self.state)  # the loop in flight
+    step0 = int(self.state.step)
+    t_prop = timing_probe.time_propose(self.params, self.state, self.spec)
+    t0 = time.perf_counter()
+    self.state = decode_loop(self.params, self.state, self.spec, np.int32(steps))
+    ran = int(jax.block_until_ready(self.state).step) - step0
+    t_step = (time.perf_counter() - t0) / max(ran, 1)
+    self._next_probe = time.monotonic() + self.timing_probe_s
+    if ran > 0:
+      m = self.metrics
+      m.proposer_time.inc(t_prop)
+      m.step_time.inc(t_step)
+      m.timing_probes.inc()
 
   def _speculation_on(self) -> bool:
     """Admin switch, guardrails and the per-concurrency band for the current occupancy."""

@@ -26,7 +26,7 @@ _HOST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 class Metrics:
   """One registry per server, so several servers (or tests) in one process never share counters."""
 
-  def __init__(self, k_max: int):
+  def __init__(self, k_max: int, device_memory_available: bool = False):
     r = self.registry = CollectorRegistry()
     p = PREFIX
     # Speculation (vLLM names).
@@ -59,6 +59,19 @@ class Metrics:
     self.host_time = Histogram(f"{p}engine_host_seconds",
                                "Host work per engine iteration (scheduling, dispatch, detokenizing), device waits "
                                "excluded.", buckets=_HOST, registry=r)
+    # Step time split, sampled by the engine's timing probe (serve/timing_probe.py): share = proposer / step.
+    self.proposer_time = Counter(f"{p}proposer_time_seconds",
+                                 "Sum over timing probes of one propose() on the live batch.", registry=r)
+    self.step_time = Counter(f"{p}step_time_seconds",
+                             "Sum over timing probes of one decode step (draft, verify, commit) on the live batch.",
+                             registry=r)
+    self.timing_probes = Counter(f"{p}timing_probes", "Timing probes taken.", registry=r)
+    # Device memory, only where JAX reports it (GPU, TPU; not CPU).
+    self.device_memory = self.device_memory_peak = None
+    if device_memory_available:
+      self.device_memory = Gauge(f"{p}device_memory_bytes", "Device memory in use (first local device).",
+                                 registry=r)
+      self.device_memory_peak = Gauge(f"{p}device_memory_peak_bytes", "Peak device memory in use.", registry=r)
     # Load.
     self.running = Gauge(f"{p}num_requests_running", "Requests in a decode slot.", registry=r)
     self.waiting = Gauge(f"{p}num_requests_waiting", "Requests in the waiting queue.", registry=r)

@@ -61,6 +61,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_queue", None, "Requests that may wait beyond the free slots; more get 429.")
   flags.DEFINE_integer("max_model_len", None, "Tokens per slot (prompt + output + k + 1).")
   flags.DEFINE_integer("steps_per_sync", None, "Decode steps per engine iteration (between host syncs).")
+  flags.DEFINE_float("timing_probe_s", None, "Every this many seconds while drafting, time one propose() and one "
+                    "step on the live batch (the proposer's share of a step in /metrics); 0 = never.")
   flags.DEFINE_string("api_key", None, "When set, /v1 and /admin need 'Authorization: Bearer KEY'.")
   flags.DEFINE_string("served_model_name", None, "The model id clients send (default gemma-3-270m).")
   flags.DEFINE_string("guardrails", None, "Automatic rollback, JSON inline or a file (serve/guardrails.py).")
@@ -78,7 +80,8 @@ FLAGS = flags.FLAGS
 RUN_FLAGS = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "method",
              "heads", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "adaptive")
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, speculative_config=None, max_num_seqs=4, max_queue=64,
-                       max_model_len=2048, steps_per_sync=8, api_key=None, served_model_name="gemma-3-270m",
+                       max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
+                       served_model_name="gemma-3-270m",
                        guardrails=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
                        warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla")
 log = logging.getLogger("spec_jax.server")
@@ -118,6 +121,8 @@ def build_engine(cfg: dict):
   for name in ("max_num_seqs", "steps_per_sync", "max_model_len", "max_new_tokens"):
     if cfg[name] < 1:
       raise ValueError(f"--{name} must be >= 1, got {cfg[name]}")
+  if cfg["timing_probe_s"] < 0:
+    raise ValueError(f"--timing_probe_s must be >= 0, got {cfg['timing_probe_s']}")
   sc = parse_speculative_config(cfg["speculative_config"], cfg)
   guard = GuardrailConfig.parse(cfg["guardrails"])
   impl = resolve_impl(cfg["attention_impl"])
@@ -145,7 +150,8 @@ def build_engine(cfg: dict):
   capacity = min(cfg["max_model_len"], config.max_seq_len)
   engine = Engine({"target": params, "proposer": proposer_params}, spec, tokenizer, max_num_seqs=cfg["max_num_seqs"],
                   capacity=capacity, max_queue=cfg["max_queue"], steps_per_sync=cfg["steps_per_sync"], costs=costs,
-                  spec_config=sc, guardrails=guard, request_timeout_s=cfg["request_timeout_s"], seed=cfg["seed"])
+                  spec_config=sc, guardrails=guard, request_timeout_s=cfg["request_timeout_s"], seed=cfg["seed"],
+                  timing_probe_s=cfg["timing_probe_s"])
   return engine, tokenizer, sc
 
 

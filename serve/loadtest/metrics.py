@@ -152,6 +152,7 @@ def summarize_delta(d: Scrape) -> dict:
                                               "draft_time_seconds")),
                         ("step_seconds", ("step_time_seconds", "engine_step_seconds", "decode_time_seconds",
                                           "step_seconds")),
+                        ("timing_probes", ("timing_probes",)),
                         ("oom_events", ("oom_events", "out_of_memory"))):
     name = d.find(*suffixes)
     if name is None:  # maybe a histogram: use its sum

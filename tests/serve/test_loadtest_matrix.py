@@ -57,7 +57,7 @@ class InProcessServer:
     # One step per engine iteration: every token is its own event, so ITL is a step time, not a batch of them.
     cfg.update(model=model, dtype="float32", max_num_seqs=2, max_model_len=128, served_model_name=MODEL,
                speculative_config=json.dumps(speculative_config), adaptive=adaptive, port=free_port(),
-               steps_per_sync=1, costs_file="")  # the tiny model has no calibrated step costs
+               steps_per_sync=1, costs_file="", timing_probe_s=0.5)  # the tiny model has no calibrated step costs
     engine, tokenizer, _ = S.build_engine(cfg)
     if slow:
       p = engine.spec.proposer
@@ -186,6 +186,12 @@ def test_matrix_slow_arm_rolls_back_identical_is_neutral(tiny_model, prompts_fil
         assert sp["draft_tokens"] > 0 and sp["drafts"] > 0
       else:
         assert sp["draft_tokens"] == 0
+  # The timing probe: the sleeping proposer is most of a step; the arms that never draft have no proposer time.
+  for key in ("greedy/c1", "greedy/c2"):
+    m = points["slow_ngram"]["points"][key]["metrics"]
+    assert m["timing_probes"] >= 1 and m["proposer_share"] > 0.5, m
+    assert m["step_seconds"] / m["timing_probes"] > SLOW_S
+    assert points["identical"]["points"][key]["metrics"]["proposer_share"] is None
   assert points["slow_ngram"]["server"]["reported"]["speculation"]["method"] == "slow_ngram"
   assert points["identical"]["server"]["reported"]["speculation"]["k_max"] == 0
   assert points["slow_ngram"]["points"]["greedy/c1"]["samples"]["rss_bytes"]["max"] > 0

@@ -1,0 +1,67 @@
+"""The proposer's share of a decode step, measured on the live batch, and the device's memory.
+
+A step's time is not split inside the jitted loop (no host clock there), so the engine samples it: every
+`interval_s` seconds, while speculation is on, one iteration runs synchronously:
+1. wait for the loop in flight, so nothing else runs on the device;
+2. time `propose_probe`: the proposer's `propose` on a copy of the live state at the k the adaptive controller
+   would pick now (the copy is donated, so the proposer writes its caches in place as in the loop; the drafts
+   are thrown away and the live state is untouched);
+3. time the real `decode_loop` call of that iteration and divide by the steps it ran.
+The counters sum both times over probes, so a load test reads the share of one load point as
+delta(proposer time) / delta(step time). The cost is one extra `propose` per probe plus the host work of that
+iteration not overlapping the device; the probe count is exported, so a report can bound it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax import adaptive
+from spec_jax.proposers.base import ProposeContext
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("pstate",))
+def propose_probe(params, state, pstate, spec):
+  """One `propose` at the k that `adaptive_step` would choose for `state` (state.pstate is not read; `pstate` is
+  a copy of it). -> (new pstate, a checksum of the drafts, so that they are computed)."""
+  drafting = ~state.done & state.speculate & state.spec_enabled
+  option = (adaptive.choose(state.adapt, ~state.done, drafting, spec.ks, spec.probe_every)
+            if len(spec.ks) > 1 else jnp.zeros((), jnp.int32))
+  key = jax.random.split(state.key, 3)[1]  # the key spec_step drafts with
+  ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
+
+  def branch(k):
+    def run(ps):
+      if k == 0:
+        return ps, jnp.zeros((), jnp.int32)
+      draft, ps = spec.proposer.propose(params["proposer"], ps, ctx, k, key)
+      return ps, jnp.sum(draft.tokens.astype(jnp.int32))
+    return run
+
+  return jax.lax.switch(option, [branch(k) for k in spec.ks], pstate)
+
+
+def time_propose(params, state, spec) -> float:
+  """Seconds of one `propose_probe` on `state` (ready), the copy made beforehand and not counted."""
+  pstate = jax.tree.map(jnp.copy, state.pstate)
+  rest = state.replace(pstate=None)
+  jax.block_until_ready(pstate)
+  t0 = time.perf_counter()
+  jax.block_until_ready(propose_probe(params, rest, pstate, spec))
+  return time.perf_counter() - t0
+
+
+def device_memory() -> Optional[tuple[int, int]]:
+  """(bytes in use, peak bytes in use) of the first local device; None where JAX does not report it (CPU)."""
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except Exception:
+    return None
+  if not stats or "bytes_in_use" not in stats:
+    return None
+  return int(stats["bytes_in_use"]), int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
