@@ -37,8 +37,9 @@ def check_attention_args(q, k_cache, v_cache, q_positions, kv_lengths, window, t
     raise ValueError(f"q_positions must be [B, T] = {(B, T)}, got {q_positions.shape}")
   if kv_lengths.shape != (B,):
     raise ValueError(f"kv_lengths must be [B] = {(B,)}, got {kv_lengths.shape}")
-  if tree_mask is not None and tuple(tree_mask.shape) != (T, T):
-    raise ValueError(f"tree_mask must be [T, T] = {(T, T)}, got {tuple(tree_mask.shape)}")
+  if tree_mask is not None and tuple(tree_mask.shape) not in ((T, T), (B, T, T)):
+    raise ValueError(f"tree_mask must be [T, T] = {(T, T)} or per row [B, T, T] = {(B, T, T)}, got "
+                     f"{tuple(tree_mask.shape)}")
   if (k_new is None) != (v_new is None):
     raise ValueError("k_new and v_new come together: pass both or neither")
   if k_new is not None:
@@ -59,6 +60,8 @@ def attention(q, k_cache, v_cache, q_positions, kv_lengths, *, scale, window=Non
   """q[B,T,Hq,D] against k/v_cache[B,S,Hkv,D] -> [B,T,Hq,D].
 
   `window` is None, an int, or a traced int32 scalar (per scanned layer); a value <= 0 means no window.
+  `tree_mask` bool [T, T] or per row [B, T, T]: new token t sees new token t' iff tree_mask[(b,) t, t'] (the
+  ancestors-or-self of a tree node; its q_position is then the root's position + its depth).
   Contract form: the T new tokens are already in the cache, at slots kv_lengths[b]-T ... Split form, with
   k_new/v_new [B,T,Hkv,D]: they are passed beside the cache instead, whose committed slots are < kv_lengths[b]-T
   (see reference.attention_xla_split); only the XLA implementation has it.

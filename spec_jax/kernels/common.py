@@ -36,11 +36,17 @@ def effective_window(window):
   return jnp.where(w > 0, w, jnp.int32(NO_WINDOW))
 
 
+def per_row_tree(tree_mask, B: int):
+  """bool [B, T, T] from a tree mask shared by all rows ([T, T]) or given per row ([B, T, T])."""
+  tm = jnp.asarray(tree_mask, bool)
+  return jnp.broadcast_to(tm, (B,) + tm.shape[-2:]) if tm.ndim == 2 else tm
+
+
 def tree_bits(tree_mask, q_positions, win):
   """int32[B, T, W], W = ceil(T/32): bit t' of word t'//32 says token t sees new slot t'."""
   B, T = q_positions.shape
   pos = q_positions.astype(jnp.int32)
-  vis = jnp.asarray(tree_mask, bool)[None] & ((pos[:, :, None] - pos[:, None, :]) < win)
+  vis = per_row_tree(tree_mask, B) & ((pos[:, :, None] - pos[:, None, :]) < win)
   W = -(-T // 32)
   vis = jnp.pad(vis.astype(jnp.int32), ((0, 0), (0, 0), (0, 32 * W - T))).reshape(B, T, W, 32)
   weights = jnp.left_shift(jnp.int32(1), jnp.arange(32, dtype=jnp.int32))  # bit 31 wraps to INT_MIN: fine

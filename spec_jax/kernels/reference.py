@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spec_jax.kernels.common import NEG_INF
+from spec_jax.kernels.common import NEG_INF, per_row_tree
 
 
 def attention_mask(q_positions, kv_lengths, seq_len: int, window=None, tree_mask=None):
@@ -13,7 +13,7 @@ def attention_mask(q_positions, kv_lengths, seq_len: int, window=None, tree_mask
 
   The T new tokens of row b sit in slots kv_lengths[b]-T .. kv_lengths[b]-1 (slot index == position for
   committed tokens). Query t sees committed slots j < kv_lengths[b]-T (within the window, if any) and new
-  slots t' <= t, or tree_mask[t, t'] when a tree is given.
+  slots t' <= t, or tree_mask[t, t'] when a tree is given (tree_mask[b, t, t'] when it is given per row).
   """
   B, T = q_positions.shape
   j = jnp.arange(seq_len, dtype=jnp.int32)[None, None, :]  # [1,1,S]
@@ -26,9 +26,7 @@ def attention_mask(q_positions, kv_lengths, seq_len: int, window=None, tree_mask
     t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
     new_ok = new_idx <= t
   else:
-    tm = jnp.asarray(tree_mask, bool)
-    new_ok = jnp.take_along_axis(jnp.broadcast_to(tm[None], (B, T, T)),
-                                 jnp.broadcast_to(t_new, (B, T, seq_len)), axis=2)
+    new_ok = jnp.take_along_axis(per_row_tree(tree_mask, B), jnp.broadcast_to(t_new, (B, T, seq_len)), axis=2)
   if window is not None:
     # Committed slot j holds position j; a new slot holds its own token's position. The window matters for new
     # slots only when T exceeds it (a long prefill chunk), never for verify.
@@ -72,8 +70,7 @@ def attention_xla_split(q, k_cache, v_cache, k_new, v_new, q_positions, kv_lengt
   j = jnp.arange(S, dtype=jnp.int32)[None, None, :]
   committed = j < (kv_lengths - T)[:, None, None]
   t = jnp.arange(T, dtype=jnp.int32)
-  new_ok = (t[None, :] <= t[:, None]) if tree_mask is None else jnp.asarray(tree_mask, bool)
-  new_ok = jnp.broadcast_to(new_ok[None], (B, T, T))
+  new_ok = per_row_tree(t[None, :] <= t[:, None] if tree_mask is None else tree_mask, B)
   if window is not None:
     w = jnp.asarray(window, jnp.int32)
     on = w > 0

@@ -127,12 +127,13 @@ def layer_finish(c: ModelConfig, x, attn, p):
 
 
 def decoder_layer(config: ModelConfig, x, p, k_layer, v_layer, window, base, positions, lengths, *,
-                  impl: str = "xla"):
+                  impl: str = "xla", tree_mask=None):
   """One decoder layer over x [B, T, D] at positions [B, T] -> (x, k_new, v_new [B, T, K, d]).
 
   It reads this layer's cache k_layer/v_layer [B, S, K, d], whose committed slots are < lengths[b], and does not
   write it: the caller writes k_new/v_new at slots lengths[b] .. (write_rows). With k_layer = v_layer = None it
   attends over the T tokens only (causal, windowed by position), as training's cache-free forward does.
+  `tree_mask` bool [B, T, T] (or [T, T]) replaces the causal mask among the T new tokens (a token tree).
   """
   c = config
   B, T = positions.shape
@@ -145,12 +146,12 @@ def decoder_layer(config: ModelConfig, x, p, k_layer, v_layer, window, base, pos
   k, v = k.astype(k_layer.dtype), v.astype(v_layer.dtype)
   if impl == "xla":  # the new tokens beside the cache: a cache write inside the layer scan made XLA:CPU copy it
     attn = kernels.attention(q, k_layer, v_layer, positions, lengths + T, scale=c.attn_scale, window=window,
-                             k_new=k, v_new=v, impl=impl)
+                             tree_mask=tree_mask, k_new=k, v_new=v, impl=impl)
   else:  # the kernels read the new tokens from the cache, as their contract says
     k_all = write_rows(k_layer[None], k[None], lengths)[0]
     v_all = write_rows(v_layer[None], v[None], lengths)[0]
     attn = kernels.attention(q, k_all, v_all, positions, lengths + T, scale=c.attn_scale, window=window,
-                             impl=impl)
+                             tree_mask=tree_mask, impl=impl)
   return layer_finish(c, x, attn, p), k, v
 
 
@@ -197,7 +198,8 @@ def lm_head(params, hidden):
 
 
 def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, *, config: ModelConfig,
-            impl: str = "xla", compute_logits: bool = True, return_layers: Sequence[int] = ()):
+            impl: str = "xla", compute_logits: bool = True, return_layers: Sequence[int] = (),
+            tree_mask=None):
   """tokens/positions [B, T] -> (logits [B, T, V] float32 | None, hidden [B, T, D], cache | None[, layer hiddens]).
 
   With a cache, the new K/V land at slots cache.lengths[b] + t; `cache.lengths` is not advanced (the caller
@@ -205,6 +207,10 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
   cache is allocated and None comes back: training's whole-sequence forward. positions default to 0 .. T-1.
   `hidden` is the final-normed last hidden state (what the LM head reads). With `return_layers`, the outputs
   of those layers (0-based, before the final norm) come back too as [len(return_layers), B, T, D].
+  `tree_mask` bool [B, T, T]: the T tokens are a token tree (spec_jax/tree.py): token t attends to the committed
+  cache and to the new tokens t' with tree_mask[b, t, t'] (its ancestors and itself) instead of t' <= t; pass
+  positions = the root's position + each node's depth. The K/V still land at slots lengths[b] + t (node order);
+  tree.compact_accepted moves the accepted path together afterwards.
   """
   c = config
   impl = kernels.resolve_impl(impl)
@@ -220,7 +226,8 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
   def body(x, xs):
     p, window, base, *kv = xs
     k_layer, v_layer = kv or (None, None)
-    x, k_new, v_new = decoder_layer(c, x, p, k_layer, v_layer, window, base, positions, lengths, impl=impl)
+    x, k_new, v_new = decoder_layer(c, x, p, k_layer, v_layer, window, base, positions, lengths, impl=impl,
+                                    tree_mask=tree_mask)
     return x, ((k_new, v_new) if kv else None, x if collect else None)
 
   # The cache is read-only inside the scan; all layers' new entries are written after it, in place.

@@ -47,7 +47,10 @@ def make_inputs(rng, *, B, T, Hq, Hkv, D, S, lengths, dtype, tree):
   k = rng.standard_normal((B, S, Hkv, D), np.float32)
   v = rng.standard_normal((B, S, Hkv, D), np.float32)
   lengths = np.asarray(lengths, np.int32)
-  if tree:
+  if tree == "rows":  # a different tree per row, as EAGLE-2's dynamic trees are
+    mask, depth = (np.stack(x) for x in zip(*(random_tree(rng, T) for _ in range(B))))
+    positions = (lengths - T)[:, None] + depth
+  elif tree:
     mask, depth = random_tree(rng, T)
     positions = (lengths - T)[:, None] + depth[None, :]
   else:
@@ -116,7 +119,8 @@ def cases(draw, impl):
   # A small max_rows cuts the rows into several row blocks, as a prefill chunk would be.
   max_rows = draw(st.sampled_from([None, None, 16, 32]))
   return dict(B=B, T=T, Hq=G * Hkv, Hkv=Hkv, D=D, S=S, lengths=lengths, window=window, traced=traced,
-              block_k=block_k, max_rows=max_rows, tree=draw(st.booleans()) and T > 1,
+              block_k=block_k, max_rows=max_rows,
+              tree=draw(st.sampled_from([False, True, "rows"])) if T > 1 else False,
               dtype=draw(st.sampled_from([jnp.float32, jnp.float32, jnp.bfloat16])), seed=draw(st.integers(0, 2**16)))
 
 
@@ -163,6 +167,8 @@ EDGE_CASES = {
     "prefill_chunk_row_blocks": _case(100, 4, 160, [160, 100, 130], 30, traced=True, Hkv=2, seed=4),
     "prefill_chunk_no_window": _case(64, 1, 96, [96, 64], max_rows=16, seed=6),
     "bf16_window_tree": _case(9, 4, 130, [130, 77], 25, tree=True, dtype=jnp.bfloat16, seed=5),
+    "tree_per_row": _case(9, 4, 120, [120, 50, 20], tree="rows", Hkv=2, seed=8),
+    "tree_per_row_two_mask_words": _case(40, 1, 120, [120, 57], 16, traced=True, tree="rows", seed=12),
 }
 
 
@@ -275,3 +281,27 @@ def test_bad_arguments_are_named(impl, name):
   with pytest.raises(ValueError, match=message):
     attention(args["q"], args["k"], args["v"], args["pos"], args["lens"], scale=1.0, impl=impl,
               interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_reference_per_row_tree_is_each_row_alone(window):
+  """attention_xla with a tree per row [B, T, T] equals each row run alone with its own [T, T] tree."""
+  rng = np.random.default_rng(1)
+  q, k, v, pos, lens, tree = make_inputs(rng, B=3, T=7, Hq=4, Hkv=1, D=16, S=40, lengths=[40, 23, 7],
+                                         dtype=jnp.float32, tree="rows")
+  assert tree.shape == (3, 7, 7) and not np.all(tree[0] == tree[1])
+  got = attention_xla(q, k, v, pos, lens, scale=0.3, window=window, tree_mask=tree)
+  for b in range(3):
+    one = attention_xla(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos[b:b + 1], lens[b:b + 1], scale=0.3, window=window,
+                        tree_mask=tree[b])
+    np.testing.assert_allclose(np.asarray(got[b:b + 1]), np.asarray(one), rtol=1e-6, atol=1e-6)
+  shared = attention_xla(q, k, v, pos, lens, scale=0.3, window=window, tree_mask=tree[0])
+  assert not np.allclose(np.asarray(shared[1:]), np.asarray(got[1:]))  # the rows' own trees were used
+
+
+def test_tree_mask_shape_is_checked():
+  rng = np.random.default_rng(2)
+  q, k, v, pos, lens, tree = make_inputs(rng, B=2, T=5, Hq=2, Hkv=1, D=16, S=20, lengths=[20, 9],
+                                         dtype=jnp.float32, tree="rows")
+  with pytest.raises(ValueError, match="tree_mask must be"):
+    attention(q, k, v, pos, lens, scale=0.3, tree_mask=tree[:, :4, :4], impl="xla")

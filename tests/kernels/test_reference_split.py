@@ -22,7 +22,10 @@ def test_split_equals_contract_form(seed):
   use_tree = seed % 3 == 2 and T > 1
   committed = rng.integers(0, S - T, B)
   kv_lengths = committed + T
-  if use_tree:
+  if use_tree and seed % 2:  # one tree per row
+    tree, depth = (np.stack(x) for x in zip(*(random_tree(rng, T) for _ in range(B))))
+    pos = committed[:, None] + depth
+  elif use_tree:
     tree, depth = random_tree(rng, T)
     pos = committed[:, None] + depth[None, :]
   else:
