@@ -1,6 +1,7 @@
 """Spec-Bench on Gemma 3 270M: per category, baseline vs. each method, adaptive speculation on and off.
 
   python benchmarks/specbench.py --per_category=3 --max_new_tokens=64 --methods=ngram,draft --json_out=PATH
+  python benchmarks/specbench.py --methods=medusa,eagle --trees=medusa:4:24,eagle:4:16 --adaptive=off  # chain vs tree
 
 Greedy, batch 1 by default. Every configuration runs the same prompts in this one process, warmed up, interleaved
 batch by batch. Speedup per category is output tokens/s of the method over
@@ -15,7 +16,7 @@ import json
 import os
 import time
 
-from serve.calibrate import load_costs
+from serve.calibrate import load_costs, method_key
 from serve.prompts import load_prompts
 from serve.runner import Arm, category_table, format_table, run_arms
 from spec_jax import adaptive, backend
@@ -38,6 +39,9 @@ def main():
   ap.add_argument("--batch_size", type=int, default=1)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--adaptive", default="on,off")
+  ap.add_argument("--trees", default="", help="tree arms method:topk:nodes,... (depth = --k), beside the chains")
+  ap.add_argument("--temperature", type=float, default=0.0)
+  ap.add_argument("--top_p", type=float, default=1.0)
   ap.add_argument("--json_out", default=None)
   ap.add_argument("--repeats", type=int, default=1)
   ap.add_argument("--costs_file", default=os.path.join(os.path.dirname(__file__), "..", "configs", "costs",
@@ -55,16 +59,21 @@ def main():
   ids = [tok.encode(p.text) for p in chosen]
   t0 = time.time()
   arms = [Arm("baseline", NoneProposer(), {}, adaptive_k=False)]
-  for method in args.methods.split(","):
+  variants = [(m, 1, 0) for m in args.methods.split(",") if m]
+  variants += [(m, int(t), int(n)) for m, t, n in (x.split(":") for x in args.trees.split(",") if x)]
+  for method, topk, nodes in variants:
     proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=args.k,
-                                       draft_layers=args.draft_layers)
+                                       draft_layers=args.draft_layers, topk=topk, num_draft_tokens=nodes)
+    name = method if proposer.tree is None else f"{method}-tree{proposer.tree.nodes}"
     for adapt in args.adaptive.split(","):
-      ks = adaptive.option_set(proposer.k, adapt == "on")
-      costs = load_costs(args.costs_file, method, args.dtype, ks, backend.batch_rows(params, args.batch_size))
-      arms.append(Arm(f"{method}-adaptive-{adapt}", proposer, pparams, costs, adaptive_k=adapt == "on"))
+      ks = adaptive.option_set(proposer.k, adapt == "on", proposer.tree)
+      costs = load_costs(args.costs_file, method_key(proposer), args.dtype, ks,
+                         backend.batch_rows(params, args.batch_size))
+      arms.append(Arm(f"{name}-adaptive-{adapt}", proposer, pparams, costs, adaptive_k=adapt == "on"))
   # Every arm runs each batch in turn (A, B, C, A, B, C, ...): machine load hits them alike.
   runs = run_arms(arms, params, config, tok, chosen, ids, batch_size=args.batch_size,
-                  max_new_tokens=args.max_new_tokens, sampling_args=dict(temperature=0.0, top_k=0, top_p=1.0),
+                  max_new_tokens=args.max_new_tokens,
+                  sampling_args=dict(temperature=args.temperature, top_k=0, top_p=args.top_p),
                   adaptive_k=False, seed=0, impl="xla", repeats=args.repeats, progress=True)
   base = runs[0]
   results = {"baseline": base.summary, "runs": {}}

@@ -19,6 +19,10 @@ def get_config():
   c.ngram_min = 1
   c.ngram_max = 3
   c.draft_layers = 0  # method=draft: 0 = the distilled draft in heads/; N > 0 = early exit after N layers
+  # Token trees (medusa; SGLang's flags): num_speculative_tokens is the depth, eagle_topk the candidates per
+  # node (1 = chains) and num_draft_tokens the node budget, root included (0 = 1 + depth * eagle_topk).
+  c.eagle_topk = 1
+  c.num_draft_tokens = 0
   c.adaptive = True
   # Step costs for the adaptive controller, measured by `python -m serve.calibrate` on this 2-core CPU ('' = the
   # default model 1 + 0.25 k). A method without an entry there uses the default model.

@@ -25,6 +25,11 @@ def entry_key(method: str, dtype: str, k: int, batch: int) -> str:
   return f"{method}/{dtype}/k{k}/b{batch}"
 
 
+def method_key(proposer) -> str:
+  """The method part of a cost entry: a token tree costs more than a chain of its depth, so it has its own."""
+  return proposer.name + (f"_tree{proposer.tree.nodes}" if proposer.tree is not None else "")
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "option"))
 def _one_step(params, state, spec, option):
   from spec_jax.decode import spec_step
@@ -103,7 +108,7 @@ def main(argv):
   if os.path.isfile(FLAGS.output_costs):
     with open(FLAGS.output_costs, encoding="utf-8") as f:
       entries = json.load(f)
-  entries[entry_key(cfg["method"], cfg["dtype"], spec.k_max, FLAGS.calibrate_batch)] = entry
+  entries[entry_key(method_key(setup.proposer), cfg["dtype"], spec.k_max, FLAGS.calibrate_batch)] = entry
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output_costs)), exist_ok=True)
   with open(FLAGS.output_costs, "w", encoding="utf-8") as f:
     json.dump(entries, f, indent=1, sort_keys=True)

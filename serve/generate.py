@@ -44,6 +44,8 @@ flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
 flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
 flags.DEFINE_integer("draft_layers", None, "method=draft: 0 = the distilled draft checkpoint (--heads); N > 0 = "
                      "the early-exit self-draft of the target's first N layers.")
+flags.DEFINE_integer("eagle_topk", None, "Token trees: candidates per node (1 = chains; medusa).")
+flags.DEFINE_integer("num_draft_tokens", None, "Token trees: node budget, root included (0 = 1 + depth * topk).")
 flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
 flags.DEFINE_string("costs_file", None, "Step costs for the adaptive controller (python -m serve.calibrate); "
                     "'' = the default cost model.")
@@ -51,6 +53,7 @@ flags.DEFINE_string("costs_file", None, "Step costs for the adaptive controller 
 FLAGS = flags.FLAGS
 _OVERRIDABLE = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                 "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers",
+                "eagle_topk", "num_draft_tokens",
                 "adaptive", "heads", "costs_file")
 
 
@@ -118,12 +121,13 @@ def load_setup(cfg: dict) -> Setup:
   proposer, proposer_params = build_proposer(
       cfg["method"], target_config=config, target_params=params, k=cfg["num_speculative_tokens"],
       ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl,
-      heads_path=cfg.get("heads") or None)
+      heads_path=cfg.get("heads") or None, topk=cfg.get("eagle_topk", 1),
+      num_draft_tokens=cfg.get("num_draft_tokens", 0))
   return Setup(config, params, tokenizer, impl, prompts, prompt_ids, proposer, proposer_params)
 
 
 def run(cfg: dict) -> dict:
-  from serve.calibrate import load_costs
+  from serve.calibrate import load_costs, method_key
   from serve.runner import Arm, category_table, format_table, run_arms
   from spec_jax import adaptive, backend
   from spec_jax.proposers.base import NoneProposer
@@ -132,8 +136,8 @@ def run(cfg: dict) -> dict:
     raise ValueError(f"--repeats must be >= 1, got {FLAGS.repeats}")
   setup = load_setup(cfg)
   proposer, params = setup.proposer, setup.params
-  ks = adaptive.option_set(proposer.k, cfg["adaptive"])
-  costs = load_costs(cfg.get("costs_file") or "", proposer.name, cfg["dtype"], ks,
+  ks = adaptive.option_set(proposer.k, cfg["adaptive"], proposer.tree)
+  costs = load_costs(cfg.get("costs_file") or "", method_key(proposer), cfg["dtype"], ks,
                      backend.batch_rows(params, cfg["batch_size"])) if len(ks) > 1 else None
   arms = [Arm(proposer.name, proposer, setup.proposer_params, costs)]
   if FLAGS.compare and proposer.k:
@@ -181,6 +185,8 @@ def run(cfg: dict) -> dict:
   line = f"{proposer.name}: {s['output_tokens']} tokens in {s['wall_s']:.2f} s = {s['output_tokens_per_s']:.1f} tok/s"
   if proposer.k:
     line += f", mean acceptance length {s['mean_acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}"
+    if proposer.tree is not None:
+      line += f", tree of {proposer.tree.nodes} nodes ({s['mean_draft_tokens_per_step']:.1f} drafted per step)"
   if base is not None:
     line += f"; baseline {base.summary['output_tokens_per_s']:.1f} tok/s; speedup {summary['speedup']:.2f}x"
     if FLAGS.repeats > 1:

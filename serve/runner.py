@@ -145,7 +145,7 @@ def _costs_for(costs, n, params):
 
 def _acceptance(s: dict) -> dict:
   return {k: s[k] for k in ("mean_acceptance_length", "acceptance_rate", "per_position_acceptance",
-                            "verify_steps", "drafted_tokens", "accepted_tokens")}
+                            "verify_steps", "drafted_tokens", "accepted_tokens", "mean_draft_tokens_per_step")}
 
 
 def category_table(base: RunResult, spec: RunResult | None, batch_size: int = 1) -> list[dict]:

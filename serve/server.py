@@ -50,6 +50,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
   flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
   flags.DEFINE_integer("draft_layers", None, "method=draft: N > 0 = early-exit self-draft of N target layers.")
+  flags.DEFINE_integer("eagle_topk", None, "Token trees: candidates per node (1 = chains; medusa).")
+  flags.DEFINE_integer("num_draft_tokens", None, "Token trees: node budget, root included (0 = 1 + depth * topk).")
   flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
   # Server settings (a config file may also hold them; explicit flags win).
   flags.DEFINE_string("host", None, "Bind address (default 127.0.0.1: loopback only).")
@@ -78,7 +80,8 @@ def define_flags() -> None:
 
 FLAGS = flags.FLAGS
 RUN_FLAGS = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "method",
-             "heads", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "adaptive")
+             "heads", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "eagle_topk",
+             "num_draft_tokens", "adaptive")
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, speculative_config=None, max_num_seqs=4, max_queue=64,
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
                        served_model_name="gemma-3-270m",
@@ -129,17 +132,18 @@ def build_engine(cfg: dict):
   config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"])
   proposer, proposer_params = build_proposer(
       sc.method, target_config=config, target_params=params, k=sc.k, ngram_min=sc.ngram_min, ngram_max=sc.ngram_max,
-      draft_layers=sc.draft_layers, impl=impl, heads_path=sc.model or None)
+      draft_layers=sc.draft_layers, impl=impl, heads_path=sc.model or None, topk=sc.eagle_topk,
+      num_draft_tokens=sc.num_draft_tokens)
   # k = 0 is always an option, so the global switch (and a request's speculate=false) can turn drafting off.
-  ks = {0} | set(adaptive.option_set(sc.k, cfg["adaptive"])) | {k for _, k in sc.per_concurrency}
+  ks = {0} | set(adaptive.option_set(sc.k, cfg["adaptive"], proposer.tree)) | {k for _, k in sc.per_concurrency}
   ks = tuple(sorted(k for k in ks if k <= sc.k))
   from spec_jax import backend
   B = backend.batch_rows(params, cfg["max_num_seqs"])  # the state's rows (the engine adds one for bf16 x 1 on CPU)
   base = None
   if cfg["costs_file"] and sc.k:
-    from serve.calibrate import load_costs
+    from serve.calibrate import load_costs, method_key
     try:
-      base = load_costs(cfg["costs_file"], proposer.name, cfg["dtype"], ks, B)
+      base = load_costs(cfg["costs_file"], method_key(proposer), cfg["dtype"], ks, B)
     except ValueError as e:  # measured for other draft lengths (a per-concurrency file can add some)
       log.warning("%s: %s; using the default cost model", cfg["costs_file"], e)
   costs = cost_table(sc, ks, B, base)
@@ -232,7 +236,7 @@ def create_app(engine, tokenizer, cfg: dict):
   def engine_request(body, prompt_ids: list, max_tokens, output: Output):
     if max_tokens is not None and max_tokens < 1:
       raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    room = engine.capacity - len(prompt_ids) - engine.spec.k_max - 1
+    room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
     if max_tokens is None:
       max_tokens = min(cfg["max_new_tokens"], room)
       if max_tokens < 1:
@@ -240,7 +244,7 @@ def create_app(engine, tokenizer, cfg: dict):
                        f"{engine.capacity} tokens", "prompt")
     elif max_tokens > room:
       raise APIError(400, f"max_tokens={max_tokens} is over the limit: the prompt has {len(prompt_ids)} tokens, the "
-                     f"context {engine.capacity} (speculation needs {engine.spec.k_max + 1} more), so at most "
+                     f"context {engine.capacity} (speculation needs {engine.spec.lookahead + 1} more), so at most "
                      f"{max(room, 0)}", "max_tokens")
     top_k = body.top_k if body.top_k is not None else cfg["top_k"]
     try:

@@ -20,7 +20,8 @@ import os
 
 METHOD_ALIASES = {"ngram": "ngram", "draft": "draft", "draft_model": "draft", "medusa": "medusa", "eagle": "eagle",
                   "none": "none", "off": "none", "": "none"}
-_ENTRY_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "draft_layers"}
+_ENTRY_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "draft_layers",
+               "eagle_topk", "num_draft_tokens"}
 _TOP_KEYS = _ENTRY_KEYS | {"per_concurrency"}
 FORBIDDEN_COST = 1e9  # a step cost the adaptive controller never picks
 
@@ -33,6 +34,8 @@ class SpecConfig:
   ngram_max: int = 3
   model: str = ""  # draft / heads checkpoint ('' = the one in heads/)
   draft_layers: int = 0
+  eagle_topk: int = 1  # token trees: candidates per node (1 = chains)
+  num_draft_tokens: int = 0  # token trees: node budget (0 = 1 + k * eagle_topk)
   per_concurrency: tuple = ()  # ((concurrency, k), ...) sorted; empty: k everywhere
 
   def k_at(self, occupancy: int) -> int:
@@ -46,6 +49,8 @@ class SpecConfig:
     if self.method == "none":
       return "off"
     s = f"{self.method} k={self.k}"
+    if self.eagle_topk > 1:
+      s += f" tree topk={self.eagle_topk} nodes={self.num_draft_tokens or 1 + self.k * self.eagle_topk}"
     if self.per_concurrency:
       s += " per concurrency " + ", ".join(f"{c}:{k}" for c, k in self.per_concurrency)
     return s
@@ -92,7 +97,8 @@ def _entry(d: dict, base: dict, what: str) -> dict:
     raise ValueError(f"{what}: model must be a path string, got {model!r}")
   out = dict(method=method, k=k, ngram_min=_int(d, "prompt_lookup_min", 1, what),
              ngram_max=_int(d, "prompt_lookup_max", 3, what), model=model,
-             draft_layers=_int(d, "draft_layers", 0, what))
+             draft_layers=_int(d, "draft_layers", 0, what), eagle_topk=max(1, _int(d, "eagle_topk", 1, what)),
+             num_draft_tokens=_int(d, "num_draft_tokens", 0, what))
   if method == "ngram" and not 1 <= out["ngram_min"] <= out["ngram_max"]:
     raise ValueError(f"{what}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {out['ngram_min']}, "
                      f"{out['ngram_max']}")
@@ -104,7 +110,8 @@ def parse_speculative_config(text: str | None, defaults: dict) -> SpecConfig:
   if text is None or not text.strip():
     d = {"method": defaults.get("method", "none"), "num_speculative_tokens": defaults.get("num_speculative_tokens", 0),
          "prompt_lookup_min": defaults.get("ngram_min", 1), "prompt_lookup_max": defaults.get("ngram_max", 3),
-         "model": defaults.get("heads", ""), "draft_layers": defaults.get("draft_layers", 0)}
+         "model": defaults.get("heads", ""), "draft_layers": defaults.get("draft_layers", 0),
+         "eagle_topk": defaults.get("eagle_topk", 1), "num_draft_tokens": defaults.get("num_draft_tokens", 0)}
     return SpecConfig(**_entry(d, {}, "config"))
   what = "--speculative_config"
   obj = read_json_arg(text, what)
@@ -130,7 +137,7 @@ def parse_speculative_config(text: str | None, defaults: dict) -> SpecConfig:
     return SpecConfig(per_concurrency=tuple((c, 0) for c, _ in entries))
   first = drafting[0]
   for e in drafting[1:]:
-    for field in ("method", "ngram_min", "ngram_max", "model", "draft_layers"):
+    for field in ("method", "ngram_min", "ngram_max", "model", "draft_layers", "eagle_topk", "num_draft_tokens"):
       if e[field] != first[field]:
         raise ValueError(f"{what}: per_concurrency entries must share one proposer; {field} differs "
                          f"({first[field]!r} vs {e[field]!r})")

@@ -39,7 +39,10 @@ def propose_probe(params, state, pstate, spec):
     def run(ps):
       if k == 0:
         return ps, jnp.zeros((), jnp.int32)
-      draft, ps = spec.proposer.propose(params["proposer"], ps, ctx, k, key)
+      if spec.is_tree(k):
+        draft, ps = spec.proposer.propose_tree(params["proposer"], ps, ctx, key)
+      else:
+        draft, ps = spec.proposer.propose(params["proposer"], ps, ctx, k, key)
       return ps, jnp.sum(draft.tokens.astype(jnp.int32))
     return run
 

@@ -83,10 +83,13 @@ def observe(adapt: AdaptState, option: int, k: int, active, num_accepted) -> Ada
   return adapt.replace(alpha=alpha, since_probe=jnp.zeros((), jnp.int32), uses=uses)
 
 
-def option_set(k: int, adaptive: bool) -> tuple:
-  """The static k choices: {0, k/2, k} when adaptive, else {k}."""
+def option_set(k: int, adaptive: bool, tree=None) -> tuple:
+  """The static k choices: {0, k/2, k} when adaptive, else {k}. A tree proposer's k is its tree's depth, and
+  the choice is the tree or plain decoding: {0, k}."""
   if k == 0:
     return (0,)
   if not adaptive:
     return (k,)
+  if tree is not None:
+    return (0, k)
   return tuple(sorted({0, max(1, k // 2), k}))

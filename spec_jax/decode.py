@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax import adaptive
+from spec_jax import adaptive, tree
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.models.transformer import forward, lm_head
@@ -29,7 +29,7 @@ from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill
 from spec_jax.proposers.base import NoneProposer, PrefillOut, ProposeContext, VerifyResult
 from spec_jax.sampling import sample
 from spec_jax.stats import Stats, summarize
-from spec_jax.verify import verify_chain
+from spec_jax.verify import verify_chain, verify_tree
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_CAPACITY = 0, 1, 2, 3, 4
 FINISH_NAMES = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "abort",
@@ -51,6 +51,16 @@ class LoopSpec:
   @property
   def k_max(self) -> int:
     return max(self.ks)
+
+  @property
+  def lookahead(self) -> int:
+    """Cache entries a step writes past the last committed token: k_max for chains, N - 1 for N-node trees."""
+    tree = self.proposer.tree
+    return max(self.k_max, tree.lookahead if tree is not None and self.k_max else 0)
+
+  def is_tree(self, k: int) -> bool:
+    """Does drafting k tokens mean the proposer's tree? (Smaller k are chains.)"""
+    return k > 0 and self.proposer.tree is not None and k == self.proposer.tree.depth
 
 
 @struct.dataclass
@@ -152,6 +162,8 @@ def _commit(state: DecodeState, spec: LoopSpec, active, out, n_acc):
 def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> DecodeState:
   """One draft-verify-commit round for all rows, drafting k = spec.ks[option] tokens."""
   k = spec.ks[option]
+  if spec.is_tree(k):
+    return tree_step(params, state, spec, option)
   B, S = state.tokens.shape
   # The forward writes k + 1 cache entries from lengths - 1 on. A row without room for them is an error (the
   # host checks prompt + max_new + k_max + 1 <= capacity, so this only guards against misuse): it finishes with
@@ -187,6 +199,55 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   adapt = adaptive.observe(state.adapt, option, k, active & state.speculate, n_acc)
   result = VerifyResult(out, n_acc, n_emit, lengths, hidden)
   pstate = spec.proposer.update(params["proposer"], pstate, result)
+  done_step = jnp.where(done & ~state.done, state.step + 1, state.done_step)
+  return state.replace(tokens=tokens, lengths=lengths, cache=cache, pstate=pstate, key=key, done=done,
+                       finish=finish, stats=stats, adapt=adapt, last_hidden=last_hidden, step=state.step + 1,
+                       done_step=done_step)
+
+
+def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> DecodeState:
+  """spec_step with a token tree: the proposer drafts N nodes per row, the target scores them all in one forward
+  under the tree mask (positions = the root's + depth), `verify_tree` walks the tree, and the accepted path's K/V
+  are moved into consecutive cache slots (`tree.compact_accepted`) so the cache is a plain prefix again."""
+  k = spec.ks[option]
+  shape = spec.proposer.tree
+  N = shape.nodes
+  B, S = state.tokens.shape
+  overflow = ~state.done & (state.lengths + spec.lookahead > S)  # writes from lengths - 1 on (tree.lookahead)
+  state = state.replace(done=state.done | overflow, finish=jnp.where(overflow, FINISH_CAPACITY, state.finish))
+  active = ~state.done
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]
+  ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
+  draft, pstate = spec.proposer.propose_tree(params["proposer"], state.pstate, ctx, k_draft)
+  node = jnp.arange(N, dtype=jnp.int32)[None, :]
+  # Node 0 is the root (the last committed token); a row that may not draft keeps only its root.
+  tree_tokens = jnp.where(node == 0, last[:, None],
+                          jnp.where(state.speculate[:, None], draft.tokens.astype(jnp.int32), -1))
+  parents = draft.parents.astype(jnp.int32)
+  depths = tree.node_depths(parents)
+  positions = (state.lengths - 1)[:, None] + depths
+  logits, hidden, cache = forward(params["target"], jnp.maximum(tree_tokens, 0), positions, state.cache,
+                                  config=spec.config, impl=spec.impl, tree_mask=tree.ancestor_mask(parents))
+  out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
+                                  max_children=shape.max_children)
+  tokens, lengths, n_emit, finish, done = _commit(state, spec, active, out, n_acc)
+  ck, cv = tree.compact_accepted(cache.k, cache.v, state.cache.lengths, nodes, n_acc)
+  cache = cache.replace(k=ck, v=cv, lengths=state.cache.lengths + n_emit)
+  # [B, k + 1, D] as a chain's; entries past the accepted path (node -1) repeat the root's (finite, never read)
+  path_hidden = jnp.take_along_axis(hidden, jnp.maximum(nodes, 0)[:, :, None], axis=1)
+  pick = jnp.clip(n_emit - 1, 0, k)[:, None, None]
+  new_hidden = jnp.take_along_axis(path_hidden, pick, axis=1)[:, 0]
+  last_hidden = jnp.where((n_emit > 0)[:, None], new_hidden, state.last_hidden)
+
+  # Per depth d: drafted when the row's tree reaches depth d + 1; accepted when the committed path does.
+  d = jnp.arange(1, k + 1, dtype=jnp.int32)[None, :]
+  reach = jnp.max(jnp.where(tree_tokens >= 0, depths, 0), axis=1)
+  committed_drafts = jnp.minimum(n_acc, n_emit)
+  stats = state.stats.record(active, d <= reach[:, None], d <= committed_drafts[:, None], n_emit,
+                             drafted_count=jnp.sum(tree_tokens[:, 1:] >= 0, axis=1))
+  adapt = adaptive.observe(state.adapt, option, k, active & state.speculate, n_acc)
+  pstate = spec.proposer.update(params["proposer"], pstate, VerifyResult(out, n_acc, n_emit, lengths, path_hidden))
   done_step = jnp.where(done & ~state.done, state.step + 1, state.done_step)
   return state.replace(tokens=tokens, lengths=lengths, cache=cache, pstate=pstate, key=key, done=done,
                        finish=finish, stats=stats, adapt=adapt, last_hidden=last_hidden, step=state.step + 1,
@@ -234,7 +295,7 @@ class GenerationResult:
 def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool = True, stop_ids: Sequence[int] = (),
               impl: str = "xla", probe_every: int = 16) -> LoopSpec:
   """The loop's static settings; the stop ids add to the model's EOS ids."""
-  return LoopSpec(config=config, proposer=proposer, ks=adaptive.option_set(proposer.k, adaptive_k),
+  return LoopSpec(config=config, proposer=proposer, ks=adaptive.option_set(proposer.k, adaptive_k, proposer.tree),
                   stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every)
 
 
@@ -274,12 +335,12 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   lens = [len(p) for p in prompts]
   max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (n,)).copy()
   for i, (l, m) in enumerate(zip(lens, max_new)):
-    check_fits(config, l, int(m), spec.k_max, what=f"prompt {i}")
+    check_fits(config, l, int(m), spec.lookahead, what=f"prompt {i}")
   sampling = sampling if sampling is not None else SamplingParams.make(n)
   if sampling.temperature.shape != (n,):
     raise ValueError(f"sampling params are for {sampling.temperature.shape[0]} rows, but there are {n} prompts")
   P, chunk = bucket(max(lens), prefill_chunk)
-  S = capacity_for(P, max(l + int(m) for l, m in zip(lens, max_new)) + spec.k_max + 1)
+  S = capacity_for(P, max(l + int(m) for l, m in zip(lens, max_new)) + spec.lookahead + 1)
   buf = np.zeros((B, P), np.int32)
   for i, p in enumerate(prompts):
     buf[i, :len(p)] = p

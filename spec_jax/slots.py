@@ -68,7 +68,7 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
                  chunk: int = DEFAULT_CHUNK) -> Request:
   """Host-side: check the request (ValueError with the reason) and pad it for `insert`."""
   n = len(prompt_ids)
-  check_fits(spec.config, n, int(max_new), spec.k_max, capacity)
+  check_fits(spec.config, n, int(max_new), spec.lookahead, capacity)
   validate_sampling(temperature, top_k, top_p)
   P, _ = bucket(n, chunk)
   if P > capacity:

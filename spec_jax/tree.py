@@ -12,10 +12,14 @@ consecutive slots so the cache is a plain prefix again.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import heapq
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -80,3 +84,81 @@ def compact_accepted(cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array,
     return cache
 
   return move(cache_k), move(cache_v)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTree:
+  """A tree whose shape is fixed ahead of time (Medusa's trees): node n > 0 is a path of ranks (r_1, ..., r_d),
+  the r_i-th most likely candidate at depth i given the path before it; node 0 is the root, the path ().
+
+  `paths` holds the non-root nodes, closed under prefixes and sorted by depth then ranks, so a node's parent
+  always has a lower index. A chain of k drafts is ((0,), (0, 0), ...). Hashable: a jit static argument.
+  """
+
+  paths: tuple
+
+  def __post_init__(self):
+    paths = tuple(sorted({tuple(int(r) for r in p) for p in self.paths}, key=lambda p: (len(p), p)))
+    if not paths:
+      raise ValueError("a tree needs at least one node besides the root")
+    for p in paths:
+      if not p or min(p) < 0:
+        raise ValueError(f"tree path {p} must be a non-empty tuple of ranks >= 0")
+      if len(p) > 1 and p[:-1] not in paths:
+        raise ValueError(f"tree path {p} has no parent {p[:-1]} in the tree")
+    object.__setattr__(self, "paths", paths)
+
+  @classmethod
+  def chain(cls, k: int) -> "StaticTree":
+    return cls(tuple((0,) * d for d in range(1, k + 1)))
+
+  @classmethod
+  def best(cls, accuracy, nodes: int) -> "StaticTree":
+    """The `nodes`-node tree (root included) with the highest expected accepted length, Medusa's construction:
+    accuracy[d][r] is how often the rank-r candidate at depth d + 1 is the right token (measured on held-out
+    data), a path's value is the product along it, and the tree takes the nodes - 1 best paths. Products only
+    shrink along a path, so the best paths are closed under prefixes; the search grows them best first."""
+    acc = [[float(a) for a in row] for row in accuracy]
+    if nodes < 2:
+      raise ValueError(f"a tree needs at least 2 nodes (the root and one draft), got {nodes}")
+    heap = [(-acc[0][r], (r,)) for r in range(len(acc[0]))]
+    heapq.heapify(heap)
+    chosen = []
+    while heap and len(chosen) < nodes - 1:
+      neg, path = heapq.heappop(heap)
+      chosen.append(path)
+      if len(path) < len(acc):
+        for r in range(len(acc[len(path)])):
+          heapq.heappush(heap, (neg * acc[len(path)][r], path + (r,)))
+    return cls(tuple(chosen))
+
+  @property
+  def nodes(self) -> int:
+    return len(self.paths) + 1
+
+  @property
+  def depth(self) -> int:
+    return max(len(p) for p in self.paths)
+
+  @property
+  def ranks(self) -> int:
+    """Candidates needed per depth: the highest rank used + 1."""
+    return max(max(p) for p in self.paths) + 1
+
+  @property
+  def lookahead(self) -> int:
+    """Cache entries a step writes past the last committed token."""
+    return self.nodes - 1
+
+  @property
+  def max_children(self) -> int:
+    counts = collections.Counter(p[:-1] for p in self.paths)
+    return max(counts.values())
+
+  def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(parents, depths, ranks) int32 [N]; node 0 is the root (-1, 0, 0), node n the last rank of its path."""
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(self.paths)}
+    parents = np.array([-1] + [index[p[:-1]] for p in self.paths], np.int32)
+    depths = np.array([0] + [len(p) for p in self.paths], np.int32)
+    ranks = np.array([0] + [p[-1] for p in self.paths], np.int32)
+    return parents, depths, ranks

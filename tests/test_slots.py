@@ -24,6 +24,14 @@ def _proposer(name, params):
     return NgramProposer(k=3), {}
   if name == "draft":
     return early_exit_proposer(CONFIG, params, 2, k=3)
+  if name.endswith("_tree"):  # token trees: medusa static, eagle and draft dynamic (EAGLE-2)
+    import dataclasses
+    from spec_jax.proposers.tree_expand import DynamicTree
+    from spec_jax.tree import StaticTree
+    base, pparams = _proposer(name.removesuffix("_tree"), params)
+    tree = (StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))) if name == "medusa_tree"
+            else DynamicTree(topk=2, depth=3, nodes=7))
+    return dataclasses.replace(base, k=3, tree=tree), pparams
   return (_medusa if name == "medusa" else _eagle)(params)
 
 
@@ -38,7 +46,8 @@ def _out(state, slot):
   return np.asarray(s.tokens)[slot, int(s.prompt_lens[slot]):int(s.lengths[slot])].tolist()
 
 
-@pytest.mark.parametrize("name", ["none", "ngram", "draft", "medusa", "eagle"])
+@pytest.mark.parametrize("name", ["none", "ngram", "draft", "medusa", "eagle", "medusa_tree", "eagle_tree",
+                                  "draft_tree"])
 def test_insert_mid_decode_and_after_release_equals_alone(name):
   params = _params()
   proposer, pparams = _proposer(name, params)

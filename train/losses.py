@@ -32,6 +32,9 @@ def _shift(x, n, fill=0):
   return jnp.pad(x[:, n:], pad, constant_values=fill)
 
 
+TREE_RANKS = 8  # ranks whose held-out accuracy Medusa training records
+
+
 def _topk_hits(logits, label, kk):
   """Whether label is in the top-kk of logits (ties counted generously: rank = #strictly greater)."""
   lab = jnp.take_along_axis(logits, label[..., None], axis=-1)
@@ -63,6 +66,9 @@ def medusa_loss(heads, frozen, hidden, tokens, mask):
     metrics[f"loss_h{i}"] = li
     metrics[f"top1_h{i}"] = _masked_mean(_topk_hits(logits[:, :, i], lab, 1), ok)
     metrics[f"top5_h{i}"] = _masked_mean(_topk_hits(logits[:, :, i], lab, 5), ok)
+    rank = jnp.sum(logits[:, :, i] > jnp.take_along_axis(logits[:, :, i], lab[..., None], axis=-1), axis=-1)
+    for r in range(TREE_RANKS):  # per-rank accuracy: what a static tree is chosen from (medusa.rank_accuracy)
+      metrics[f"rank{r}_h{i}"] = _masked_mean(rank == r, ok)
   return total / K, metrics
 
 

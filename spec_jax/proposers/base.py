@@ -2,8 +2,12 @@
 leaves carry the batch (slot) axis, so one row can be replaced while the others keep decoding.
 
   needs_prompt_hidden: bool                       whether init() reads the prompt's target hidden states
+  tree: None | tree shape                         None: chains (propose); else propose_tree drafts token trees of
+                                                  tree.nodes nodes, tree.depth deep, at most tree.max_children
+                                                  children per node (k = tree.depth)
   init(params, prefill: PrefillOut, capacity)     -> state     the rows of `prefill`, after the target's prefill
   propose(params, state, ctx, k, key)             -> (Draft, state)
+  propose_tree(params, state, ctx, key)           -> (TreeDraft, state)   (tree proposers only)
   update(params, state, result: VerifyResult)     -> state     after verify/commit (every step, k = 0 included)
   insert(state, slot, row_state)                  -> state     write a 1-row state (from init) into row `slot`
 
@@ -27,6 +31,16 @@ class Draft:
 
   tokens: jax.Array
   probs: Optional[jax.Array] = None
+
+
+@struct.dataclass
+class TreeDraft:
+  """A token tree per row (spec_jax/tree.py): tokens int32[B, N] (node 0, the root, is filled by the loop with the
+  last committed token; < 0 marks padding nodes), parents int32[B, N] (parents[:, 0] = -1, parents[b, i] < i).
+  Children are deterministic candidates (top-k, not sampled), so the verifier needs no draft distribution."""
+
+  tokens: jax.Array
+  parents: jax.Array
 
 
 @struct.dataclass
@@ -80,8 +94,9 @@ class VerifyResult:
 
 class Proposer(Protocol):
   name: str
-  k: int  # the largest number of tokens it drafts per step
+  k: int  # the largest number of tokens it drafts per step (a tree's depth)
   needs_prompt_hidden: ClassVar[bool]
+  tree: Any  # None for chain proposers
 
   def init(self, params, prefill: PrefillOut, capacity: int): ...
   def propose(self, params, state, ctx: ProposeContext, k: int, key: jax.Array) -> tuple[Draft, Any]: ...
@@ -104,6 +119,7 @@ class Stateless:
   """Base for proposers that keep no state between steps (ngram, medusa)."""
 
   needs_prompt_hidden: ClassVar[bool] = False
+  tree = None  # chains; not a dataclass field, so that a subclass may declare one (medusa's static trees)
 
   def init(self, params, prefill, capacity):
     return ()

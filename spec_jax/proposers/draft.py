@@ -16,7 +16,7 @@ also keeps XLA:CPU off its slow single-row bfloat16 path.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,9 @@ from spec_jax.models.transformer import forward
 from spec_jax.prefill import prefill as prefill_fn
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
+from spec_jax.proposers import tree_expand
 from spec_jax.proposers.base import PrefillOut
+from spec_jax.proposers.tree_expand import DynamicTree
 from spec_jax.proposers.chain import draft_chain
 from spec_jax.sampling import sample_with_probs
 
@@ -44,7 +46,12 @@ class DraftModelProposer:
   k: int = 4
   impl: str = "xla"
   name: str = "draft"
+  tree: Optional[DynamicTree] = None  # top-k token trees grown as EAGLE-2's (k = tree.depth); None: chains
   needs_prompt_hidden: ClassVar[bool] = False
+
+  def __post_init__(self):
+    if self.tree is not None and self.k != self.tree.depth:
+      raise ValueError(f"a draft tree of depth {self.tree.depth} drafts k = {self.tree.depth}, got k={self.k}")
 
   def init(self, params, prefill: PrefillOut, capacity: int) -> KVCache:
     """Fill the draft cache with the prompts (the same padded chunks as the target's prefill)."""
@@ -104,10 +111,38 @@ class DraftModelProposer:
     draft, (_, cache) = draft_chain(draw, advance, (logits[:, 1], cache), key, k)
     return draft, cache
 
+  def propose_tree(self, params, cache: KVCache, ctx, key):
+    """The chain's re-feed of the last two committed tokens predicts the root's children; each expansion feeds
+    the frontier history at positions L - 1 + depth under the tree mask into a throwaway copy of the cache
+    (tree_expand.grow). The cache comes back valid for the L committed tokens only."""
+    start = ctx.lengths - 2
+    cache = self.catch_up(params, cache, ctx.tokens, start)
+    feed = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
+    pos = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+    reduced = "rows" in params
+
+    def run(toks, pos, cache, mask=None):
+      logits, hidden, cache = forward(params, toks, pos, cache, config=self.config, impl=self.impl,
+                                      compute_logits=not reduced, tree_mask=mask)
+      return jax.nn.log_softmax(vocab.project(hidden, params["rows"]) if reduced else logits, axis=-1), cache
+
+    logp, cache = run(feed, pos, cache.replace(lengths=start))
+    cache = cache.replace(lengths=ctx.lengths)
+
+    def score(tokens, _, depths, mask):
+      return run(tokens, (ctx.lengths - 1)[:, None] + depths, cache, mask)[0], jnp.zeros(tokens.shape, jnp.int8)
+
+    to_target = (lambda i: jnp.take(params["d2t"], i)) if reduced else None
+    B = ctx.lengths.shape[0]
+    return tree_expand.grow(logp[:, 1], jnp.zeros((B,), jnp.int8), score, self.tree, to_target), cache
+
   def update(self, params, cache, result):
     if result.tokens.shape[1] == 1:  # a k = 0 step: the draft did not run, its cache is unchanged
       return cache
-    return cache.replace(lengths=jnp.where(result.emitted > 0, result.new_lengths - 2, cache.lengths))
+    new = result.new_lengths - 2
+    if self.tree is not None:  # only the two re-fed tokens were written: the rest is caught up next time
+      new = jnp.minimum(new, cache.lengths)
+    return cache.replace(lengths=jnp.where(result.emitted > 0, new, cache.lengths))
 
 
 def early_exit_params(target_params: dict, num_layers: int) -> dict:
@@ -120,11 +155,11 @@ def early_exit_params(target_params: dict, num_layers: int) -> dict:
 
 
 def early_exit_proposer(target_config: ModelConfig, target_params: dict, num_layers: int, k: int,
-                        impl: str = "xla"):
+                        impl: str = "xla", tree: Optional[DynamicTree] = None):
   if not 1 <= num_layers < target_config.num_layers:
     raise ValueError(f"early-exit draft needs 1 <= draft_layers < {target_config.num_layers}, got {num_layers}")
   cfg = target_config.replace(num_layers=num_layers, name=f"{target_config.name}-exit{num_layers}")
-  return DraftModelProposer(config=cfg, k=k, impl=impl), early_exit_params(target_params, num_layers)
+  return DraftModelProposer(config=cfg, k=k, impl=impl, tree=tree), early_exit_params(target_params, num_layers)
 
 
 def param_shapes(target_config: ModelConfig, num_layers: int) -> dict:
@@ -145,7 +180,8 @@ def runtime_params(weights: dict, target_params: dict, d2t=None) -> dict:
               d2t=jnp.asarray(d2t, jnp.int32))
 
 
-def load_draft(path: str, target_config: ModelConfig, target_params: dict, k: int, impl: str = "xla"):
+def load_draft(path: str, target_config: ModelConfig, target_params: dict, k: int, impl: str = "xla",
+               tree: Optional[DynamicTree] = None):
   """A distilled draft checkpoint (checkpoints.heads format, kind "draft") -> (proposer, params)."""
   dtype = target_params["final_norm"].dtype
   meta, weights, d2t = head_ckpt.load_heads(path, target_config, "draft", dtype)
@@ -154,4 +190,4 @@ def load_draft(path: str, target_config: ModelConfig, target_params: dict, k: in
     raise ValueError(f"{path}: num_layers must be in [1, {target_config.num_layers}), got {n}")
   head_ckpt.check_shapes(weights, param_shapes(target_config, n), path)
   cfg = target_config.replace(num_layers=n, name=f"{target_config.name}-distill{n}")
-  return DraftModelProposer(config=cfg, k=k, impl=impl), runtime_params(weights, target_params, d2t)
+  return DraftModelProposer(config=cfg, k=k, impl=impl, tree=tree), runtime_params(weights, target_params, d2t)

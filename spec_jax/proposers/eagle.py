@@ -33,7 +33,9 @@ from spec_jax.config import ModelConfig
 from spec_jax.models import transformer as tfm
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
+from spec_jax.proposers import tree_expand
 from spec_jax.proposers.base import PrefillOut, write_row
+from spec_jax.proposers.tree_expand import DynamicTree
 from spec_jax.proposers.chain import draft_chain
 
 
@@ -101,7 +103,12 @@ class EagleProposer:
   reduced: bool = False
   impl: str = "xla"
   name: str = "eagle"
+  tree: Optional[DynamicTree] = None  # EAGLE-2 dynamic trees (k = tree.depth); None: chains
   needs_prompt_hidden: ClassVar[bool] = True
+
+  def __post_init__(self):
+    if self.tree is not None and self.k != self.tree.depth:
+      raise ValueError(f"an EAGLE tree of depth {self.tree.depth} drafts k = {self.tree.depth}, got k={self.k}")
 
   def init(self, params, prefill: PrefillOut, capacity: int) -> EagleState:
     """Pairs (f_t, tok_{t+1}) for every prompt position at slots t (cache.lengths = prompt_lens - 1); the pending
@@ -143,6 +150,29 @@ class EagleProposer:
     draft, (_, cache) = draft_chain(draw, advance, (feat[:, 0], cache), key, k)
     return draft, state.replace(cache=cache)
 
+  def propose_tree(self, params, state: EagleState, ctx, key):
+    """EAGLE-2: the pending pair's forward predicts f_{L-1} (its children are depth 1); an expansion feeds each
+    frontier node as the pair (its parent's predicted feature, its token) at slot L - 2 + depth, under the tree
+    mask, without writing the cache (tree_expand.grow)."""
+    d2t = params.get("d2t")
+    cache = state.cache.replace(lengths=ctx.lengths - 2)
+    tok0 = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
+    feat, cache = eagle_forward(params, self.config, ctx.last_hidden[:, None], tok0, cache.lengths[:, None], cache,
+                                impl=self.impl)
+    cache = cache.replace(lengths=ctx.lengths - 1)
+    logp = lambda f: jax.nn.log_softmax(vocab.project(f, params["rows"]), axis=-1)
+
+    def score(tokens, parent_feat, depths, mask):
+      x = layer_input(params, self.config, parent_feat, tokens)
+      x, _, _ = tfm.decoder_layer(self.config, x, params["layer"], cache.k[0], cache.v[0], jnp.int32(0),
+                                  jnp.float32(self.config.rope_base), (ctx.lengths - 2)[:, None] + depths,
+                                  cache.lengths, impl=self.impl, tree_mask=mask)
+      out = tfm.rms_norm(x, params["out_norm"], self.config.norm_eps)
+      return logp(out), out
+
+    to_target = None if d2t is None else (lambda i: jnp.take(d2t, i))
+    return tree_expand.grow(logp(feat[:, 0]), feat[:, 0], score, self.tree, to_target), state
+
   def update(self, params, state: EagleState, result):
     e = result.emitted
     L = result.new_lengths - e  # lengths before this step
@@ -170,11 +200,12 @@ def runtime_params(weights: dict, target_params: dict, d2t: Optional[jax.Array] 
   return out
 
 
-def load_eagle(path: str, target_config: ModelConfig, target_params: dict, k: int, impl: str = "xla"):
+def load_eagle(path: str, target_config: ModelConfig, target_params: dict, k: int, impl: str = "xla",
+               tree: Optional[DynamicTree] = None):
   dtype = target_params["final_norm"].dtype
   meta, weights, d2t = head_ckpt.load_heads(path, target_config, "eagle", dtype)
   cfg = layer_config(target_config, int(meta.get("mlp_dim", target_config.mlp_dim)))
   head_ckpt.check_shapes(weights, param_shapes(cfg), path)
   proposer = EagleProposer(config=cfg, vocab_size=target_config.vocab_size, k=k, reduced=d2t is not None,
-                           impl=impl)
+                           impl=impl, tree=tree)
   return proposer, runtime_params(weights, target_params, d2t)

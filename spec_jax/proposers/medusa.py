@@ -8,6 +8,10 @@ hidden and predicts the token at p + 2 + i, so head 0 gives the first draft (pos
 Each head is `h + SiLU(W_i h + b_i)`, projected with frozen rows of the target's output matrix (all V, or the
 reduced draft vocabulary d2t). The heads are independent of each other's drafts, so the k drafts come from one
 batched matmul, no loop.
+
+Trees (`tree`, a StaticTree): head d's top candidates fill depth d + 1, node (r_1, ..., r_d) holding head d's
+rank-r_d token under its parent (r_1, ..., r_{d-1}), as Medusa's static trees do. The candidates are top-k, not
+sampled, so the verifier treats them as deterministic children (exact at any temperature).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 from spec_jax.config import ModelConfig
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
-from spec_jax.proposers.base import Draft, Stateless
+from spec_jax.proposers.base import Draft, Stateless, TreeDraft
+from spec_jax.tree import StaticTree
 
 
 def param_shapes(d_model: int, num_heads: int) -> dict:
@@ -50,8 +55,11 @@ class MedusaProposer(Stateless):
   k: int = 4
   reduced: bool = False  # project to the d2t rows only
   name: str = "medusa"
+  tree: Optional[StaticTree] = None  # None: chains of k; else k = tree.depth
 
   def __post_init__(self):
+    if self.tree is not None and self.k != self.tree.depth:
+      raise ValueError(f"a medusa tree of depth {self.tree.depth} drafts k = {self.tree.depth}, got k={self.k}")
     if not 1 <= self.k <= self.num_heads:
       raise ValueError(f"medusa drafts at most {self.num_heads} tokens (one per head), got k={self.k}")
 
@@ -60,6 +68,18 @@ class MedusaProposer(Stateless):
     logits = vocab.project(feats, params["rows"])
     tokens, q = vocab.draw(key, logits, ctx.sampling, params.get("d2t"), self.vocab_size)
     return Draft(tokens=tokens, probs=q), state
+
+  def propose_tree(self, params, state, ctx, key):
+    t = self.tree
+    parents, depths, ranks = t.arrays()
+    feats = head_features(params["heads"], ctx.last_hidden)[:, :t.depth]  # [B, D, Dm]
+    _, top = jax.lax.top_k(vocab.project(feats, params["rows"]), t.ranks)  # [B, D, R]
+    if "d2t" in params:
+      top = jnp.take(params["d2t"], top)
+    B = top.shape[0]
+    # Node n holds head depths[n] - 1's rank-ranks[n] candidate; the root's entry is replaced by the loop.
+    tokens = top[:, np.maximum(depths - 1, 0), ranks].astype(jnp.int32)
+    return TreeDraft(tokens=tokens, parents=jnp.broadcast_to(jnp.asarray(parents), (B, t.nodes))), state
 
 
 def runtime_params(heads: dict, target_params: dict, d2t: Optional[jax.Array] = None) -> dict:
@@ -70,11 +90,46 @@ def runtime_params(heads: dict, target_params: dict, d2t: Optional[jax.Array] = 
   return out
 
 
-def load_medusa(path: str, target_config: ModelConfig, target_params: dict, k: int):
-  """-> (MedusaProposer, params) from a heads checkpoint, checked against the target."""
+def rank_accuracy(meta: dict, depth: int, ranks: int) -> list:
+  """acc[d][r]: how often head d's rank-r candidate was the right token on the held-out data of its training
+  (the checkpoint's `eval`). Exact per-rank figures (`rank{r}_h{d}`) when the trainer recorded them; otherwise
+  the measured top-1 and top-5 accuracies, with ranks 1-4 shared geometrically (a ratio rho per head such that
+  top1 * (1 + rho + ... + rho^4) = top5) and continued at the same ratio past rank 4."""
+  ev = meta.get("eval") or {}
+  acc = []
+  for d in range(depth):
+    if all(f"rank{r}_h{d}" in ev for r in range(ranks)):
+      acc.append([float(ev[f"rank{r}_h{d}"]) for r in range(ranks)])
+      continue
+    if f"top1_h{d}" not in ev or f"top5_h{d}" not in ev:
+      raise ValueError(f"the medusa checkpoint has no held-out accuracy for head {d} (eval top1_h{d}/top5_h{d}); "
+                       f"a tree needs it (retrain, or pass an explicit tree)")
+    top1, top5 = float(ev[f"top1_h{d}"]), float(ev[f"top5_h{d}"])
+    lo, hi = 0.0, 1.0  # sum_{r<5} rho^r is increasing in rho: bisect for top5 / top1
+    for _ in range(60):
+      rho = (lo + hi) / 2
+      lo, hi = (rho, hi) if top1 * sum(rho ** r for r in range(5)) < top5 else (lo, rho)
+    acc.append([top1 * rho ** r for r in range(ranks)])
+  return acc
+
+
+def load_medusa(path: str, target_config: ModelConfig, target_params: dict, k: int, topk: int = 1,
+                nodes: int = 0):
+  """-> (MedusaProposer, params) from a heads checkpoint, checked against the target. With topk > 1, a static
+  tree of depth k, up to topk candidates per node and `nodes` nodes (root included) chosen by
+  StaticTree.best from the heads' held-out per-rank accuracy."""
   dtype = target_params["final_norm"].dtype
   meta, heads, d2t = head_ckpt.load_heads(path, target_config, "medusa", dtype)
   K = int(meta.get("num_heads", 0))
+  tree = None
+  if topk > 1:
+    if not 1 <= k <= K:
+      raise ValueError(f"medusa drafts at most {K} tokens (one per head), got k={k}")
+    tree = StaticTree.best(rank_accuracy(meta, k, topk), nodes or 1 + k * topk)
+    if tree.depth < k:
+      raise ValueError(f"a {tree.nodes}-node tree of top-{topk} candidates reaches depth {tree.depth}, not "
+                       f"{k}: raise num_draft_tokens or lower num_speculative_tokens")
   head_ckpt.check_shapes(heads, param_shapes(target_config.d_model, K), path)
-  proposer = MedusaProposer(vocab_size=target_config.vocab_size, num_heads=K, k=k, reduced=d2t is not None)
+  proposer = MedusaProposer(vocab_size=target_config.vocab_size, num_heads=K, k=k if tree is None else tree.depth,
+                            reduced=d2t is not None, tree=tree)
   return proposer, runtime_params(heads, target_params, d2t)

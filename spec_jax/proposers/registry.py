@@ -18,25 +18,38 @@ def default_heads_path(method: str) -> str:
 
 
 def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngram_min: int = 1,
-                   ngram_max: int = 3, draft_layers: int = 0, impl: str = "xla", heads_path: str | None = None):
+                   ngram_max: int = 3, draft_layers: int = 0, impl: str = "xla", heads_path: str | None = None,
+                   topk: int = 1, num_draft_tokens: int = 0):
   """-> (proposer, proposer_params). medusa, eagle and draft load `heads_path` ('' or None: the one in heads/);
   draft with draft_layers = N > 0 is instead the early-exit self-draft of the target's first N
-  layers."""
+  layers. Trees (SGLang's flags): k is the depth, `topk` the branching (1: chains), `num_draft_tokens` the
+  node budget (root included; 0: 1 + k * topk)."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
   if method == "none":
     return NoneProposer(), {}
   if k < 1:
     raise ValueError(f"num_speculative_tokens must be >= 1 for method {method!r}, got {k}")
+  if topk < 1 or num_draft_tokens < 0:
+    raise ValueError(f"eagle_topk must be >= 1 and num_draft_tokens >= 0, got {topk} and {num_draft_tokens}")
+  if topk > 1 and method == "ngram":
+    raise ValueError("token trees (eagle_topk > 1) are for medusa, eagle and draft; ngram drafts chains")
+  if topk > 1 and num_draft_tokens and num_draft_tokens < k + 1:
+    raise ValueError(f"num_draft_tokens={num_draft_tokens} cannot hold a tree of depth {k} (needs >= {k + 1})")
+  tree = None
+  if topk > 1 and method in ("eagle", "draft"):
+    from spec_jax.proposers.tree_expand import DynamicTree
+    tree = DynamicTree(topk=topk, depth=k, nodes=num_draft_tokens or 1 + k * topk)
   if method == "ngram":
     return NgramProposer(k=k, ngram_min=ngram_min, ngram_max=ngram_max), {}
   if method == "medusa":
     from spec_jax.proposers.medusa import load_medusa
-    return load_medusa(heads_path or default_heads_path(method), target_config, target_params, k)
+    return load_medusa(heads_path or default_heads_path(method), target_config, target_params, k, topk,
+                       num_draft_tokens)
   if method == "eagle":
     from spec_jax.proposers.eagle import load_eagle
-    return load_eagle(heads_path or default_heads_path(method), target_config, target_params, k, impl)
+    return load_eagle(heads_path or default_heads_path(method), target_config, target_params, k, impl, tree)
   from spec_jax.proposers.draft import early_exit_proposer, load_draft
   if draft_layers:
-    return early_exit_proposer(target_config, target_params, draft_layers, k, impl)
-  return load_draft(heads_path or default_heads_path(method), target_config, target_params, k, impl)
+    return early_exit_proposer(target_config, target_params, draft_layers, k, impl, tree)
+  return load_draft(heads_path or default_heads_path(method), target_config, target_params, k, impl, tree)
