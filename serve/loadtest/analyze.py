@@ -65,7 +65,7 @@ def analyze(out_dir: str, write: bool = True, plots: bool = True) -> dict:
   noise = {k: {m: V.noise([stats[b][k]["all"] for b in baselines if k in stats.get(b, {})], m)
                for m in NOISE_METRICS} for k in points}
   spec_cfgs = {n: arms[n]["speculative_config"] for n in spec if isinstance(arms[n].get("speculative_config"), dict)}
-  tuned = tuner.choose(stats, verdicts, points, spec_cfgs, baselines)
+  tuned = tuner.choose(stats, verdicts, points, spec_cfgs, baselines, int(cfg.get("slots") or 0))
   tuned_check = None
   if TUNED in results:
     tuned_check = {}

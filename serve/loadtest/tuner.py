@@ -4,6 +4,10 @@ For each closed-loop concurrency, the best arm is the one that keeps (verdict on
 setting of that concurrency, rolls back at none, and has the highest mean output tokens/s relative to the
 baseline. Where no arm keeps, k = 0. One server loads one proposer, so the file holds one method (the one that wins
 the most, weighted by its gains) and, per concurrency, that method's best k (0 where it does not keep).
+
+The server keys the table by busy slots, which never exceed the slot count: every concurrency at or above it
+(peak and overload) is served by one entry, at the slot count, whose k is the smallest of theirs (speculation
+stays on there only if it keeps at all of them).
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ def arm_method(spec: Optional[dict]) -> tuple[str, int]:
   return spec["method"], int(spec.get("num_speculative_tokens", 0))
 
 
-def choose(stats: dict, verdicts: dict, points: dict, arms: dict, baselines: list) -> dict:
+def choose(stats: dict, verdicts: dict, points: dict, arms: dict, baselines: list, slots: int = 0) -> dict:
   """-> {"levels": {concurrency: {"arm", "method", "k", "gain", "why"}}, "method": ..., "config": {...}}.
-  arms: name -> speculative_config dict of the speculative arms."""
+  arms: name -> speculative_config dict of the speculative arms; slots: the server's slot count (0: unknown)."""
   by_level = defaultdict(list)
   for key, pt in points.items():
     if pt.mode == "closed":
@@ -68,6 +72,14 @@ def choose(stats: dict, verdicts: dict, points: dict, arms: dict, baselines: lis
       k = arm_method(arms[arm])[1] if arm else 0
     levels[c]["chosen_arm"], levels[c]["chosen_k"] = arm, k
     table.append([c, k])
+  full = [c for c, _ in table if slots and c >= slots]
+  if full:  # one entry serves them all (see the module docstring)
+    k_full = min(k for c, k in table if c in full)
+    table = [[c, k] for c, k in table if c not in full] + [[slots, k_full]]
+    for c in full:
+      if levels[c]["chosen_k"] != k_full:
+        levels[c]["why"] += f"; served with k = {k_full}, the entry for all {slots} busy slots"
+      levels[c]["chosen_k"] = k_full
   config: dict = {}
   if method != "none" and any(k for _, k in table):
     src = max((a for a in arms if arm_method(arms[a])[0] == method), key=lambda a: arm_method(arms[a])[1])

@@ -162,6 +162,11 @@ def test_tuned_config_is_read_by_the_server():
   sc = parse_speculative_config(json.dumps(t["config"]), {})
   assert sc.method == "ngram" and sc.k == 4
   assert [sc.k_at(a) for a in (1, 3, 4, 7, 8, 16)] == [4, 4, 2, 2, 0, 0]
+  # With 4 slots, concurrency 8 runs at 4 busy slots too: one entry serves both, k = 0 unless both keep.
+  t4 = tuner.choose(stats, verd, pts, arms, ["baseline"], slots=4)
+  sc4 = parse_speculative_config(json.dumps(t4["config"]), {})
+  assert sorted(t4["config"]["per_concurrency"]) == ["1", "4"]
+  assert [sc4.k_at(a) for a in (1, 3, 4)] == [4, 4, 0] and t4["levels"][4]["chosen_k"] == 0
   none = tuner.choose(stats, {a: {k: {"all": {"verdict": "neutral"}} for k in pts} for a in arms}, pts, arms,
                       ["baseline"])
   assert none["config"] == {} and parse_speculative_config("{}", {}).k == 0
