@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from spec_jax import adaptive
+from spec_jax.decode import choose_option
 from spec_jax.proposers.base import ProposeContext
 
 
@@ -29,9 +29,7 @@ from spec_jax.proposers.base import ProposeContext
 def propose_probe(params, state, pstate, spec):
   """One `propose` at the k that `adaptive_step` would choose for `state` (state.pstate is not read; `pstate` is
   a copy of it). -> (new pstate, a checksum of the drafts, so that they are computed)."""
-  drafting = ~state.done & state.speculate & state.spec_enabled
-  option = (adaptive.choose(state.adapt, ~state.done, drafting, spec.ks, spec.probe_every)
-            if len(spec.ks) > 1 else jnp.zeros((), jnp.int32))
+  option = choose_option(state, spec)
   key = jax.random.split(state.key, 3)[1]  # the key spec_step drafts with
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
 

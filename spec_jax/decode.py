@@ -225,10 +225,11 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   tree_tokens = jnp.where(node == 0, last[:, None],
                           jnp.where(state.speculate[:, None], draft.tokens.astype(jnp.int32), -1))
   parents = draft.parents.astype(jnp.int32)
-  depths = tree.node_depths(parents)
+  mask = tree.ancestor_mask(parents)
+  depths = tree.mask_depths(mask)
   positions = (state.lengths - 1)[:, None] + depths
   logits, hidden, cache = forward(params["target"], jnp.maximum(tree_tokens, 0), positions, state.cache,
-                                  config=spec.config, impl=spec.impl, tree_mask=tree.ancestor_mask(parents))
+                                  config=spec.config, impl=spec.impl, tree_mask=mask)
   out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
                                   max_children=shape.max_children)
   tokens, lengths, n_emit, finish, done = _commit(state, spec, active, out, n_acc)
@@ -254,11 +255,18 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                        done_step=done_step)
 
 
+def choose_option(state: DecodeState, spec: LoopSpec):
+  """int32[]: the index into spec.ks that the next step drafts with (adaptive speculation)."""
+  if len(spec.ks) == 1:
+    return jnp.zeros((), jnp.int32)
+  drafting = ~state.done & state.speculate & state.spec_enabled
+  return adaptive.choose(state.adapt, ~state.done, drafting, spec.ks, spec.probe_every)
+
+
 def adaptive_step(params, state: DecodeState, spec: LoopSpec) -> DecodeState:
   if len(spec.ks) == 1:
     return spec_step(params, state, spec, 0)
-  drafting = ~state.done & state.speculate & state.spec_enabled
-  option = adaptive.choose(state.adapt, ~state.done, drafting, spec.ks, spec.probe_every)
+  option = choose_option(state, spec)
   branches = [functools.partial(spec_step, spec=spec, option=i) for i in range(len(spec.ks))]
   return jax.lax.switch(option, branches, params, state)
 

@@ -41,7 +41,12 @@ def ancestor_mask(parents: jax.Array) -> jax.Array:
 
 def node_depths(parents: jax.Array) -> jax.Array:
   """int32 [B, N]: the number of ancestors of each node (root 0)."""
-  return (jnp.sum(ancestor_mask(parents), axis=-1) - 1).astype(jnp.int32)
+  return mask_depths(ancestor_mask(parents))
+
+
+def mask_depths(mask: jax.Array) -> jax.Array:
+  """node_depths from an ancestor mask already computed."""
+  return (jnp.sum(mask, axis=-1) - 1).astype(jnp.int32)
 
 
 def tree_positions(base: jax.Array, parents: jax.Array) -> jax.Array:

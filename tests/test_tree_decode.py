@@ -342,12 +342,9 @@ def test_eagle_tree_children_are_the_drafters_top_candidates_after_their_path():
 @pytest.mark.slow
 def test_gemma3_greedy_with_medusa_eagle_and_draft_trees_is_lossless(gemma3_f32, gemma3_tokenizer):
   from spec_jax.proposers.registry import build_proposer
+  from tests.proposers.test_medusa_eagle import gemma3_chat_prompts
   config, params = gemma3_f32
-  tok = gemma3_tokenizer
-  texts = ["Natalia sold clips to 48 of her friends. How many clips did she sell in two months?",
-           "Write a Python function that returns the squares of a list of numbers.",
-           "Explain what a hash table is in two sentences."]
-  prompts = [tok.encode(tok.apply_chat_template([t])) for t in texts]
+  prompts = gemma3_chat_prompts(gemma3_tokenizer)
   base = generate(params, config, prompts, max_new_tokens=32)
   runs = {("medusa", 4, 3, 16), ("eagle", 4, 3, 16), ("draft", 3, 2, 8)}
   for method, depth, topk, nodes in sorted(runs):

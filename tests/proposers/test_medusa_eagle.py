@@ -215,14 +215,18 @@ def _distill_gemma3_draft(config, params, prompts, path):
                         heads_path=os.path.join(path, "draft"))
 
 
-@pytest.mark.slow
-def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemma3_tokenizer, tmp_path):
-  config, params = gemma3_f32
-  tok = gemma3_tokenizer
+def gemma3_chat_prompts(tok) -> list:
+  """Three short chat prompts (math, code, explanation) as Gemma 3 token ids: the real-model lossless checks."""
   texts = ["Natalia sold clips to 48 of her friends. How many clips did she sell in two months?",
            "Write a Python function that returns the squares of a list of numbers.",
            "Explain what a hash table is in two sentences."]
-  prompts = [tok.encode(tok.apply_chat_template([t])) for t in texts]
+  return [tok.encode(tok.apply_chat_template([t])) for t in texts]
+
+
+@pytest.mark.slow
+def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemma3_tokenizer, tmp_path):
+  config, params = gemma3_f32
+  prompts = gemma3_chat_prompts(gemma3_tokenizer)
   base = generate(params, config, prompts, max_new_tokens=32)
   runs = {"early_exit": build_proposer("draft", target_config=config, target_params=params, k=3, draft_layers=6)}
   runs["draft"] = _distill_gemma3_draft(config, params, prompts, str(tmp_path))
