@@ -14,6 +14,7 @@ def get_config():
   c.top_p = 1.0
   c.seed = 0
   c.batch_size = 1
+  c.mesh = ""  # 'data:N,model:M' over the devices (spec_jax/sharding.py); '' = one device
   c.method = "ngram"
   c.num_speculative_tokens = 4
   c.ngram_min = 1

@@ -33,7 +33,7 @@ import numpy as np
 from serve.guardrails import Guardrails
 from serve import timing_probe
 from serve.metrics import Metrics
-from spec_jax import backend, slots
+from spec_jax import backend, sharding, slots
 from spec_jax.decode import FINISH_NAMES, decode_loop
 
 log = logging.getLogger("spec_jax.engine")
@@ -281,7 +281,7 @@ class Engine:
 
   def _fresh_state(self):
     # On XLA:CPU a bfloat16 state of one row takes the slow 1-row dot path: it gets a second, never-used row.
-    rows = backend.batch_rows(self.params["target"], self.B)
+    rows = sharding.pad_rows(backend.batch_rows(self.params["target"], self.B), self.spec.mesh)
     state = slots.empty_state(self.params, self.spec, batch=rows, capacity=self.capacity, costs=self.costs,
                               seed=self.seed)
     self._applied_on = None

@@ -47,6 +47,8 @@ flags.DEFINE_integer("draft_layers", None, "method=draft: 0 = the distilled draf
 flags.DEFINE_integer("eagle_topk", None, "Token trees: candidates per node (1 = chains; medusa).")
 flags.DEFINE_integer("num_draft_tokens", None, "Token trees: node budget, root included (0 = 1 + depth * topk).")
 flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
+flags.DEFINE_string("mesh", None, "Device mesh 'data:N,model:M' (spec_jax/sharding.py): rows split over data, "
+                    "heads/MLP/vocabulary over model. Default: one device.")
 flags.DEFINE_string("costs_file", None, "Step costs for the adaptive controller (python -m serve.calibrate); "
                     "'' = the default cost model.")
 
@@ -54,7 +56,7 @@ FLAGS = flags.FLAGS
 _OVERRIDABLE = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                 "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers",
                 "eagle_topk", "num_draft_tokens",
-                "adaptive", "heads", "costs_file")
+                "adaptive", "heads", "costs_file", "mesh")
 
 
 def settings() -> dict:
@@ -129,11 +131,12 @@ def load_setup(cfg: dict) -> Setup:
 def run(cfg: dict) -> dict:
   from serve.calibrate import load_costs, method_key
   from serve.runner import Arm, category_table, format_table, run_arms
-  from spec_jax import adaptive, backend
+  from spec_jax import adaptive, backend, sharding
   from spec_jax.proposers.base import NoneProposer
 
   if FLAGS.repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {FLAGS.repeats}")
+  mesh = sharding.make_mesh(cfg.get("mesh") or "")
   setup = load_setup(cfg)
   proposer, params = setup.proposer, setup.params
   ks = adaptive.option_set(proposer.k, cfg["adaptive"], proposer.tree)
@@ -146,7 +149,7 @@ def run(cfg: dict) -> dict:
                   batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
                   sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
                   adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=setup.impl, repeats=FLAGS.repeats,
-                  progress=FLAGS.progress)
+                  progress=FLAGS.progress, mesh=mesh)
   base, main_run = (runs[0], runs[1]) if len(runs) == 2 else (None, runs[0])
 
   records = main_run.records
@@ -161,7 +164,8 @@ def run(cfg: dict) -> dict:
   run_info = {"method": proposer.name, "dtype": cfg["dtype"], "batch_size": cfg["batch_size"],
               "num_speculative_tokens": proposer.k, "adaptive": cfg["adaptive"], "attention_impl": setup.impl,
               "costs_file": cfg.get("costs_file") or "", "step_costs": None if costs is None else
-              [[round(float(c), 3) for c in row] for row in np.asarray(costs)[:1]], "repeats": FLAGS.repeats}
+              [[round(float(c), 3) for c in row] for row in np.asarray(costs)[:1]], "repeats": FLAGS.repeats,
+              "mesh": sharding.describe(mesh)}
   if base is not None:
     ratios = [m / b if b else 0.0 for m, b in zip(main_run.summary["tokens_per_s_by_repeat"],
                                                   base.summary["tokens_per_s_by_repeat"])]

@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from spec_jax import backend
+from spec_jax import backend, sharding
 from spec_jax.config import SamplingParams
 from spec_jax.decode import decode_loop, make_spec, result, start
 from spec_jax.stats import Stats, summarize
@@ -44,12 +44,13 @@ class TimedBatch:
 
 
 def timed_generate(params, config, prompt_ids, *, max_new_tokens, sampling, proposer, proposer_params, adaptive_k,
-                   costs, seed, impl, stop_ids=(), warm=True) -> TimedBatch:
-  """Prefill + loop for one batch, timed. Compiles first (a run with one new token per row) when `warm`."""
+                   costs, seed, impl, stop_ids=(), warm=True, mesh=None) -> TimedBatch:
+  """Prefill + loop for one batch, timed. Compiles first (a run with one new token per row) when `warm`.
+  With a mesh, params should already be placed (sharding.shard_params); rows pad to a multiple of `data`."""
   n = len(prompt_ids)
-  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl)
-  both = {"target": params, "proposer": proposer_params}
-  slots = backend.batch_rows(params, n)
+  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, mesh=mesh)
+  both = sharding.shard_params({"target": params, "proposer": proposer_params}, mesh)
+  slots = sharding.pad_rows(backend.batch_rows(params, n), mesh)
 
   def run(max_new):
     t0 = time.perf_counter()
@@ -79,7 +80,7 @@ class RunResult:
 
 
 def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size, max_new_tokens, sampling_args,
-             adaptive_k, seed, impl, stop_ids=(), repeats=1, progress=True) -> list:
+             adaptive_k, seed, impl, stop_ids=(), repeats=1, progress=True, mesh=None) -> list:
   """Every arm over the same batches, interleaved batch by batch (A, B, A, B, ...), `repeats` times, so that a
   change in machine load hits every arm alike. Records and counters come from the last repeat (the outputs of a
   seeded run are the same every repeat); tokens/s is reported per repeat and as min/median/max."""
@@ -88,7 +89,7 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
   state = [dict(records=[None] * len(prompts), stat_rows=[None] * len(prompts), walls=[0.0] * repeats, uses=None,
                 ks=None) for _ in arms]
   bar = None
-  if progress:
+  if progress and jax.process_index() == 0:
     from tqdm import tqdm
     bar = tqdm(total=len(batches) * repeats, desc="/".join(a.label for a in arms), file=sys.stderr, unit="batch")
   for r in range(repeats):
@@ -98,8 +99,8 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
         res = timed_generate(params, config, [prompt_ids[i] for i in batch], max_new_tokens=max_new_tokens,
                              sampling=sampling, proposer=arm.proposer, proposer_params=arm.proposer_params,
                              adaptive_k=adaptive_k if arm.adaptive_k is None else arm.adaptive_k,
-                             costs=_costs_for(arm.costs, len(batch), params), seed=seed + bi, impl=impl,
-                             stop_ids=stop_ids)
+                             costs=_costs_for(arm.costs, len(batch), params, mesh), seed=seed + bi, impl=impl,
+                             stop_ids=stop_ids, mesh=mesh)
         st["walls"][r] += res.wall_s
         if r == repeats - 1:
           st["uses"] = res.option_uses if st["uses"] is None else [a + b for a, b in zip(st["uses"], res.option_uses)]
@@ -116,6 +117,11 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
         bar.update(1)
   if bar:
     bar.close()
+  if jax.process_count() > 1:  # a run's time is its slowest host's (a collective: every host holds the max)
+    from jax.experimental import multihost_utils
+    walls = np.asarray(multihost_utils.process_allgather(np.array([st["walls"] for st in state], np.float64)))
+    for st, w in zip(state, walls.reshape(-1, len(state), repeats).max(0)):
+      st["walls"] = w.tolist()
   out = []
   for arm, st in zip(arms, state):
     records = st["records"]
@@ -132,14 +138,14 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
   return out
 
 
-def _costs_for(costs, n, params):
+def _costs_for(costs, n, params, mesh=None):
   """A [batch, n_options] table is cut (or its last row repeated) to this batch's row count."""
   if costs is None:
     return None
   c = np.asarray(costs, np.float32)
   if c.ndim == 1:
     return c
-  rows = backend.batch_rows(params, n)
+  rows = sharding.pad_rows(backend.batch_rows(params, n), mesh)
   return c[np.minimum(np.arange(rows), c.shape[0] - 1)]
 
 

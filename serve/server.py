@@ -74,6 +74,8 @@ def define_flags() -> None:
   flags.DEFINE_float("drain_timeout_s", None, "SIGTERM: how long running requests may take to finish.")
   flags.DEFINE_list("warmup_prompt_lens", None, "Compile insert for these prompt lengths before serving.")
   flags.DEFINE_string("log_level", None, "debug, info, warning.")
+  flags.DEFINE_string("mesh", None, "Device mesh 'data:N,model:M' (spec_jax/sharding.py): slots split over data, "
+                      "heads/MLP/vocabulary over model. Default: one device.")
   flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache: a restart loads the compiled "
                       "programs instead of compiling again ('' = off; default ~/.cache/spec_jax/xla).")
 
@@ -86,7 +88,8 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, speculative_config=None, max
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
                        served_model_name="gemma-3-270m",
                        guardrails=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
-                       warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla")
+                       warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
+                       mesh="")
 log = logging.getLogger("spec_jax.server")
 
 
@@ -137,8 +140,10 @@ def build_engine(cfg: dict):
   # k = 0 is always an option, so the global switch (and a request's speculate=false) can turn drafting off.
   ks = {0} | set(adaptive.option_set(sc.k, cfg["adaptive"], proposer.tree)) | {k for _, k in sc.per_concurrency}
   ks = tuple(sorted(k for k in ks if k <= sc.k))
-  from spec_jax import backend
-  B = backend.batch_rows(params, cfg["max_num_seqs"])  # the state's rows (the engine adds one for bf16 x 1 on CPU)
+  from spec_jax import backend, sharding
+  mesh = sharding.make_mesh(cfg["mesh"])
+  # the state's rows (the engine adds one for bf16 x 1 on CPU, and pads to a multiple of the mesh's data axis)
+  B = sharding.pad_rows(backend.batch_rows(params, cfg["max_num_seqs"]), mesh)
   base = None
   if cfg["costs_file"] and sc.k:
     from serve.calibrate import load_costs, method_key
@@ -150,9 +155,10 @@ def build_engine(cfg: dict):
   if sc.k and not cfg["adaptive"]:
     costs[:, 0] = np.float32(1e9)  # adaptive off: always the full k while speculation is on
   stop_ids = tuple(sorted(set(config.eos_ids) | set(tokenizer.stop_ids)))
-  spec = LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=stop_ids, impl=impl)
+  spec = LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=stop_ids, impl=impl, mesh=mesh)
   capacity = min(cfg["max_model_len"], config.max_seq_len)
-  engine = Engine({"target": params, "proposer": proposer_params}, spec, tokenizer, max_num_seqs=cfg["max_num_seqs"],
+  both = sharding.shard_params({"target": params, "proposer": proposer_params}, mesh)
+  engine = Engine(both, spec, tokenizer, max_num_seqs=cfg["max_num_seqs"],
                   capacity=capacity, max_queue=cfg["max_queue"], steps_per_sync=cfg["steps_per_sync"], costs=costs,
                   spec_config=sc, guardrails=guard, request_timeout_s=cfg["request_timeout_s"], seed=cfg["seed"],
                   timing_probe_s=cfg["timing_probe_s"])

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax import adaptive, tree
+from spec_jax import adaptive, sharding, tree
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.models.transformer import forward, lm_head
@@ -47,6 +47,7 @@ class LoopSpec:
   stop_ids: tuple = ()
   impl: str = "xla"
   probe_every: int = 16
+  mesh: Any = None  # a jax.sharding.Mesh ('data', 'model'), or None for one device (spec_jax/sharding.py)
 
   @property
   def k_max(self) -> int:
@@ -280,7 +281,7 @@ def decode_loop(params, state: DecodeState, spec: LoopSpec, max_steps=NO_LIMIT) 
 
   def body(carry):
     s, i = carry
-    return adaptive_step(params, s, spec), i + 1
+    return sharding.constrain_state(adaptive_step(params, s, spec), spec.mesh), i + 1
 
   state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
   return state
@@ -301,10 +302,12 @@ class GenerationResult:
 
 
 def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool = True, stop_ids: Sequence[int] = (),
-              impl: str = "xla", probe_every: int = 16) -> LoopSpec:
-  """The loop's static settings; the stop ids add to the model's EOS ids."""
+              impl: str = "xla", probe_every: int = 16, mesh=None) -> LoopSpec:
+  """The loop's static settings; the stop ids add to the model's EOS ids. With a mesh, the state is sharded by
+  spec_jax/sharding.py's table (params must be placed with sharding.shard_params)."""
   return LoopSpec(config=config, proposer=proposer, ks=adaptive.option_set(proposer.k, adaptive_k, proposer.tree),
-                  stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every)
+                  stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every,
+                  mesh=mesh)
 
 
 def check_fits(config: ModelConfig, prompt_len: int, max_new: int, k_max: int, capacity: Optional[int] = None,
@@ -339,6 +342,7 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   B = num_slots or n
   if B < n:
     raise ValueError(f"num_slots={B} is fewer than the {n} prompts")
+  B = sharding.pad_rows(B, spec.mesh)  # rows split evenly over the mesh's `data` axis
   config = spec.config
   lens = [len(p) for p in prompts]
   max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (n,)).copy()
@@ -354,16 +358,30 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
     buf[i, :len(p)] = p
   prompt_lens = np.array(lens + [1] * (B - n), np.int32)
   max_new = np.concatenate([max_new, np.ones(B - n, np.int32)])
-  sampling = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], B - n)]), sampling)
+  sampling = jax.tree.map(lambda x: np.concatenate([np.asarray(x), np.repeat(np.asarray(x)[-1:], B - n)]), sampling)
   params_t = params["target"]
-  cache = KVCache.init(config, B, S, params_t["final_norm"].dtype)
+  mesh = spec.mesh
+  cache = init_cache(config, B, S, params_t["final_norm"].dtype, mesh)
+  # Host inputs become arrays split over `data` (global arrays on a multi-host mesh; plain ones without a mesh).
+  buf, prompt_lens, max_new, sampling = sharding.rows((buf, prompt_lens, max_new, sampling), mesh)
   out = prefill(params_t, jnp.asarray(buf), jnp.asarray(prompt_lens), cache, config=config, impl=spec.impl,
                 chunk=chunk, return_all=spec.proposer.needs_prompt_hidden)
   cache, hidden = out[:2]
   every = out[2] if spec.proposer.needs_prompt_hidden else None
-  costs = adaptive.default_costs(spec.ks) if costs is None else costs
+  costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)
+  key, costs = sharding.replicated((np.asarray(jax.random.PRNGKey(seed)), costs), mesh)
   return _start_batch(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new), sampling,
-                      jax.random.PRNGKey(seed), cache, hidden, every, jnp.asarray(costs, jnp.float32), n, S, chunk)
+                      jnp.asarray(key), cache, hidden, every, jnp.asarray(costs), n, S, chunk)
+
+
+def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None) -> KVCache:
+  """An empty target cache, created in its shards when there is a mesh."""
+  if mesh is None:
+    return KVCache.init(config, batch, capacity, dtype)
+  shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+  kv = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(sharding.CACHE_AXES, shape, mesh))
+  lens = sharding.rows(np.zeros((batch,), np.int32), mesh)
+  return KVCache(sharding.zeros(shape, dtype, kv), sharding.zeros(shape, dtype, kv), lens)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "n_real", "capacity", "chunk"), donate_argnames=("cache",))
@@ -373,33 +391,39 @@ def _start_batch(params, spec, prompt_tokens, prompt_lens, max_new, sampling, ke
   state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, jnp.ones((B,), bool), key, cache,
                      hidden, every, capacity, chunk)
   is_pad = jnp.arange(B) >= n_real
-  return state.replace(done=state.done | is_pad, finish=jnp.where(is_pad, FINISH_ABORT, state.finish),
-                       adapt=adaptive.AdaptState.init(B, costs))
+  state = state.replace(done=state.done | is_pad, finish=jnp.where(is_pad, FINISH_ABORT, state.finish),
+                        adapt=adaptive.AdaptState.init(B, costs))
+  return sharding.constrain_state(state, spec.mesh)
 
 
 def result(state: DecodeState, n: int, spec: LoopSpec) -> GenerationResult:
-  """Host-side: the first n rows' new tokens, finish reasons and counters."""
-  tokens, lengths = np.asarray(state.tokens), np.asarray(state.lengths)
-  prompt_lens, finish = np.asarray(state.prompt_lens), np.asarray(state.finish)
+  """Host-side: the first n rows' new tokens, finish reasons and counters (gathered from every host on a
+  multi-host mesh, so each process gets the whole batch)."""
+  host = sharding.to_host
+  tokens, lengths = host(state.tokens), host(state.lengths)
+  prompt_lens, finish = host(state.prompt_lens), host(state.finish)
+  raw = jax.tree.map(lambda x: host(x)[:n], state.stats)
   return GenerationResult(
       token_ids=[tokens[i, prompt_lens[i]:lengths[i]].tolist() for i in range(n)],
       finish_reasons=[FINISH_NAMES[int(f)] for f in finish[:n]],
-      stats=summarize(state.stats, range(n)), raw_stats=jax.tree.map(lambda x: np.asarray(x)[:n], state.stats),
-      steps=int(state.step), done_step=np.asarray(state.done_step)[:n].tolist(),
-      option_uses=np.asarray(state.adapt.uses).tolist(), ks=spec.ks)
+      stats=summarize(raw, range(n)), raw_stats=raw,
+      steps=int(host(state.step)), done_step=host(state.done_step)[:n].tolist(),
+      option_uses=host(state.adapt.uses).tolist(), ks=spec.ks)
 
 
 def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
              sampling: Optional[SamplingParams] = None, proposer=NoneProposer(), proposer_params=None,
              adaptive_k: bool = True, costs=None, stop_ids: Sequence[int] = (), seed: int = 0, impl: str = "xla",
-             prefill_chunk: int = DEFAULT_CHUNK, probe_every: int = 16, num_slots: Optional[int] = None
-             ) -> GenerationResult:
+             prefill_chunk: int = DEFAULT_CHUNK, probe_every: int = 16, num_slots: Optional[int] = None,
+             mesh=None) -> GenerationResult:
   """Prefill plus the loop to the end: tokens, finish reasons and acceptance counters for each prompt.
 
   A seeded run is reproducible: nothing here reads a clock (the adaptive controller's step costs are an input).
   """
-  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, probe_every=probe_every)
+  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, probe_every=probe_every,
+                   mesh=mesh)
   params = {"target": target_params, "proposer": proposer_params if proposer_params is not None else {}}
+  params = sharding.shard_params(params, mesh)  # a no-op when already placed
   state = start(params, spec, prompts, max_new_tokens=max_new_tokens, sampling=sampling, costs=costs, seed=seed,
                 num_slots=num_slots, prefill_chunk=prefill_chunk)
   state = decode_loop(params, state, spec)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
@@ -49,14 +50,16 @@ def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *
   B, P = tokens.shape
   if P % chunk:
     raise ValueError(f"padded prompt length {P} is not a multiple of the prefill chunk {chunk}")
-  last_hidden = jnp.zeros((B, config.d_model), params["final_norm"].dtype)
+  # numpy, not jnp: a host value every process holds, so a multi-host jit takes it as replicated
+  last_hidden = np.zeros((B, config.d_model), params["final_norm"].dtype)
   every = []
   for start in range(0, P, chunk):
-    cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], jnp.int32(start), cache,
+    cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], np.int32(start), cache,
                                                prompt_lens, last_hidden, config=config, impl=impl)
     if return_all:
       every.append(hidden)
-  cache = cache.replace(lengths=prompt_lens.astype(jnp.int32))
+  # A fresh buffer: callers donate the cache, and prompt_lens must survive that (astype may return it as is).
+  cache = cache.replace(lengths=jnp.copy(prompt_lens).astype(jnp.int32))
   if return_all:
     return cache, last_hidden, jnp.concatenate(every, axis=1)
   return cache, last_hidden

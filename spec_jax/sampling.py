@@ -252,8 +252,11 @@ def _warp_filtered(x, t, kk, filt_k, top_p, filt_p, candidates, with_lse):
   n, v = x.shape
   c = min(candidates, v)
   # The first c tokens of the ranking. The barrier keeps XLA from folding later slices into the sort that top_k
-  # becomes, which turns XLA:CPU's fast top-k into a full sort of V (100x slower).
-  cv, ci = lax.optimization_barrier(lax.top_k(x, c))
+  # becomes, which turns XLA:CPU's fast top-k into a full sort of V (100x slower). One barrier per output: a
+  # barrier over top_k's whole (values, indices) tuple is folded onto the top_k itself under SPMD partitioning,
+  # which crashes XLA's TopkDecomposer (a CHECK failure, on a mesh only).
+  cv, ci = lax.top_k(x, c)
+  cv, ci = lax.optimization_barrier(cv), lax.optimization_barrier(ci)
   top = cv[:, 0]
   z = cv / t[:, None]
   j = _vocab_iota((n, c))

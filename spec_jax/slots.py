@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax import adaptive
+from spec_jax import adaptive, sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import SamplingParams, validate_sampling
 from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec, check_fits, start_rows
@@ -81,7 +81,10 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
 
 
 def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0) -> DecodeState:
-  """A state of `batch` free slots of `capacity` tokens each (a multiple of the prefill chunk is best)."""
+  """A state of `batch` free slots of `capacity` tokens each (a multiple of the prefill chunk is best). With a
+  mesh (spec.mesh) the slots split over `data`, so `batch` must be a multiple of it."""
+  if batch % sharding.axis_size(spec.mesh, "data"):
+    raise ValueError(f"{batch} slots do not split over the mesh's data axis of {spec.mesh.shape['data']}")
   return _empty(params, spec, batch, capacity, jnp.asarray(adaptive.default_costs(spec.ks) if costs is None else
                                                            costs, jnp.float32), jax.random.PRNGKey(seed))
 
@@ -97,8 +100,9 @@ def _empty(params, spec, batch, capacity, costs, key):
                                  chunk=chunk, return_all=True)
   state = start_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), bool), key,
                      cache, hidden, every if spec.proposer.needs_prompt_hidden else None, capacity, chunk)
-  return state.replace(done=jnp.ones((batch,), bool), finish=jnp.full((batch,), FINISH_ABORT, jnp.int32),
-                       adapt=adaptive.AdaptState.init(batch, costs))
+  state = state.replace(done=jnp.ones((batch,), bool), finish=jnp.full((batch,), FINISH_ABORT, jnp.int32),
+                        adapt=adaptive.AdaptState.init(batch, costs))
+  return sharding.constrain_state(state, spec.mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -114,7 +118,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   row = start_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.speculate[None], req.key, cache,
                    hidden, every if spec.proposer.needs_prompt_hidden else None, S, chunk)
   put = functools.partial(write_row, slot=slot)
-  return state.replace(
+  state = state.replace(
       tokens=put(state.tokens, row.tokens), lengths=put(state.lengths, row.lengths),
       prompt_lens=put(state.prompt_lens, row.prompt_lens), max_new=put(state.max_new, row.max_new),
       cache=state.cache.insert_row(row.cache, slot),
@@ -125,6 +129,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
       stats=write_rows_tree(state.stats, Stats.zeros(1, spec.k_max), slot),
       adapt=state.adapt.reset_row(slot), last_hidden=put(state.last_hidden, row.last_hidden),
       done_step=put(state.done_step, state.step[None]))
+  return sharding.constrain_state(state, spec.mesh)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -1,0 +1,230 @@
+"""Meshes and partition rules: one table maps logical axes to the mesh axes `data` and `model`.
+
+Every array spec_jax keeps (parameters, KV caches, the decode state, proposer states) is named with logical axes
+here, and the table turns those names into a NamedSharding. jit's SPMD partitioner does the rest: the decode loop
+is the same function on one device or a pod; the mesh only changes the shardings of its inputs and the
+constraints its body applies to the state it carries.
+
+Tensor parallelism (`model`) splits query heads, the MLP and the vocabulary (the tied embedding / LM head, and so
+the logits); `embed` and `head_dim` stay whole. K/V heads split over `model` only when their count divides by it:
+Gemma 3 270M has one KV head, so with model > 1 every model shard computes the same K/V and keeps a full copy of
+the cache rows of its data shard (the K/V projections are small; the cache is replicated `model` times).
+A dimension that does not divide by its mesh axis stays whole (`logical_to_spec` falls back to None), so a tiny
+model still runs on any mesh. Batch rows (slots) split over `data`; callers pad the row count to a multiple of it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "model")
+
+# logical axis -> mesh axis (None: replicated)
+LOGICAL_RULES = {
+    "batch": "data",
+    "sequence": None,
+    "heads": "model",
+    "kv_heads": "model",  # only when the count divides `model` (see the module docstring)
+    "head_dim": None,
+    "embed": None,
+    "mlp": "model",
+    "vocab": "model",
+    "layers": None,
+}
+
+# Parameter name -> logical axes of one layer's (or an unstacked) array; a stacked layer array has one more
+# leading axis, "layers". Names are shared by the target, the draft model, EAGLE's layer and Medusa's heads.
+PARAM_AXES = {
+    "embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "rows": ("vocab", "embed"),
+    "q": ("embed", "heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
+    "v": ("embed", "kv_heads", "head_dim"), "o": ("heads", "head_dim", "embed"),
+    "q_bias": ("heads", "head_dim"), "k_bias": ("kv_heads", "head_dim"), "v_bias": ("kv_heads", "head_dim"),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
+    "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed"),
+    "fc": ("embed", "embed"),  # EAGLE's input projection [2D, D]
+    "w": ("embed", "embed"), "b": ("embed",),  # Medusa heads [K, D, D], [K, D] (K stacked like layers)
+}
+_NORM = re.compile(r"norm$")  # attn_norm, mlp_norm, final_norm, feat_norm, ...: ("embed",)
+
+# Decode-state fields that are not per row (shared by the whole batch): replicated.
+REPLICATED_STATE = {"key", "spec_enabled", "step", "adapt.costs", "adapt.since_probe", "adapt.uses"}
+CACHE_AXES = ("layers", "batch", "sequence", "kv_heads", "head_dim")  # KVCache.k / .v
+
+
+def parse_mesh(text: str) -> dict:
+  """'data:4,model:2' -> {'data': 4, 'model': 2}; '' -> one device. Axes not named get size 1."""
+  sizes = {"data": 1, "model": 1}
+  for part in filter(None, (p.strip() for p in (text or "").split(","))):
+    name, _, n = part.partition(":")
+    if name not in MESH_AXES or not n.strip().isdigit() or int(n) < 1:
+      raise ValueError(f"--mesh wants 'data:N,model:M' with N, M >= 1 (axes {MESH_AXES}), got {text!r}")
+    sizes[name] = int(n)
+  return sizes
+
+
+def make_mesh(text_or_sizes="", devices: Optional[Sequence] = None) -> Optional[Mesh]:
+  """A ('data', 'model') mesh over all (or the given) devices; None for a one-device run ('' or data:1,model:1,
+  whatever the device count: the default device). Otherwise the product of the sizes must equal the device count."""
+  sizes = parse_mesh(text_or_sizes) if isinstance(text_or_sizes, str) else dict(text_or_sizes)
+  n = sizes["data"] * sizes["model"]
+  if n == 1:
+    return None
+  devices = list(jax.devices() if devices is None else devices)
+  if n != len(devices):
+    raise ValueError(f"mesh data:{sizes['data']},model:{sizes['model']} needs {n} devices, but there are "
+                     f"{len(devices)} ({jax.process_count()} process(es)); on CPU simulate them with "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+  # Process-major order keeps each host's devices together on `data`, so a host feeds its own rows.
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return Mesh(np.array(devices).reshape(sizes["data"], sizes["model"]), MESH_AXES)
+
+
+def axis_size(mesh: Optional[Mesh], axis: str) -> int:
+  return 1 if mesh is None else mesh.shape[axis]
+
+
+def pad_rows(n: int, mesh: Optional[Mesh]) -> int:
+  """Rows a batch of n runs with: a multiple of the `data` axis."""
+  d = axis_size(mesh, "data")
+  return -(-n // d) * d
+
+
+def logical_to_spec(axes: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh) -> P:
+  """Logical axis names -> PartitionSpec under LOGICAL_RULES; a dimension that does not divide stays whole,
+  and a mesh axis is used at most once (the first dimension that asks for it)."""
+  used, out = set(), []
+  for name, dim in zip(axes, shape):
+    m = LOGICAL_RULES.get(name) if name else None
+    if m is None or m in used or dim % mesh.shape[m]:
+      out.append(None)
+    else:
+      used.add(m)
+      out.append(m)
+  return P(*out)
+
+
+def param_axes(name: str, ndim: int) -> tuple:
+  """Logical axes of a parameter from its leaf name and rank (unknown names: replicated)."""
+  axes = ("embed",) if _NORM.search(name) else PARAM_AXES.get(name)
+  if axes is None:
+    return (None,) * ndim
+  if ndim == len(axes) + 1:
+    return ("layers",) + axes
+  if ndim != len(axes):
+    return (None,) * ndim
+  return axes
+
+
+def _leaf_name(path) -> str:
+  last = path[-1] if path else None
+  return str(getattr(last, "key", getattr(last, "name", getattr(last, "idx", ""))))
+
+
+def _path_str(path) -> str:
+  return ".".join(str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", "")))) for p in path)
+
+
+def param_shardings(params, mesh: Mesh):
+  """A NamedSharding for every parameter leaf (any pytree of dicts: target, proposer or both)."""
+  def one(path, x):
+    return NamedSharding(mesh, logical_to_spec(param_axes(_leaf_name(path), np.ndim(x)), np.shape(x), mesh))
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _is_cache(x) -> bool:
+  from spec_jax.cache import KVCache
+  return isinstance(x, KVCache)
+
+
+def state_shardings(state, mesh: Mesh):
+  """Shardings for a DecodeState, a proposer state or any pytree of per-row arrays: KV caches by CACHE_AXES,
+  the batch-wide fields of REPLICATED_STATE replicated, every other array split on its leading (row) axis."""
+  from spec_jax.cache import KVCache
+
+  def cache(c: KVCache):
+    kv = NamedSharding(mesh, logical_to_spec(CACHE_AXES, c.k.shape, mesh))
+    return KVCache(kv, kv, NamedSharding(mesh, logical_to_spec(("batch",), c.lengths.shape, mesh)))
+
+  def one(path, x):
+    if _is_cache(x):
+      return cache(x)
+    if _path_str(path) in REPLICATED_STATE or np.ndim(x) == 0:
+      return NamedSharding(mesh, P())
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh))
+
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_cache)
+
+
+def constrain_state(state, mesh: Optional[Mesh]):
+  """Inside jit: pin a state's layout to the table (a no-op without a mesh)."""
+  if mesh is None:
+    return state
+  return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
+
+
+def put(tree, shardings):
+  """Host values (numpy, or arrays every process holds in full) -> global arrays with these shardings. Works on
+  one process and on many: each process fills only its own devices' shards from its full copy."""
+  def one(x, s):
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+      return jax.device_put(x, s)  # one process, or already global: reshard
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+  return jax.tree.map(one, tree, shardings)
+
+
+def shard_params(params, mesh: Optional[Mesh]):
+  return params if mesh is None else put(params, param_shardings(params, mesh))
+
+
+def shard_state(state, mesh: Optional[Mesh]):
+  return state if mesh is None else put(state, state_shardings(state, mesh))
+
+
+def replicated(tree, mesh: Optional[Mesh]):
+  """Host values -> replicated global arrays (a no-op without a mesh)."""
+  if mesh is None:
+    return tree
+  return put(tree, jax.tree.map(lambda _: NamedSharding(mesh, P()), tree))
+
+
+def rows(tree, mesh: Optional[Mesh]):
+  """Host values with a leading row axis -> global arrays split over `data` (a no-op without a mesh)."""
+  if mesh is None:
+    return tree
+  return put(tree, jax.tree.map(
+      lambda x: NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh)),
+      tree))
+
+
+def to_host(x) -> np.ndarray:
+  """A (possibly multi-host) array as numpy on every process, gathered with a collective when needed."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def zeros(shape, dtype, sharding: Optional[NamedSharding]):
+  """A zero array created directly in its shards (no full copy on one device first)."""
+  if sharding is None:
+    return jnp.zeros(shape, dtype)
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def describe(mesh: Optional[Mesh]) -> dict:
+  if mesh is None:
+    return {"data": 1, "model": 1, "devices": 1, "processes": jax.process_count()}
+  return {"data": mesh.shape["data"], "model": mesh.shape["model"], "devices": mesh.size,
+          "processes": jax.process_count()}
+
+
+def spec_of(x) -> Any:
+  """The PartitionSpec of an array's sharding (for tests and reports)."""
+  return getattr(x.sharding, "spec", None)

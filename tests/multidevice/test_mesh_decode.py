@@ -1,0 +1,174 @@
+"""The decode loop sharded over a ('data', 'model') mesh of 8 simulated CPU devices: greedy output is token for
+token the one-device output for every proposer, at batch 1 and 8, on meshes 8x1, 4x2 and 2x4; sampled output
+has the one-device distribution; and the arrays really are laid out as spec_jax/sharding.py's table says."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from spec_jax import sharding, slots
+from spec_jax.config import SamplingParams
+from spec_jax.decode import decode_loop, generate, make_spec, start
+from spec_jax.models.transformer import init_params
+from spec_jax.proposers.base import NoneProposer
+from spec_jax.proposers.draft import DraftModelProposer, early_exit_proposer
+from spec_jax.proposers.ngram import NgramProposer
+from tests.conftest import tiny_gemma_config
+from tests.proposers.test_medusa_eagle import _eagle, _medusa
+
+# Vocabulary, heads and MLP divide by every `model` size used here, so all of them really split.
+CONFIG = tiny_gemma_config(vocab_size=128, eos_ids=(1,))
+MESHES = ("data:8", "data:4,model:2", "data:2,model:4")
+MAX_NEW = 12
+
+
+@functools.lru_cache(maxsize=None)
+def _params():
+  return init_params(CONFIG, jax.random.PRNGKey(0))
+
+
+def _proposer(name):
+  params = _params()
+  if name == "none":
+    return NoneProposer(), {}
+  if name == "ngram":
+    return NgramProposer(k=3), {}
+  if name == "draft":
+    return early_exit_proposer(CONFIG, params, 2, k=3)
+  if name == "eagle_tree":
+    from spec_jax.proposers.tree_expand import DynamicTree
+    prop, pp = _eagle(params, config=CONFIG)
+    return dataclasses.replace(prop, k=3, tree=DynamicTree(topk=2, depth=3, nodes=7)), pp
+  return (_medusa if name == "medusa" else _eagle)(params, config=CONFIG)
+
+
+def _prompts(n):
+  rng = np.random.default_rng(n)
+  out = []
+  for L in rng.integers(4, 20, n):  # different lengths; a repeated span so that copying proposers get accepted
+    span = rng.integers(3, CONFIG.vocab_size, max(int(L) // 3, 1)).tolist()
+    out.append(([2] + span * 3)[:int(L)])
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(name, batch):
+  prop, pp = _proposer(name)
+  return generate(_params(), CONFIG, _prompts(batch), max_new_tokens=MAX_NEW, proposer=prop, proposer_params=pp,
+                  adaptive_k=False)
+
+
+# Every proposer at batch 8 on the mesh that splits both axes; batch 1 (rows padded to the data axis) and the
+# other two meshes on a subset: each case is a compile of the whole loop, the cost of this file.
+CASES = ([("data:2,model:4", name, 8) for name in ("none", "ngram", "draft", "medusa", "eagle", "eagle_tree")]
+         + [("data:8", "none", 1), ("data:8", "eagle", 1), ("data:8", "medusa", 8),
+            ("data:4,model:2", "none", 8), ("data:4,model:2", "draft", 1), ("data:4,model:2", "eagle_tree", 8)])
+
+
+@pytest.mark.parametrize("mesh_text,name,batch", CASES)
+def test_greedy_identical_to_one_device(mesh_text, name, batch):
+  mesh = sharding.make_mesh(mesh_text)
+  prop, pp = _proposer(name)
+  out = generate(_params(), CONFIG, _prompts(batch), max_new_tokens=MAX_NEW, proposer=prop, proposer_params=pp,
+                 adaptive_k=False, mesh=mesh)
+  ref = _alone(name, batch)
+  assert out.token_ids == ref.token_ids
+  assert out.finish_reasons == ref.finish_reasons
+  if name != "none":
+    assert out.stats["drafted_tokens"] == ref.stats["drafted_tokens"] > 0
+    assert out.stats["accepted_tokens"] == ref.stats["accepted_tokens"]
+
+
+def test_layout_follows_the_table():
+  """Parameters, the target cache, the decode state and the proposer states carry the table's shardings, in the
+  arrays the compiled loop takes and gives back."""
+  mesh = sharding.make_mesh("data:2,model:4")
+  prop, pp = _proposer("eagle")
+  spec = make_spec(CONFIG, prop, adaptive_k=False, mesh=mesh)
+  both = sharding.shard_params({"target": _params(), "proposer": pp}, mesh)
+  t = both["target"]
+  assert sharding.spec_of(t["embed"]) == P("model", None)  # the tied embedding / LM head split by vocabulary
+  assert sharding.spec_of(t["layers"]["q"]) == P(None, None, "model", None)  # query heads
+  assert sharding.spec_of(t["layers"]["k"]) == P(None, None, None, None)  # one KV head: whole on every shard
+  assert sharding.spec_of(t["layers"]["o"]) == P(None, "model", None, None)
+  assert sharding.spec_of(t["layers"]["gate"]) == P(None, None, "model")  # MLP
+  assert sharding.spec_of(t["layers"]["down"]) == P(None, "model", None)
+  assert sharding.spec_of(t["final_norm"]) == P(None)
+  assert sharding.spec_of(both["proposer"]["layer"]["gate"]) == P(None, "model")  # EAGLE's own layer
+  # Each device holds a quarter of the embedding rows.
+  assert t["embed"].addressable_shards[0].data.shape == (CONFIG.vocab_size // 4, CONFIG.d_model)
+  state = start(both, spec, _prompts(3), max_new_tokens=MAX_NEW)
+  state = decode_loop(both, state, spec)  # what the compiled loop gives back
+  kv = (None, "data", None, None, None)
+  for arr, want in ((state.cache.k, kv), (state.tokens, ("data",)), (state.lengths, ("data",)),
+                    (state.last_hidden, ("data",)), (state.stats.accepted_at, ("data",)), (state.key, ()),
+                    (state.adapt.costs, ()), (state.step, ()), (state.pstate.cache.k, kv),
+                    (state.pstate.pend_feat, ("data",))):
+    assert _full(sharding.spec_of(arr), arr.ndim) == _full(want, arr.ndim), (arr.shape, sharding.spec_of(arr), want)
+  assert state.cache.k.addressable_shards[0].data.shape[1] == state.cache.k.shape[1] // 2  # rows split in 2
+
+
+def _full(spec, ndim):
+  return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def test_slots_on_a_mesh_equal_the_request_alone():
+  """The server's path: empty slots split over `data`, a request inserted mid-decode equals it alone."""
+  mesh = sharding.make_mesh("data:4,model:2")
+  prop, pp = _proposer("draft")
+  spec = make_spec(CONFIG, prop, adaptive_k=False, mesh=mesh)
+  both = sharding.shard_params({"target": _params(), "proposer": pp}, mesh)
+  prompts = _prompts(3)
+  alone = [generate(_params(), CONFIG, [p], max_new_tokens=MAX_NEW, proposer=prop, proposer_params=pp,
+                    adaptive_k=False).token_ids[0] for p in prompts]
+  state = slots.empty_state(both, spec, batch=4, capacity=128)
+  req = lambda p: slots.make_request(p, max_new=MAX_NEW, spec=spec, capacity=128)
+  state = slots.insert(both, state, 0, req(prompts[0]), spec)
+  state = decode_loop(both, state, spec, 3)
+  state = slots.insert(both, state, 3, req(prompts[1]), spec)
+  state = slots.insert(both, state, 1, req(prompts[2]), spec)
+  while not bool(np.all(np.asarray(state.done))):
+    state = decode_loop(both, state, spec, 4)
+  snap = slots.snapshot(state)
+  toks, pl, ln = np.asarray(snap.tokens), np.asarray(snap.prompt_lens), np.asarray(snap.lengths)
+  assert [toks[s, pl[s]:ln[s]].tolist() for s in (0, 3, 1)] == alone
+  assert sharding.spec_of(state.cache.k)[1] == "data"
+  assert sharding.spec_of(state.pstate.k)[1] == "data"  # the draft model's own cache
+  with pytest.raises(ValueError, match="data axis"):
+    slots.empty_state(both, spec, batch=3, capacity=128)
+
+
+def test_sampled_distribution_matches_one_device():
+  """The first 3 sampled tokens of a speculative run on a 4x2 mesh have the distribution of plain sampling on
+  one device (the one-device test of tests/test_decode.py, on a mesh)."""
+  from scipy.stats import chi2_contingency
+  config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))  # vocabulary 8: split over `model` = 2
+  params = init_params(config, jax.random.PRNGKey(3))
+  n, calls = 400, 3  # 1200 samples per side
+  prompts = [[2, 5, 6, 7]] * n
+  samp = SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
+  dcfg = config.replace(num_layers=1)
+  draft = DraftModelProposer(config=dcfg, k=2)
+  dparams = init_params(dcfg, jax.random.PRNGKey(4))
+  mesh = sharding.make_mesh("data:4,model:2")
+  plain, specd, rates = [], [], []
+  for c in range(calls):
+    plain += generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=100 + c).token_ids
+    out = generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=200 + c, proposer=draft,
+                   proposer_params=dparams, adaptive_k=False, mesh=mesh)
+    specd += out.token_ids
+    rates.append(out.stats["acceptance_rate"])
+  plain, specd = np.array(plain), np.array(specd)
+  assert 0.1 < np.mean(rates) < 0.95
+  for cols in ([0], [1], [2], [0, 1], [1, 2]):
+    a = [tuple(r) for r in plain[:, cols]]
+    b = [tuple(r) for r in specd[:, cols]]
+    cats = sorted(set(a) | set(b))
+    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
+    table = table[:, table.sum(0) > 0]
+    assert chi2_contingency(table)[1] > 1e-4, cols
