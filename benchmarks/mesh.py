@@ -1,0 +1,73 @@
+"""Decode tokens/s and speculative speedup on meshes of 1, 2, 4 and 8 devices, through serve.evaluate.
+
+  python benchmarks/mesh.py --meshes=,data:2,data:4,data:8,data:2,model:4 --json_out=/tmp/mesh.json
+
+Each mesh runs in its own process (the device count is fixed when JAX starts): on CPU the devices are simulated
+with --xla_force_host_platform_device_count, so the figures show the partitioning's overhead on the same two
+cores, not scaling. Baseline and ngram run interleaved inside each process (serve.evaluate's arms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPECBENCH = os.path.join(ROOT, "..", "shared", "data", "specbench", "spec_bench_question.jsonl")
+
+
+def devices(mesh: str) -> int:
+  n = 1
+  for part in filter(None, mesh.split(",")):
+    n *= int(part.split(":")[1])
+  return n
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--meshes", default=";data:2;data:4;data:8;data:2,model:4",
+                  help="';'-separated meshes ('' = one device, no mesh)")
+  ap.add_argument("--prompts", default=SPECBENCH)
+  ap.add_argument("--limit", type=int, default=8)
+  ap.add_argument("--batch_size", type=int, default=8)
+  ap.add_argument("--max_new_tokens", type=int, default=48)
+  ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--json_out", default="")
+  args = ap.parse_args()
+  rows = []
+  for mesh in args.meshes.split(";"):
+    n = devices(mesh)
+    with tempfile.TemporaryDirectory() as out:
+      cmd = [sys.executable, "-m", "serve.evaluate", f"--mesh={mesh}", "--methods=none,ngram",
+             f"--prompts={args.prompts}", f"--limit={args.limit}", f"--batch_size={args.batch_size}",
+             f"--max_new_tokens={args.max_new_tokens}", f"--dtype={args.dtype}", f"--repeats={args.repeats}",
+             "--costs_file=", "--adaptive=false", "--progress=false", f"--output_dir={out}"]
+      env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+      subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+      s = json.load(open(os.path.join(out, "summary.json")))
+    m = s["methods"]["ngram"]
+    row = {"mesh": mesh or "one device", "devices": n, "baseline_tok_s": s["baseline"]["output_tokens_per_s"],
+           "baseline_by_repeat": s["baseline"]["tokens_per_s_by_repeat"],
+           "ngram_tok_s": m["speculative"]["output_tokens_per_s"], "speedup": m["speedup"],
+           "speedup_by_repeat": m["speedup_by_repeat"],
+           "mean_acceptance_length": m["speculative"]["mean_acceptance_length"]}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  print("\n| mesh | devices | baseline tok/s (repeats) | ngram k=4 tok/s | speedup (repeats) | τ |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['mesh']} | {r['devices']} | {r['baseline_tok_s']:.1f} ({', '.join(f'{x:.1f}' for x in r['baseline_by_repeat'])}) "
+          f"| {r['ngram_tok_s']:.1f} | {r['speedup']:.2f}x ({', '.join(f'{x:.2f}' for x in r['speedup_by_repeat'])}) "
+          f"| {r['mean_acceptance_length']:.2f} |")
+  if args.json_out:
+    with open(args.json_out, "w") as f:
+      json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
