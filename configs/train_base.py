@@ -14,7 +14,6 @@ def get_config(kind: str = "medusa"):
       pad_id=0, name="tiny-train"))
   c.tiny_seed = 0
   c.cache_dir = "/tmp/spec_jax_data"
-  c.data_parallel = True  # shard the batch over all devices when there are several
   c.draft_vocab = 8192  # reduced draft vocabulary (0: the full vocabulary)
   c.num_heads = 4  # medusa
   c.mlp_dim = 1024  # eagle layer's MLP width (0: the target's)

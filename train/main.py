@@ -2,9 +2,11 @@
 
   python -m train.main --config=configs/train_eagle_gemma3_270m.py
   python -m train.main --config=configs/train_medusa_gemma3_270m.py --config.train.steps=600
+  python -m train.main --config=configs/train_eagle_gemma3_270m.py --mesh=data:4,model:2   # 8 devices
 
 Re-running the same command resumes from the latest checkpoint in `workdir` (exactly: params, optimizer state,
-data position and rng). `model = "tiny"` trains on a small random target with synthetic prompts (tests).
+data position and rng), on any mesh: a checkpoint written on one --mesh resumes on another or on one device.
+`model = "tiny"` trains on a small random target with synthetic prompts (tests).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections training config.", lock_config=True)
 flags.DEFINE_integer("stop_after", None, "Stop (without finishing) after this global step: for tests.")
+flags.DEFINE_string("mesh", "", "Device mesh 'data:N,model:M' (N*M = the device count): the batch splits over "
+                    "data, the params and optimizer state by spec_jax.sharding's table (tensor parallel over "
+                    "model). '' = one device.")
 FLAGS = flags.FLAGS
 
 
@@ -107,8 +112,9 @@ def build_task(cfg, config, params, d2t):
   raise ValueError(f"unknown kind {cfg.kind!r}: medusa, eagle or draft")
 
 
-# Settings a resumed run may change: they do not change what is trained.
-_RESUMABLE = {"train.progress", "train.log_every"}
+# Settings a resumed run may change: they do not change what is trained. (data_parallel: an old config key,
+# replaced by the --mesh flag, which a resumed run may also change.)
+_RESUMABLE = {"train.progress", "train.log_every", "data_parallel"}
 
 
 def _flat(d, prefix=""):
@@ -139,9 +145,11 @@ def check_resume_config(cfg):
     f.write(cfg.to_json(indent=1))
 
 
-def run(cfg, stop_after=None, log=None):
+def run(cfg, stop_after=None, log=None, mesh=""):
+  """`mesh`: a --mesh string or a Mesh (None or '' = one device)."""
   import jax
   import numpy as np
+  from spec_jax import sharding
   from spec_jax.checkpoints import heads as head_ckpt
   from train.trainer import Trainer, TrainSpec
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -152,27 +160,31 @@ def run(cfg, stop_after=None, log=None):
   t_data = time.time() - t0
   d2t = head_ckpt.make_d2t(data.token_counts(config.vocab_size), cfg.draft_vocab) if cfg.draft_vocab else None
   task, init, frozen, meta = build_task(cfg, config, params, d2t)
-  mesh = None
-  if cfg.data_parallel and jax.device_count() > 1:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  if mesh is None or isinstance(mesh, str):
+    mesh = sharding.make_mesh(mesh or "")
   spec = TrainSpec(**dict(cfg.train), feature_dir=os.path.join(cfg.cache_dir, "features"))
   trainer = Trainer(task, spec, mesh=mesh, log=log)
   final, ev = trainer.fit(init, frozen, data, stop_after=stop_after)
   if stop_after is not None and int(trainer.ckpt.latest_step() or 0) < cfg.train.steps:
     return final, None
-  flat = head_ckpt.flatten(jax.device_get(final))
-  np.savez(os.path.join(cfg.train.workdir, "final_params.npz"), **{k.replace("/", "."): v for k, v in flat.items()})
+  # Collectives (restores, gathers) on every process; files written by process 0 only.
+  final_host = jax.tree.map(sharding.to_host, final)
+  flat = head_ckpt.flatten(final_host)
+  best = trainer.best_params(final) if cfg.export and cfg.export_best else None
+  best = None if best is None else jax.tree.map(sharding.to_host, best)
   out = {"final": final}
+  if jax.process_index() != 0:
+    return final, ev
+  np.savez(os.path.join(cfg.train.workdir, "final_params.npz"), **{k.replace("/", "."): v for k, v in flat.items()})
   if cfg.export:
-    best = trainer.best_params(final) if cfg.export_best else None
     meta = dict(meta, train_steps=cfg.train.steps, train_time_s=round(time.time() - t0, 1),
                 data_time_s=round(t_data, 1), eval=ev, data=dict(cfg.data), draft_vocab=cfg.draft_vocab)
-    path = head_ckpt.save_heads(cfg.export, cfg.kind, best if best is not None else final, config, meta, d2t)
+    path = head_ckpt.save_heads(cfg.export, cfg.kind, best if best is not None else final_host, config, meta, d2t)
     log(f"exported {path}")
     out["export"] = path
   with open(os.path.join(cfg.train.workdir, "summary.json"), "w") as f:
     json.dump({"eval": ev, "time_s": round(time.time() - t0, 1), "data_time_s": round(t_data, 1),
-               "devices": jax.device_count() if mesh is not None else 1}, f, indent=1)
+               "devices": 1 if mesh is None else mesh.size, "mesh": sharding.describe(mesh)}, f, indent=1)
   return final, ev
 
 
@@ -180,7 +192,7 @@ def main(argv):
   del argv
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  run(_CONFIG.value, FLAGS.stop_after)
+  run(_CONFIG.value, FLAGS.stop_after, mesh=FLAGS.mesh)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,16 @@ optax AdamW with linear warmup then cosine decay and global-norm clipping; jitte
 target's features computed on the fly inside the step; orbax checkpoints (the last `keep` plus the best by eval
 loss) holding params, optimizer state, step and rng. The batch of step s is a pure function of (seed, s), so a
 run resumed from a checkpoint reads exactly the batches an uninterrupted run would have, and its final params are
-bitwise equal. With a Mesh, the batch is sharded over its 'data' axis and everything else is replicated.
+bitwise equal.
+
+With a ('data', 'model') Mesh (spec_jax.sharding.make_mesh) the trainable params and the frozen target get the
+shardings of spec_jax.sharding's logical-axis table (tensor parallel over 'model'), each optimizer-state leaf the
+sharding of the param it mirrors (replicated when it mirrors none: counts, scalars), and every batch is split over
+'data'. Host values become global arrays through sharding.put (jax.make_array_from_callback on several processes,
+each of which holds the same full batch), so the same code runs data parallel across hosts. The step pins its
+output state to those shardings; without a mesh everything stays on one device, as before. Checkpoints are saved
+sharded and restored straight into the shardings of the current mesh (abstract arrays carrying the target
+sharding), so a run saved on one mesh resumes on another, or on one device.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from spec_jax import sharding as shd
 from train import data as data_lib
 
 
@@ -75,7 +86,25 @@ def make_optimizer(spec: TrainSpec):
                      optax.adamw(sched, weight_decay=spec.weight_decay)), sched
 
 
-def _train_step(task: Task, tx, state: TrainState, frozen, tokens, mask, feats=None):
+def mirror_shardings(tree, params, param_shardings, default):
+  """Shardings for a tree whose leaves mirror the params (an optimizer state: Adam's mu and nu are copies of the
+  param tree inside optax's state containers): a leaf whose key path ends with a param's key path (the longest
+  such) and has its shape gets that param's sharding; every other leaf (step counts, scalars) gets `default`."""
+  by_path = {}
+  for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_shardings)):
+    by_path[tuple(path)] = (np.shape(x), s)
+
+  def one(path, x):
+    path = tuple(path)
+    for k in range(len(path), 0, -1):
+      hit = by_path.get(path[-k:])
+      if hit is not None:
+        return hit[1] if hit[0] == np.shape(x) else default
+    return default
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _train_step(task: Task, tx, constrain, state: TrainState, frozen, tokens, mask, feats=None):
   rng, key = jax.random.split(state.rng)
   if feats is None:
     feats = task.features(frozen, tokens)
@@ -85,7 +114,7 @@ def _train_step(task: Task, tx, state: TrainState, frozen, tokens, mask, feats=N
   updates, opt = tx.update(grads, state.opt, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
-  return TrainState(params, opt, state.step + 1, rng), metrics
+  return constrain(TrainState(params, opt, state.step + 1, rng)), metrics
 
 
 def _eval_step(task: Task, params, frozen, tokens, mask, feats=None):
@@ -97,10 +126,13 @@ def _eval_step(task: Task, params, frozen, tokens, mask, feats=None):
 
 class Trainer:
   def __init__(self, task: Task, spec: TrainSpec, mesh: Optional[jax.sharding.Mesh] = None, log=None):
+    if mesh is not None and spec.batch_size % shd.axis_size(mesh, "data"):
+      raise ValueError(f"batch_size {spec.batch_size} does not split over the mesh's data axis "
+                       f"({shd.axis_size(mesh, 'data')})")
     self.task, self.spec, self.mesh = task, spec, mesh
     self.tx, self.sched = make_optimizer(spec)
     self.log = log or (lambda s: print(s, file=sys.stderr))
-    self.train_step = jax.jit(functools.partial(_train_step, task, self.tx), donate_argnums=(0,))
+    self.train_step = jax.jit(functools.partial(_train_step, task, self.tx, self._constrain), donate_argnums=(0,))
     self.eval_step = jax.jit(functools.partial(_eval_step, task))
     self.features = jax.jit(task.features)
     os.makedirs(spec.workdir, exist_ok=True)
@@ -115,14 +147,40 @@ class Trainer:
 
   # ------------------------------------------------------------------------------------------- placement
   def _put_batch(self, x):
+    """Host rows (the same full batch on every process) -> a global array split over 'data'."""
     if self.mesh is None:
       return jnp.asarray(x)
-    return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("data")))
+    return shd.put(x, NamedSharding(self.mesh, P("data")))
 
-  def _replicate(self, tree):
+  def _one_device(self):
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+  def param_shardings(self, params):
+    """The table's shardings on the mesh; without one, everything on the default device."""
     if self.mesh is None:
-      return tree
-    return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+      return jax.tree.map(lambda _: self._one_device(), params)
+    return shd.param_shardings(params, self.mesh)
+
+  def state_shardings(self, state: TrainState) -> TrainState:
+    ps = self.param_shardings(state.params)
+    rep = self._one_device() if self.mesh is None else NamedSharding(self.mesh, P())
+    return TrainState(ps, mirror_shardings(state.opt, state.params, ps, rep), rep, rep)
+
+  def _constrain(self, state: TrainState) -> TrainState:
+    """Inside the step: keep the new state in the table's layout (a no-op without a mesh)."""
+    if self.mesh is None:
+      return state
+    return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+
+  def place_state(self, state: TrainState) -> TrainState:
+    return state if self.mesh is None else shd.put(state, self.state_shardings(state))
+
+  def place_frozen(self, frozen):
+    return frozen if self.mesh is None else shd.put(frozen, self.param_shardings(frozen))
+
+  @staticmethod
+  def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
 
   # ------------------------------------------------------------------------------------------- checkpoints
   def init_state(self, params) -> TrainState:
@@ -136,10 +194,19 @@ class Trainer:
             else state.rng}
 
   def restore_latest(self, state: TrainState) -> TrainState:
+    """The latest checkpoint (saved on any mesh) in this trainer's shardings; `state` (placed or not) gives the
+    tree structure, shapes and dtypes."""
     step = self.ckpt.latest_step()
     if step is None:
       return state
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._as_tree(state))
+    return self.restore(step, state)
+
+  def restore(self, step: int, state: TrainState) -> TrainState:
+    tree = self._as_tree(state)
+    # Orbax reads each array straight into these shardings, whatever mesh wrote it (without them it would
+    # rebuild the writer's shardings).
+    sh = self.state_shardings(state)
+    abstract = self._abstract(tree, {"params": sh.params, "opt": sh.opt, "step": sh.step, "rng": sh.rng})
     tree = self.ckpt.restore(step, args=ocp.args.StandardRestore(abstract))
     self.log(f"resumed from step {step}")
     return TrainState(tree["params"], tree["opt"], jnp.asarray(tree["step"], jnp.int32), tree["rng"])
@@ -158,7 +225,7 @@ class Trainer:
     step = self.best.best_step()
     if step is None:
       return None
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": like})
+    abstract = self._abstract({"params": like}, {"params": self.param_shardings(like)})
     return self.best.restore(step, args=ocp.args.StandardRestore(abstract))["params"]
 
   # ------------------------------------------------------------------------------------------- loops
@@ -185,7 +252,7 @@ class Trainer:
     for i in range(0, len(tokens), bs):
       chunk = tokens[i:i + bs]
       pad = bs - len(chunk)
-      f = np.asarray(self.features(frozen, self._put_batch(np.concatenate([chunk, chunk[:pad]]) if pad else chunk)))
+      f = shd.to_host(self.features(frozen, self._put_batch(np.concatenate([chunk, chunk[:pad]]) if pad else chunk)))
       out.append(f[:len(chunk)])
     return np.concatenate(out)
 
@@ -204,14 +271,16 @@ class Trainer:
     return {k: v / count for k, v in sums.items()}
 
   def _write(self, rec: dict):
+    if jax.process_index() != 0:
+      return
     with open(self.metrics_path, "a") as f:
       f.write(json.dumps(rec) + "\n")
 
   def fit(self, params, frozen, data: data_lib.Dataset, stop_after: Optional[int] = None):
     """Train (resuming from the latest checkpoint if there is one) -> (final params, last eval metrics)."""
     spec = self.spec
-    state = self.restore_latest(self.init_state(params))
-    state, frozen = self._replicate(state), self._replicate(frozen)
+    state = self.restore_latest(self.place_state(self.init_state(params)))
+    frozen = self.place_frozen(frozen)
     start = int(state.step)
     feats = eval_feats = None
     if spec.cache_features:
@@ -250,4 +319,5 @@ class Trainer:
         bar.update(1)
     if bar:
       bar.close()
+    self.state = state  # the final TrainState (params, optimizer state, step, rng), for inspection
     return state.params, last_eval

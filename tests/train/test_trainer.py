@@ -92,7 +92,8 @@ def test_data_parallel_over_two_devices(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
     w = str(tmp_path / f"w{n}")
     subprocess.run([sys.executable, "-m", "train.main", "--config=configs/train_tiny_test.py:medusa",
-                    f"--config.train.workdir={w}", f"--config.cache_dir={cache}", "--config.train.steps=10"],
+                    f"--config.train.workdir={w}", f"--config.cache_dir={cache}", "--config.train.steps=10",
+                    f"--mesh=data:{n}"],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
     import json
     with open(os.path.join(w, "summary.json")) as f:
