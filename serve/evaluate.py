@@ -52,29 +52,26 @@ def _cluster_env() -> bool:
 
 def init_distributed() -> None:
   """Join the run: with explicit flags, or by auto-detection on TPU pods / SLURM / MPI; a single process
-  otherwise. A process that cannot join within --initialization_timeout fails with the processes named."""
+  otherwise. A process that cannot join within --initialization_timeout fails (named by supervise())."""
   import jax
-  explicit = FLAGS.coordinator_address is not None or (FLAGS.num_processes or 1) > 1
-  if not explicit and not _cluster_env():
+  if not _multi_process():
     return
+  explicit = FLAGS.coordinator_address is not None or (FLAGS.num_processes or 1) > 1
   if explicit and (FLAGS.coordinator_address is None or FLAGS.num_processes is None or FLAGS.process_id is None):
     raise ValueError("a multi-process run needs --coordinator_address, --num_processes and --process_id together")
   if explicit and not 0 <= FLAGS.process_id < FLAGS.num_processes:
     raise ValueError(f"--process_id={FLAGS.process_id} is outside 0 .. {FLAGS.num_processes - 1}")
-  if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives; GPU/TPU ignore it
   kw = dict(initialization_timeout=FLAGS.initialization_timeout, heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
   if explicit:
     kw.update(coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
               process_id=FLAGS.process_id)
   try:
     jax.distributed.initialize(**kw)
-  except Exception as e:  # the coordination service's error names the tasks that did not connect
-    who = sorted({int(t) for t in re.findall(r"task:(\d+)", str(e))} - {FLAGS.process_id})
-    named = f"; processes that did not join: {who}" if who else ""
-    raise RunFailed(f"process {FLAGS.process_id}: the run at {FLAGS.coordinator_address} did not start: not all "
-                    f"{FLAGS.num_processes} processes joined within {FLAGS.initialization_timeout} s{named} "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
+  except Exception as e:  # a Python-level failure (bad address, ...); a peer that never joins aborts the process
+    # in C++ instead, which supervise() reports
+    raise RunFailed(f"process {FLAGS.process_id}: could not join the run at {FLAGS.coordinator_address}: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
 
 
 WORKER_ENV = "SPEC_JAX_EVALUATE_WORKER"
@@ -164,13 +161,10 @@ def diagnose(log: str, rc: int) -> str:
 
 def run() -> dict:
   import jax
-  import numpy as np
 
-  from serve.calibrate import load_costs, method_key
-  from serve.runner import Arm, category_table, format_table, run_arms
-  from spec_jax import adaptive, backend, sharding
+  from serve.runner import Arm, category_table, run_arms
+  from spec_jax import sharding
   from spec_jax.proposers.base import NoneProposer
-  from spec_jax.proposers.registry import build_proposer
 
   if not FLAGS.output_dir:
     raise ValueError("--output_dir is required")
@@ -189,15 +183,8 @@ def run() -> dict:
   for m in dict.fromkeys(FLAGS.methods):
     if m == "none":
       continue
-    proposer, pparams = build_proposer(
-        m, target_config=setup.config, target_params=setup.params, k=cfg["num_speculative_tokens"],
-        ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=setup.impl,
-        heads_path=cfg.get("heads") or None, topk=cfg.get("eagle_topk", 1),
-        num_draft_tokens=cfg.get("num_draft_tokens", 0))
-    ks = adaptive.option_set(proposer.k, cfg["adaptive"], proposer.tree)
-    rows = sharding.pad_rows(backend.batch_rows(setup.params, cfg["batch_size"]), mesh)
-    costs = load_costs(cfg.get("costs_file") or "", method_key(proposer), cfg["dtype"], ks, rows) \
-        if len(ks) > 1 else None
+    proposer, pparams = generate.build_method(cfg, m, setup.config, setup.params, setup.impl)
+    costs = generate.method_costs(cfg, proposer, setup.params)  # runner fits the rows to the padded batch
     arms.append(Arm(m, proposer, pparams, costs))
   t0 = time.perf_counter()
   runs = run_arms(arms, setup.params, setup.config, setup.tokenizer, setup.prompts, setup.prompt_ids,

@@ -104,7 +104,6 @@ def load_setup(cfg: dict) -> Setup:
   from serve.prompts import load_prompts
   from spec_jax.checkpoints.load import load_model
   from spec_jax.kernels import resolve_impl
-  from spec_jax.proposers.registry import build_proposer
 
   impl = resolve_impl(cfg["attention_impl"])
   config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"])
@@ -120,18 +119,34 @@ def load_setup(cfg: dict) -> Setup:
     if len(ids) + cfg["max_new_tokens"] + cfg["num_speculative_tokens"] + 1 > config.max_seq_len:
       raise ValueError(f"prompt {p.id!r} has {len(ids)} tokens; with {cfg['max_new_tokens']} new tokens it "
                        f"exceeds the context of {config.max_seq_len}")
-  proposer, proposer_params = build_proposer(
-      cfg["method"], target_config=config, target_params=params, k=cfg["num_speculative_tokens"],
-      ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl,
-      heads_path=cfg.get("heads") or None, topk=cfg.get("eagle_topk", 1),
-      num_draft_tokens=cfg.get("num_draft_tokens", 0))
+  proposer, proposer_params = build_method(cfg, cfg["method"], config, params, impl)
   return Setup(config, params, tokenizer, impl, prompts, prompt_ids, proposer, proposer_params)
 
 
-def run(cfg: dict) -> dict:
+def build_method(cfg: dict, method: str, config, params, impl: str):
+  """-> (proposer, its params) for `method` under the run settings (serve.generate and serve.evaluate)."""
+  from spec_jax.proposers.registry import build_proposer
+  return build_proposer(
+      method, target_config=config, target_params=params, k=cfg["num_speculative_tokens"],
+      ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl,
+      heads_path=cfg.get("heads") or None, topk=cfg.get("eagle_topk", 1),
+      num_draft_tokens=cfg.get("num_draft_tokens", 0))
+
+
+def method_costs(cfg: dict, proposer, params):
+  """The adaptive controller's step costs for this proposer from --costs_file (None: a single draft length)."""
   from serve.calibrate import load_costs, method_key
+  from spec_jax import adaptive, backend
+  ks = adaptive.option_set(proposer.k, cfg["adaptive"], proposer.tree)
+  if len(ks) == 1:
+    return None
+  return load_costs(cfg.get("costs_file") or "", method_key(proposer), cfg["dtype"], ks,
+                    backend.batch_rows(params, cfg["batch_size"]))
+
+
+def run(cfg: dict) -> dict:
   from serve.runner import Arm, category_table, format_table, run_arms
-  from spec_jax import adaptive, backend, sharding
+  from spec_jax import sharding
   from spec_jax.proposers.base import NoneProposer
 
   if FLAGS.repeats < 1:
@@ -139,9 +154,7 @@ def run(cfg: dict) -> dict:
   mesh = sharding.make_mesh(cfg.get("mesh") or "")
   setup = load_setup(cfg)
   proposer, params = setup.proposer, setup.params
-  ks = adaptive.option_set(proposer.k, cfg["adaptive"], proposer.tree)
-  costs = load_costs(cfg.get("costs_file") or "", method_key(proposer), cfg["dtype"], ks,
-                     backend.batch_rows(params, cfg["batch_size"])) if len(ks) > 1 else None
+  costs = method_costs(cfg, proposer, params)
   arms = [Arm(proposer.name, proposer, setup.proposer_params, costs)]
   if FLAGS.compare and proposer.k:
     arms.insert(0, Arm("baseline", NoneProposer(), {}))

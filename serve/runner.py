@@ -46,10 +46,11 @@ class TimedBatch:
 def timed_generate(params, config, prompt_ids, *, max_new_tokens, sampling, proposer, proposer_params, adaptive_k,
                    costs, seed, impl, stop_ids=(), warm=True, mesh=None) -> TimedBatch:
   """Prefill + loop for one batch, timed. Compiles first (a run with one new token per row) when `warm`.
-  With a mesh, params should already be placed (sharding.shard_params); rows pad to a multiple of `data`."""
+  With a mesh, params come placed (sharding.shard_params, once per run in run_arms); rows pad to a multiple of
+  `data`."""
   n = len(prompt_ids)
   spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, mesh=mesh)
-  both = sharding.shard_params({"target": params, "proposer": proposer_params}, mesh)
+  both = {"target": params, "proposer": proposer_params}
   slots = sharding.pad_rows(backend.batch_rows(params, n), mesh)
 
   def run(max_new):

@@ -375,13 +375,11 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
 
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None) -> KVCache:
-  """An empty target cache, created in its shards when there is a mesh."""
+  """An empty target cache, created directly in its shards when there is a mesh (no full copy on one device)."""
+  make = lambda: KVCache.init(config, batch, capacity, dtype)
   if mesh is None:
-    return KVCache.init(config, batch, capacity, dtype)
-  shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
-  kv = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(sharding.CACHE_AXES, shape, mesh))
-  lens = sharding.rows(np.zeros((batch,), np.int32), mesh)
-  return KVCache(sharding.zeros(shape, dtype, kv), sharding.zeros(shape, dtype, kv), lens)
+    return make()
+  return jax.jit(make, out_shardings=sharding.state_shardings(jax.eval_shape(make), mesh))()
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "n_real", "capacity", "chunk"), donate_argnames=("cache",))

@@ -19,7 +19,6 @@ import re
 from typing import Any, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -156,7 +155,7 @@ def state_shardings(state, mesh: Mesh):
       return cache(x)
     if _path_str(path) in REPLICATED_STATE or np.ndim(x) == 0:
       return NamedSharding(mesh, P())
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh))
+    return _row_sharding(x, mesh)
 
   return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_cache)
 
@@ -198,9 +197,12 @@ def rows(tree, mesh: Optional[Mesh]):
   """Host values with a leading row axis -> global arrays split over `data` (a no-op without a mesh)."""
   if mesh is None:
     return tree
-  return put(tree, jax.tree.map(
-      lambda x: NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh)),
-      tree))
+  return put(tree, jax.tree.map(lambda x: _row_sharding(x, mesh), tree))
+
+
+def _row_sharding(x, mesh: Mesh) -> NamedSharding:
+  """The leading (row) axis over `data`, the rest whole."""
+  return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh))
 
 
 def to_host(x) -> np.ndarray:
@@ -209,13 +211,6 @@ def to_host(x) -> np.ndarray:
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(x)
-
-
-def zeros(shape, dtype, sharding: Optional[NamedSharding]):
-  """A zero array created directly in its shards (no full copy on one device first)."""
-  if sharding is None:
-    return jnp.zeros(shape, dtype)
-  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
 def describe(mesh: Optional[Mesh]) -> dict:

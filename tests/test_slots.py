@@ -17,22 +17,23 @@ CAPACITY = 128
 MAX_NEW = 14
 
 
-def _proposer(name, params):
+def _proposer(name, params, config=CONFIG):
+  """Every proposer kind (and token trees: '<kind>_tree') over a tiny target `config` (shared with the mesh tests)."""
   if name == "none":
     return NoneProposer(), {}
   if name == "ngram":
     return NgramProposer(k=3), {}
   if name == "draft":
-    return early_exit_proposer(CONFIG, params, 2, k=3)
+    return early_exit_proposer(config, params, 2, k=3)
   if name.endswith("_tree"):  # token trees: medusa static, eagle and draft dynamic (EAGLE-2)
     import dataclasses
     from spec_jax.proposers.tree_expand import DynamicTree
     from spec_jax.tree import StaticTree
-    base, pparams = _proposer(name.removesuffix("_tree"), params)
+    base, pparams = _proposer(name.removesuffix("_tree"), params, config)
     tree = (StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))) if name == "medusa_tree"
             else DynamicTree(topk=2, depth=3, nodes=7))
     return dataclasses.replace(base, k=3, tree=tree), pparams
-  return (_medusa if name == "medusa" else _eagle)(params)
+  return (_medusa if name == "medusa" else _eagle)(params, config=config)
 
 
 def _run_to_end(params, state, spec, steps=3):

@@ -2,11 +2,9 @@
 token the one-device output for every proposer, at batch 1 and 8, on meshes 8x1, 4x2 and 2x4; sampled output
 has the one-device distribution; and the arrays really are laid out as spec_jax/sharding.py's table says."""
 
-import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -15,11 +13,9 @@ from spec_jax import sharding, slots
 from spec_jax.config import SamplingParams
 from spec_jax.decode import decode_loop, generate, make_spec, start
 from spec_jax.models.transformer import init_params
-from spec_jax.proposers.base import NoneProposer
-from spec_jax.proposers.draft import DraftModelProposer, early_exit_proposer
-from spec_jax.proposers.ngram import NgramProposer
+from spec_jax.proposers.draft import DraftModelProposer
 from tests.conftest import tiny_gemma_config
-from tests.proposers.test_medusa_eagle import _eagle, _medusa
+from tests.test_slots import _proposer as slots_proposer
 
 # Vocabulary, heads and MLP divide by every `model` size used here, so all of them really split.
 CONFIG = tiny_gemma_config(vocab_size=128, eos_ids=(1,))
@@ -33,18 +29,7 @@ def _params():
 
 
 def _proposer(name):
-  params = _params()
-  if name == "none":
-    return NoneProposer(), {}
-  if name == "ngram":
-    return NgramProposer(k=3), {}
-  if name == "draft":
-    return early_exit_proposer(CONFIG, params, 2, k=3)
-  if name == "eagle_tree":
-    from spec_jax.proposers.tree_expand import DynamicTree
-    prop, pp = _eagle(params, config=CONFIG)
-    return dataclasses.replace(prop, k=3, tree=DynamicTree(topk=2, depth=3, nodes=7)), pp
-  return (_medusa if name == "medusa" else _eagle)(params, config=CONFIG)
+  return slots_proposer(name, _params(), CONFIG)
 
 
 def _prompts(n):
