@@ -1,7 +1,7 @@
 """serve.loadtest end to end on a tiny random Gemma 3 served by serve.server's own constructors.
 
-Three in-process servers (build_engine + create_app under uvicorn on loopback): the baseline, an identical copy
-of it, and a planted slow proposer (ngram whose jitted propose() sleeps through io_callback) with adaptive k off so
+Two in-process servers (build_engine + create_app under uvicorn on loopback): the baseline, which also serves the
+"identical" arm, and a planted slow proposer (ngram whose jitted propose() sleeps through io_callback) with adaptive k off so
 it drafts every step. A short matrix drives them; the slow arm must get "roll back", the copy "neutral". The same
 run checks the files, the percentiles against numpy over the raw records, and /metrics deltas against the per-request
 usage sums. A second test lets the tool start `python -m serve.server` itself.
@@ -24,7 +24,8 @@ from serve.loadtest.pipeline import run
 from spec_jax.proposers.ngram import NgramProposer
 from tests.serve.test_server import MODEL, WORDS, free_port, write_tiny_model
 
-SLOW_S = 0.1  # per proposer call; a tiny-model step takes a few ms
+SLOW_S = 0.05  # per proposer call; a tiny-model step takes a few ms
+REQUESTS = 16  # per load point: a tiny-model point lasts ~1 s, long enough that one pause does not decide it
 
 
 def _sleep_then(delay, tokens):
@@ -104,7 +105,7 @@ def _cfg(out_dir, prompts, **kw) -> dict:
   c = dict(output_dir=str(out_dir), model_name=MODEL, slots=2, url="", api_key="", prompts=prompts, prompt_limit=0,
            categories=[], output_lengths=[16, 32], prompt_len_edges=[8], seed=0,
            samplings=[{"name": "greedy", "temperature": 0.0, "top_p": 1.0}], closed_levels=[1, 2],
-           overload_factor=2.0, open_rates=[], requests_per_point=8, requests_per_client=4,
+           overload_factor=2.0, open_rates=[], requests_per_point=REQUESTS, requests_per_client=4,
            max_seconds_per_point=60.0, drain_seconds=60.0, warmup_requests=4, request_timeout=120.0,
            sample_interval=0.25, min_segment_requests=2, baseline_repeats=3,
            guardrails={"noise_floor": 0.75, "acceptance_floor": 0.0, "min_requests": 4})
@@ -117,12 +118,14 @@ def test_matrix_slow_arm_rolls_back_identical_is_neutral(tiny_model, prompts_fil
   t0 = time.time()
   try:
     servers["base"] = InProcessServer(tiny_model, {})
-    servers["same"] = InProcessServer(tiny_model, {})
     servers["slow"] = InProcessServer(tiny_model, {"method": "ngram", "num_speculative_tokens": 3}, slow=True,
                                       adaptive=False)
     cfg = _cfg(tmp_path, prompts_file,
                baseline={"name": "baseline", "speculative_config": {}, "url": servers["base"].url},
-               arms=[{"name": "identical", "speculative_config": {}, "url": servers["same"].url},
+               # The identical arm is the baseline's own server, measured between two baseline repeats: any
+               # difference is time-to-time noise, which the repeats bracket (two servers of one config differed
+               # by 2x on a loaded CI machine).
+               arms=[{"name": "identical", "speculative_config": {}, "url": servers["base"].url},
                      {"name": "slow_ngram", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
                       "url": servers["slow"].url, "pid": os.getpid()}])
     print(f"servers up in {time.time() - t0:.1f} s")  # pytest shows the run's log when a test fails
@@ -163,7 +166,7 @@ def test_matrix_slow_arm_rolls_back_identical_is_neutral(tiny_model, prompts_fil
     for key in ("greedy/c1", "greedy/c2"):
       ok = [r for r in records if r["arm"] == arm and r["point"] == key]
       st = summary["stats"][arm][key]["all"]
-      assert st["completed"] == len(ok) == 8
+      assert st["completed"] == len(ok) == REQUESTS
       assert st["ttft_p50"] == pytest.approx(np.percentile([r["ttft"] for r in ok], 50))
       assert st["e2e_p95"] == pytest.approx(np.percentile([r["e2e"] for r in ok], 95))
       assert st["itl_p95"] == pytest.approx(np.percentile(np.concatenate([r["itl"] for r in ok]), 95))
