@@ -14,6 +14,8 @@ def get_config():
   c.top_p = 1.0
   c.seed = 0
   c.batch_size = 1
+  c.quantize = "none"  # target weights: none | int8 | int4 (spec_jax/quant.py)
+  c.draft_quantize = "int8"  # method=qdraft: the draft's weights, int8 | int4
   c.mesh = ""  # 'data:N,model:M' over the devices (spec_jax/sharding.py); '' = one device
   c.method = "ngram"
   c.num_speculative_tokens = 4

@@ -37,7 +37,11 @@ flags.DEFINE_integer("top_k", None, "0 is off.")
 flags.DEFINE_float("top_p", None, "1 is off.")
 flags.DEFINE_integer("seed", None, "Sampling seed.")
 flags.DEFINE_integer("batch_size", None, "Prompts per batch.")
-flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle"], "Draft source.")
+flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle", "qdraft"],
+                  "Draft source (qdraft: the target's own weights quantized to --draft_quantize).")
+flags.DEFINE_enum("quantize", None, ["none", "int8", "int4"], "Target weights: int8 per output channel, int4 per "
+                  "32 inputs (spec_jax/quant.py); cached beside the checkpoint.")
+flags.DEFINE_enum("draft_quantize", None, ["int8", "int4"], "method=qdraft: the draft's weights.")
 flags.DEFINE_string("heads", None, "Medusa/EAGLE/draft checkpoint (path stem); '' = the one in heads/.")
 flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
 flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
@@ -56,7 +60,7 @@ FLAGS = flags.FLAGS
 _OVERRIDABLE = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                 "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers",
                 "eagle_topk", "num_draft_tokens",
-                "adaptive", "heads", "costs_file", "mesh")
+                "adaptive", "heads", "costs_file", "mesh", "quantize", "draft_quantize")
 
 
 def settings() -> dict:
@@ -106,7 +110,7 @@ def load_setup(cfg: dict) -> Setup:
   from spec_jax.kernels import resolve_impl
 
   impl = resolve_impl(cfg["attention_impl"])
-  config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"])
+  config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
   prompts = load_prompts(FLAGS.prompts, tokenizer)
   if FLAGS.categories:
     prompts = [p for p in prompts if p.category in FLAGS.categories]
@@ -130,7 +134,8 @@ def build_method(cfg: dict, method: str, config, params, impl: str):
       method, target_config=config, target_params=params, k=cfg["num_speculative_tokens"],
       ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl,
       heads_path=cfg.get("heads") or None, topk=cfg.get("eagle_topk", 1),
-      num_draft_tokens=cfg.get("num_draft_tokens", 0))
+      num_draft_tokens=cfg.get("num_draft_tokens", 0), model_path=cfg["model"] or None, dtype=cfg["dtype"],
+      draft_quantize=cfg.get("draft_quantize") or "int8")
 
 
 def method_costs(cfg: dict, proposer, params):

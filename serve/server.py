@@ -43,7 +43,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("top_k", None, "Default top_k (0 is off).")
   flags.DEFINE_float("top_p", None, "Default top_p (1 is off).")
   flags.DEFINE_integer("seed", None, "Seed of the engine's sampling stream (a request's seed picks its first token).")
-  flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle"],
+  flags.DEFINE_enum("quantize", None, ["none", "int8", "int4"], "Target weights (spec_jax/quant.py).")
+  flags.DEFINE_enum("draft_quantize", None, ["int8", "int4"], "method=qdraft: the draft's weights.")
+  flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle", "qdraft"],
                     "Draft source when --speculative_config is not given.")
   flags.DEFINE_string("heads", None, "Medusa/EAGLE/draft checkpoint (path stem); '' = the one in heads/.")
   flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
@@ -83,7 +85,7 @@ def define_flags() -> None:
 FLAGS = flags.FLAGS
 RUN_FLAGS = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "method",
              "heads", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "eagle_topk",
-             "num_draft_tokens", "adaptive")
+             "num_draft_tokens", "adaptive", "quantize", "draft_quantize")
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, speculative_config=None, max_num_seqs=4, max_queue=64,
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
                        served_model_name="gemma-3-270m",
@@ -132,11 +134,12 @@ def build_engine(cfg: dict):
   sc = parse_speculative_config(cfg["speculative_config"], cfg)
   guard = GuardrailConfig.parse(cfg["guardrails"])
   impl = resolve_impl(cfg["attention_impl"])
-  config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"])
+  config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
   proposer, proposer_params = build_proposer(
       sc.method, target_config=config, target_params=params, k=sc.k, ngram_min=sc.ngram_min, ngram_max=sc.ngram_max,
       draft_layers=sc.draft_layers, impl=impl, heads_path=sc.model or None, topk=sc.eagle_topk,
-      num_draft_tokens=sc.num_draft_tokens)
+      num_draft_tokens=sc.num_draft_tokens, model_path=cfg["model"] or None, dtype=cfg["dtype"],
+      draft_quantize=sc.quantization)
   # k = 0 is always an option, so the global switch (and a request's speculate=false) can turn drafting off.
   ks = {0} | set(adaptive.option_set(sc.k, cfg["adaptive"], proposer.tree)) | {k for _, k in sc.per_concurrency}
   ks = tuple(sorted(k for k in ks if k <= sc.k))

@@ -19,9 +19,9 @@ import json
 import os
 
 METHOD_ALIASES = {"ngram": "ngram", "draft": "draft", "draft_model": "draft", "medusa": "medusa", "eagle": "eagle",
-                  "none": "none", "off": "none", "": "none"}
+                  "qdraft": "qdraft", "none": "none", "off": "none", "": "none"}
 _ENTRY_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "draft_layers",
-               "eagle_topk", "num_draft_tokens"}
+               "eagle_topk", "num_draft_tokens", "quantization"}
 _TOP_KEYS = _ENTRY_KEYS | {"per_concurrency"}
 FORBIDDEN_COST = 1e9  # a step cost the adaptive controller never picks
 
@@ -36,6 +36,7 @@ class SpecConfig:
   draft_layers: int = 0
   eagle_topk: int = 1  # token trees: candidates per node (1 = chains)
   num_draft_tokens: int = 0  # token trees: node budget (0 = 1 + k * eagle_topk)
+  quantization: str = "int8"  # qdraft: the draft's weights (int8 or int4)
   per_concurrency: tuple = ()  # ((concurrency, k), ...) sorted; empty: k everywhere
 
   def k_at(self, occupancy: int) -> int:
@@ -87,7 +88,7 @@ def _entry(d: dict, base: dict, what: str) -> dict:
   d = {**base, **d}
   method = d.get("method", "ngram" if d.get("num_speculative_tokens") else "none")
   if not isinstance(method, str) or method.lower() not in METHOD_ALIASES:
-    raise ValueError(f"{what}: method must be one of draft, ngram, medusa, eagle, got {method!r}")
+    raise ValueError(f"{what}: method must be one of draft, ngram, medusa, eagle, qdraft, got {method!r}")
   method = METHOD_ALIASES[method.lower()]
   k = _int(d, "num_speculative_tokens", 4 if method != "none" else 0, what)
   if method == "none" or k == 0:
@@ -98,7 +99,9 @@ def _entry(d: dict, base: dict, what: str) -> dict:
   out = dict(method=method, k=k, ngram_min=_int(d, "prompt_lookup_min", 1, what),
              ngram_max=_int(d, "prompt_lookup_max", 3, what), model=model,
              draft_layers=_int(d, "draft_layers", 0, what), eagle_topk=max(1, _int(d, "eagle_topk", 1, what)),
-             num_draft_tokens=_int(d, "num_draft_tokens", 0, what))
+             num_draft_tokens=_int(d, "num_draft_tokens", 0, what), quantization=d.get("quantization") or "int8")
+  if out["quantization"] not in ("int8", "int4"):
+    raise ValueError(f"{what}: quantization (qdraft's weights) must be int8 or int4, got {out['quantization']!r}")
   if method == "ngram" and not 1 <= out["ngram_min"] <= out["ngram_max"]:
     raise ValueError(f"{what}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {out['ngram_min']}, "
                      f"{out['ngram_max']}")
@@ -111,7 +114,8 @@ def parse_speculative_config(text: str | None, defaults: dict) -> SpecConfig:
     d = {"method": defaults.get("method", "none"), "num_speculative_tokens": defaults.get("num_speculative_tokens", 0),
          "prompt_lookup_min": defaults.get("ngram_min", 1), "prompt_lookup_max": defaults.get("ngram_max", 3),
          "model": defaults.get("heads", ""), "draft_layers": defaults.get("draft_layers", 0),
-         "eagle_topk": defaults.get("eagle_topk", 1), "num_draft_tokens": defaults.get("num_draft_tokens", 0)}
+         "eagle_topk": defaults.get("eagle_topk", 1), "num_draft_tokens": defaults.get("num_draft_tokens", 0),
+         "quantization": defaults.get("draft_quantize", "int8")}
     return SpecConfig(**_entry(d, {}, "config"))
   what = "--speculative_config"
   obj = read_json_arg(text, what)
@@ -137,7 +141,8 @@ def parse_speculative_config(text: str | None, defaults: dict) -> SpecConfig:
     return SpecConfig(per_concurrency=tuple((c, 0) for c, _ in entries))
   first = drafting[0]
   for e in drafting[1:]:
-    for field in ("method", "ngram_min", "ngram_max", "model", "draft_layers", "eagle_topk", "num_draft_tokens"):
+    for field in ("method", "ngram_min", "ngram_max", "model", "draft_layers", "eagle_topk", "num_draft_tokens",
+                  "quantization"):
       if e[field] != first[field]:
         raise ValueError(f"{what}: per_concurrency entries must share one proposer; {field} differs "
                          f"({first[field]!r} vs {e[field]!r})")

@@ -18,7 +18,7 @@ from spec_jax.checkpoints.file_cache import cache_path, fingerprint
 from spec_jax.checkpoints.gguf_meta import DEFAULT_MODEL_FILE, default_model_path, field, open_reader
 from spec_jax.config import ModelConfig
 
-__all__ = ["CACHE_SUFFIX", "DEFAULT_MODEL_FILE", "config_from_reader", "default_model_path", "load_gguf"]
+__all__ = ["CACHE_SUFFIX", "DEFAULT_MODEL_FILE", "config_from_reader", "default_model_path", "load_config", "load_gguf"]
 
 CACHE_SUFFIX = ".spec_jax.safetensors"
 CACHE_FORMAT = "2"
@@ -137,6 +137,22 @@ def _config_from_json(s: str) -> ModelConfig:
   d = json.loads(s)
   d["eos_ids"] = tuple(d["eos_ids"])
   return ModelConfig(**d)
+
+
+def load_config(path: str | None = None) -> ModelConfig:
+  """The ModelConfig of a GGUF: from its float cache's record when that matches the file, else its metadata."""
+  path = path or default_model_path()
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"GGUF file not found: {path}")
+  meta_path = cache_path(path, CACHE_SUFFIX) + ".json"
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+    if meta.get("fingerprint") == fingerprint(path) and meta.get("format") == CACHE_FORMAT:
+      return _config_from_json(meta["config"])
+  except (OSError, ValueError, KeyError, TypeError):
+    pass
+  return config_from_reader(open_reader(path), path)
 
 
 def load_gguf(path: str | None = None, dtype=jnp.float32, use_cache: bool = True):

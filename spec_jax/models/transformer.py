@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import kernels
+from spec_jax.quant import QTensor, qdot, take_rows
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 
@@ -89,7 +90,10 @@ def rope(x, positions, base):
 
 def dot(eq, x, w):
   """einsum accumulating in float32, back in x's dtype. XLA:CPU runs a bfloat16 dot with bfloat16 output
-  ~3x slower (and a 262k-wide one ~14x slower) than the same dot with float32 output."""
+  ~3x slower (and a 262k-wide one ~14x slower) than the same dot with float32 output. A quantized weight
+  (QTensor, spec_jax/quant.py) is dequantized tile by tile inside the dot."""
+  if isinstance(w, QTensor):
+    return qdot(x, w).astype(x.dtype)
   return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -172,7 +176,9 @@ def write_rows(buf, new, lengths):
 
 def embed(params, tokens, config: ModelConfig):
   """Activations take the layers' dtype (final_norm's), which may differ from the embedding table's."""
-  x = jnp.take(params["embed"], tokens, axis=0).astype(params["final_norm"].dtype)
+  dtype = params["final_norm"].dtype
+  w = params["embed"]
+  x = take_rows(w, tokens, dtype) if isinstance(w, QTensor) else jnp.take(w, tokens, axis=0).astype(dtype)
   if config.embed_scale:
     x = x * jnp.asarray(math.sqrt(config.d_model), x.dtype)
   return x
@@ -180,6 +186,9 @@ def embed(params, tokens, config: ModelConfig):
 
 def lm_head(params, hidden):
   """hidden [..., D] (already final-normed) -> float32 logits [..., V]."""
+  w = params.get("lm_head", params["embed"])
+  if isinstance(w, QTensor):  # tied ([V, D], contracting D) or untied ([D, V]): both quantized output-major
+    return qdot(hidden, w)
   w = params.get("lm_head")
   # Cast the activations, never the weights: promoting a bfloat16 head would copy all 262k rows every step.
   if w is None:

@@ -162,6 +162,23 @@ def early_exit_proposer(target_config: ModelConfig, target_params: dict, num_lay
   return DraftModelProposer(config=cfg, k=k, impl=impl, tree=tree), early_exit_params(target_params, num_layers)
 
 
+def quantized_self_draft(target_config: ModelConfig, target_params: dict, model_path: str | None, dtype: str,
+                         mode: str, k: int, impl: str = "xla", tree: Optional[DynamicTree] = None):
+  """qdraft: the target's own architecture and weights, quantized to `mode` (int8 or int4; spec_jax/quant.py),
+  as a draft model with its own KV cache. Verification stays with the target's own weights, so the output is
+  the target's."""
+  from spec_jax import quant
+  from spec_jax.checkpoints.load import load_params
+  if mode not in ("int8", "int4"):
+    raise ValueError(f"qdraft quantizes to int8 or int4, got {mode!r}")
+  if quant.is_quantized(target_params):
+    raise ValueError("qdraft drafts with a quantized copy of a float target; the target is already quantized "
+                     "(--quantize): use --quantize=none with --method=qdraft")
+  _, qparams = load_params(model_path or None, dtype, mode)
+  cfg = target_config.replace(name=f"{target_config.name}-{mode}")
+  return DraftModelProposer(config=cfg, k=k, impl=impl, name="qdraft", tree=tree), qparams
+
+
 def param_shapes(target_config: ModelConfig, num_layers: int) -> dict:
   """The trained weights of a distilled draft: its layers and final norm (embedding and head are the target's)."""
   from spec_jax.models.transformer import param_shapes as tfm_shapes

@@ -7,7 +7,7 @@ import os
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.ngram import NgramProposer
 
-METHODS = ("none", "ngram", "draft", "medusa", "eagle")
+METHODS = ("none", "ngram", "draft", "medusa", "eagle", "qdraft")
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "heads")
 
 
@@ -19,11 +19,13 @@ def default_heads_path(method: str) -> str:
 
 def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngram_min: int = 1,
                    ngram_max: int = 3, draft_layers: int = 0, impl: str = "xla", heads_path: str | None = None,
-                   topk: int = 1, num_draft_tokens: int = 0):
+                   topk: int = 1, num_draft_tokens: int = 0, model_path: str | None = None,
+                   dtype: str = "float32", draft_quantize: str = "int8"):
   """-> (proposer, proposer_params). medusa, eagle and draft load `heads_path` ('' or None: the one in heads/);
   draft with draft_layers = N > 0 is instead the early-exit self-draft of the target's first N
   layers. Trees (SGLang's flags): k is the depth, `topk` the branching (1: chains), `num_draft_tokens` the
-  node budget (root included; 0: 1 + k * topk)."""
+  node budget (root included; 0: 1 + k * topk). qdraft is the target drafting for itself through its own
+  weights quantized to `draft_quantize` (loaded from `model_path` with `dtype`, cached like the target's)."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
   if method == "none":
@@ -37,7 +39,7 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngr
   if topk > 1 and num_draft_tokens and num_draft_tokens < k + 1:
     raise ValueError(f"num_draft_tokens={num_draft_tokens} cannot hold a tree of depth {k} (needs >= {k + 1})")
   tree = None
-  if topk > 1 and method in ("eagle", "draft"):
+  if topk > 1 and method in ("eagle", "draft", "qdraft"):
     from spec_jax.proposers.tree_expand import DynamicTree
     tree = DynamicTree(topk=topk, depth=k, nodes=num_draft_tokens or 1 + k * topk)
   if method == "ngram":
@@ -49,6 +51,9 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngr
   if method == "eagle":
     from spec_jax.proposers.eagle import load_eagle
     return load_eagle(heads_path or default_heads_path(method), target_config, target_params, k, impl, tree)
+  if method == "qdraft":
+    from spec_jax.proposers.draft import quantized_self_draft
+    return quantized_self_draft(target_config, target_params, model_path, dtype, draft_quantize, k, impl, tree)
   from spec_jax.proposers.draft import early_exit_proposer, load_draft
   if draft_layers:
     return early_exit_proposer(target_config, target_params, draft_layers, k, impl, tree)

@@ -13,17 +13,24 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from spec_jax.quant import QTensor, qdot, take_rows
 from spec_jax.sampling import sample, warped_probs
 
 
 def output_rows(target_params: dict, d2t: Optional[jax.Array] = None) -> jax.Array:
-  """[N, D] rows of the target's output projection (tied embedding or lm_head), restricted to d2t if given."""
+  """[N, D] rows of the target's output projection (tied embedding or lm_head), restricted to d2t if given.
+  A quantized target's rows stay quantized when all are taken, and are dequantized when d2t picks a few."""
+  q = target_params.get("lm_head", target_params["embed"])
+  if isinstance(q, QTensor):  # quantized output-major [V, D] either way
+    return q if d2t is None else take_rows(q, d2t, target_params["final_norm"].dtype)
   w = target_params["lm_head"].T if "lm_head" in target_params else target_params["embed"]
   return w if d2t is None else jnp.take(w, d2t, axis=0)
 
 
 def project(hidden: jax.Array, rows: jax.Array) -> jax.Array:
   """hidden [..., D] -> float32 logits [..., N]."""
+  if isinstance(rows, QTensor):
+    return qdot(hidden, rows)
   return jnp.einsum("...d,nd->...n", hidden, rows.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 

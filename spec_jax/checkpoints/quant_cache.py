@@ -1,0 +1,85 @@
+"""Quantized weights, built once per checkpoint and mode, cached beside the source as safetensors.
+
+Quantizing Gemma 3 270M's 262k-row embedding takes seconds, so the result is kept like the dequantized GGUF
+cache: `<source>.spec_jax.<mode>.safetensors` plus a JSON record of the source's fingerprint, the format, the
+QTensor statics and the file's sha256. A cache is used only when all of these match and every tensor has the
+name, shape and dtype that quantizing this config gives; anything else (a replaced source, a truncated or
+flipped byte, an older layout) is rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from spec_jax import quant
+from spec_jax.checkpoints import safetensors_io
+from spec_jax.checkpoints.file_cache import cache_path, fingerprint
+
+FORMAT = "2"
+
+
+def _sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _expected_dtype(name: str, mode: str):
+  if name.endswith(".values"):
+    return np.int8 if mode == "int8" else np.uint8
+  return None  # float: scales are float32, other leaves the source's dtype
+
+
+def read_cache(source: str, mode: str, config) -> dict | None:
+  """The cached quantized params of `source` (numpy-backed jax arrays), or None when absent or not valid."""
+  from spec_jax.models.transformer import param_shapes
+  cpath = cache_path(source, f".spec_jax.{mode}.safetensors")
+  meta_path = cpath + ".json"
+  if not (os.path.exists(cpath) and os.path.exists(meta_path)):
+    return None
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+    if (meta.get("format") != FORMAT or meta.get("mode") != mode or meta.get("source") != fingerprint(source)
+        or meta.get("sha256") != _sha256(cpath)):
+      return None
+    arrays = safetensors_io.read(cpath)
+    want = quant.expected_shapes(param_shapes(config), mode)
+    if set(arrays) != set(want) or any(tuple(arrays[k].shape) != tuple(v) for k, v in want.items()):
+      return None
+    if any((d := _expected_dtype(k, mode)) is not None and arrays[k].dtype != d for k in arrays):
+      return None
+    if any(k.endswith((".scale", ".offset")) and arrays[k].dtype != np.float32 for k in arrays):
+      return None
+    return {"arrays": arrays, "statics": meta["statics"]}
+  except (OSError, ValueError, KeyError, TypeError):
+    return None  # unreadable: rebuilt
+
+
+def write_cache(source: str, mode: str, params: dict) -> str:
+  cpath = cache_path(source, f".spec_jax.{mode}.safetensors")
+  arrays, statics = quant.flatten(params)
+  safetensors_io.write(cpath, arrays)
+  meta = {"format": FORMAT, "mode": mode, "source": fingerprint(source), "sha256": _sha256(cpath),
+          "statics": statics}
+  tmp = cpath + ".json.tmp"
+  with open(tmp, "w") as f:
+    json.dump(meta, f)
+  os.replace(tmp, cpath + ".json")
+  return cpath
+
+
+def load_quantized(source: str, mode: str, config, load_float, dtype, use_cache: bool = True) -> dict:
+  """Quantized params of a checkpoint file: from the cache when valid, else quantized from
+  `load_float()` (-> float params) and cached. Float leaves (norms, biases) take `dtype`."""
+  cached = read_cache(source, mode, config) if use_cache else None
+  if cached is not None:
+    return quant.unflatten(cached["arrays"], cached["statics"], dtype)
+  params = quant.quantize_params(load_float(), mode)
+  if use_cache:
+    write_cache(source, mode, params)
+  arrays, statics = quant.flatten(params)
+  return quant.unflatten(arrays, statics, dtype)
