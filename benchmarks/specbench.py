@@ -36,6 +36,7 @@ def main():
   ap.add_argument("--methods", default="ngram,draft")
   ap.add_argument("--k", type=int, default=4)
   ap.add_argument("--draft_layers", type=int, default=0, help="0: the distilled draft; N: early exit after N")
+  ap.add_argument("--draft_quantize", default="int8", help="qdraft: the draft's weights (int8 or int4)")
   ap.add_argument("--batch_size", type=int, default=1)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--adaptive", default="on,off")
@@ -63,7 +64,8 @@ def main():
   variants += [(m, int(t), int(n)) for m, t, n in (x.split(":") for x in args.trees.split(",") if x)]
   for method, topk, nodes in variants:
     proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=args.k,
-                                       draft_layers=args.draft_layers, topk=topk, num_draft_tokens=nodes)
+                                       draft_layers=args.draft_layers, topk=topk, num_draft_tokens=nodes,
+                                       dtype=args.dtype, draft_quantize=args.draft_quantize)
     name = method if proposer.tree is None else f"{method}-tree{proposer.tree.nodes}"
     for adapt in args.adaptive.split(","):
       ks = adaptive.option_set(proposer.k, adapt == "on", proposer.tree)

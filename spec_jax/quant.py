@@ -35,7 +35,7 @@ LAYER_CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 @jax.tree_util.register_pytree_node_class
 class QTensor:
   """A quantized [..., N, K] matrix. values: int8 [..., N/t, t, K] (int4: uint8 [..., N/t, t/2, K]);
-  scale (and int4's offset): float32 [..., N/t, t, K/g]. Static: the output shape (N = prod(out_shape), padded up to whole
+  scale: float32 [..., N/t, t, 1] (int8); int4's scale and offset: float16 [..., N/t, t, K/g]. Static: the output shape (N = prod(out_shape), padded up to whole
   tiles), how many trailing input axes the dot contracts, and the bit width."""
 
   def __init__(self, values, scale, offset, out_shape: tuple, n_in: int, bits: int):
@@ -67,7 +67,8 @@ class QTensor:
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.values.shape)) + int(np.prod(self.scale.shape)) * 4 * (1 + (self.offset is not None))
+    extra = [a for a in (self.scale, self.offset) if a is not None]
+    return int(np.prod(self.values.shape)) + sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in extra)
 
   def __repr__(self):
     return f"QTensor(int{self.bits}, out={self.out_shape}, values={getattr(self.values, 'shape', None)})"
@@ -101,11 +102,13 @@ def quantize_matrix(w: np.ndarray, bits: int, group: int = GROUP_INT4):
     scale = np.where(amax > 0, amax / 127, 1.0).astype(np.float32)
     q = np.clip(np.rint(wg / scale[..., None]), -127, 127).astype(np.int8).reshape(-1, t, k)
     return q, scale.reshape(-1, t, k // g), None
-  lo, hi = wg.min(-1), wg.max(-1)
-  scale = np.where(hi > lo, (hi - lo) / 15, 1.0).astype(np.float32)
-  q = np.clip(np.rint((wg - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8).reshape(-1, t, k)
+  # float16 scale and offset: 1 bit per weight on top of the 4 (float32 would add 2).
+  lo = wg.min(-1).astype(np.float16)
+  scale = np.maximum((wg.max(-1) - lo.astype(np.float32)) / 15, 1e-6).astype(np.float16)  # never 0
+  s32, lo32 = scale.astype(np.float32)[..., None], lo.astype(np.float32)[..., None]
+  q = np.clip(np.rint((wg - lo32) / s32), 0, 15).astype(np.uint8).reshape(-1, t, k)
   h = t // 2
-  return q[:, :h] | (q[:, h:] << 4), scale.reshape(-1, t, k // g), lo.astype(np.float32).reshape(-1, t, k // g)
+  return q[:, :h] | (q[:, h:] << 4), scale.reshape(-1, t, k // g), lo.reshape(-1, t, k // g)
 
 
 def quantize(w, n_in: int, bits: int, *, stacked: bool = False, contract_last: bool = False) -> QTensor:

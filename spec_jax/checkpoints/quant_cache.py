@@ -19,7 +19,7 @@ from spec_jax import quant
 from spec_jax.checkpoints import safetensors_io
 from spec_jax.checkpoints.file_cache import cache_path, fingerprint
 
-FORMAT = "2"
+FORMAT = "3"
 
 
 def _sha256(path: str) -> str:
@@ -30,7 +30,9 @@ def _sha256(path: str) -> str:
 def _expected_dtype(name: str, mode: str):
   if name.endswith(".values"):
     return np.int8 if mode == "int8" else np.uint8
-  return None  # float: scales are float32, other leaves the source's dtype
+  if name.endswith((".scale", ".offset")):
+    return np.float32 if mode == "int8" else np.float16
+  return None  # float leaves: the source's dtype
 
 
 def read_cache(source: str, mode: str, config) -> dict | None:
@@ -51,8 +53,6 @@ def read_cache(source: str, mode: str, config) -> dict | None:
     if set(arrays) != set(want) or any(tuple(arrays[k].shape) != tuple(v) for k, v in want.items()):
       return None
     if any((d := _expected_dtype(k, mode)) is not None and arrays[k].dtype != d for k in arrays):
-      return None
-    if any(k.endswith((".scale", ".offset")) and arrays[k].dtype != np.float32 for k in arrays):
       return None
     return {"arrays": arrays, "statics": meta["statics"]}
   except (OSError, ValueError, KeyError, TypeError):
