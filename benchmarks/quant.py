@@ -101,7 +101,8 @@ def quality(models, config, prompt_sets, new_tokens):
     for name in ("int8", "int4"):
       kls, agree, same_pos, exact = [], [], [], 0
       for p, cont in zip(ids, ref):
-        toks = jnp.asarray([p + cont], jnp.int32)
+        seq = p + cont
+        toks = jnp.asarray([seq + [0] * (-len(seq) % 128)], jnp.int32)  # causal: the tail pad changes nothing
         a, q = np.asarray(score(models["float32"], toks))[0], np.asarray(score(models[name], toks))[0]
         sl = slice(len(p) - 1, len(p) - 1 + len(cont))  # positions that predict the continuation
         kls.append((np.exp(a[sl]) * (a[sl] - q[sl])).sum(-1))
