@@ -2,6 +2,8 @@
 
   python benchmarks/specbench.py --per_category=3 --max_new_tokens=64 --methods=ngram,draft --json_out=PATH
   python benchmarks/specbench.py --methods=medusa,eagle --trees=medusa:4:24,eagle:4:16 --adaptive=off  # chain vs tree
+  python benchmarks/specbench.py --methods=qdraft --draft_quantize=int8      # the target's own int8 weights draft
+  python benchmarks/specbench.py --quantize=int8 --methods=ngram             # an int8 target
 
 Greedy, batch 1 by default. Every configuration runs the same prompts in this one process, warmed up, interleaved
 batch by batch. Speedup per category is output tokens/s of the method over
@@ -36,6 +38,7 @@ def main():
   ap.add_argument("--methods", default="ngram,draft")
   ap.add_argument("--k", type=int, default=4)
   ap.add_argument("--draft_layers", type=int, default=0, help="0: the distilled draft; N: early exit after N")
+  ap.add_argument("--quantize", default="none", help="the target's weights: none, int8 or int4")
   ap.add_argument("--draft_quantize", default="int8", help="qdraft: the draft's weights (int8 or int4)")
   ap.add_argument("--batch_size", type=int, default=1)
   ap.add_argument("--dtype", default="bfloat16")
@@ -49,7 +52,7 @@ def main():
                                                         "gemma3_270m_cpu.json"))
   args = ap.parse_args()
 
-  config, params, tok = load_model(None, args.dtype)
+  config, params, tok = load_model(None, args.dtype, args.quantize)
   prompts = load_prompts(args.prompts, tok)
   seen = collections.Counter()
   chosen = []
