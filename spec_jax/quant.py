@@ -18,8 +18,6 @@ is row r, the high nibble row r + t/2. Unpacking then makes two half tiles witho
 from __future__ import annotations
 
 import math
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,9 +32,10 @@ LAYER_CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 
 @jax.tree_util.register_pytree_node_class
 class QTensor:
-  """A quantized [..., N, K] matrix. values: int8 [..., N/t, t, K] (int4: uint8 [..., N/t, t/2, K]);
-  scale: float32 [..., N/t, t, 1] (int8); int4's scale and offset: float16 [..., N/t, t, K/g]. Static: the output shape (N = prod(out_shape), padded up to whole
-  tiles), how many trailing input axes the dot contracts, and the bit width."""
+  """A quantized [..., N, K] matrix. values: int8 [..., N/t, t, K] (int4: uint8 [..., N/t, t/2, K]); scale:
+  float32 [..., N/t, t, 1] (int8), or int4's scale and offset: float16 [..., N/t, t, K/g]. Static: the output
+  shape (N = prod(out_shape), padded up to whole tiles), how many trailing input axes the dot contracts, and the
+  bit width."""
 
   def __init__(self, values, scale, offset, out_shape: tuple, n_in: int, bits: int):
     self.values, self.scale, self.offset = values, scale, offset
@@ -67,8 +66,8 @@ class QTensor:
 
   @property
   def nbytes(self) -> int:
-    extra = [a for a in (self.scale, self.offset) if a is not None]
-    return int(np.prod(self.values.shape)) + sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in extra)
+    parts = [a for a in (self.values, self.scale, self.offset) if a is not None]
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in parts)
 
   def __repr__(self):
     return f"QTensor(int{self.bits}, out={self.out_shape}, values={getattr(self.values, 'shape', None)})"
