@@ -54,7 +54,7 @@ def f32_log_probs(gemma3_f32, scored):
 # (CPU, float32): int8 mean KL 0.0056, p99 0.044, top-1 agreement 0.966 (10 positions differ, near-ties, as many in
 # the prompts as in the continuations); int4 (asymmetric, groups of 32, float16 scales) mean KL 0.206, p99 1.42,
 # top-1 agreement 0.824. The qdraft test below measured mean acceptance length 4.43 (k = 4), acceptance 0.875.
-BOUNDS = {"int8": (0.02, 0.95), "int4": (0.5, 0.7)}
+BOUNDS = {"int8": (0.02, 0.9), "int4": (0.5, 0.7)}  # int8 top-1 keeps room for near-ties that flip on other CPUs
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
