@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.backend import on_cpu
+
 MODES = ("none", "int8", "int4")
 GROUP_INT4 = 32  # inputs per int4 scale
 TILE_BYTES = 8 << 20  # float bytes of one dequantized tile
@@ -77,21 +79,24 @@ def is_quantized(params) -> bool:
   return any(isinstance(x, QTensor) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QTensor)))
 
 
-def _tile_rows(n: int, k: int, bits: int) -> int:
-  """Rows per tile: about TILE_BYTES of float, tiles of equal size, an even count for int4's row pairs."""
+def _layout(n: int, k: int, bits: int) -> tuple[int, int]:
+  """(rows per tile, inputs per scale) of an [N, K] matrix: tiles of about TILE_BYTES of float and equal size,
+  an even row count for int4's row pairs; int8 scales whole rows, int4 groups of GROUP_INT4 (whole rows when K
+  is not a multiple of it)."""
   t = max(2, min(n, TILE_BYTES // (4 * k)))
   t = -(-n // -(-n // t))
-  return t + t % 2 if bits == 4 else t
+  if bits == 8:
+    return t, k
+  return t + t % 2, (k if k % GROUP_INT4 else GROUP_INT4)
 
 
-def quantize_matrix(w: np.ndarray, bits: int, group: int = GROUP_INT4):
+def quantize_matrix(w: np.ndarray, bits: int):
   """w float [N, K] -> (values, scale, offset or None) numpy arrays in the tiled layout above."""
   if bits not in (4, 8):
     raise ValueError(f"bits must be 4 or 8, got {bits}")
   w = np.asarray(w, np.float32)
   n, k = w.shape
-  g = k if bits == 8 or k % group else group
-  t = _tile_rows(n, k, bits)
+  t, g = _layout(n, k, bits)
   pad = -n % t
   if pad:
     w = np.concatenate([w, np.zeros((pad, k), np.float32)])
@@ -163,7 +168,7 @@ def qdot(x, qt: QTensor):
   lead = x.shape[:x.ndim - qt.n_in]
   if math.prod(x.shape[len(lead):]) != qt.k:
     raise ValueError(f"qdot: input {x.shape} does not contract with {qt}")
-  dtype = jnp.float32 if jax.default_backend() == "cpu" else x.dtype  # XLA:CPU's float32 dots are its fast ones
+  dtype = jnp.float32 if on_cpu() else x.dtype  # XLA:CPU's float32 dots are its fast ones
   x2 = x.reshape(-1, qt.k).astype(dtype)
   dims = (((1,), (1,)), ((), ()))
 
@@ -215,6 +220,12 @@ def quantize_params(params: dict, mode: str) -> dict:
   if "lm_head" in params:
     out["lm_head"] = quantize(params["lm_head"], 1, bits)
   return out
+
+
+def cast_floats(params, dtype):
+  """params with every float leaf (not the QTensors) cast to dtype."""
+  return jax.tree.map(lambda x: x if isinstance(x, QTensor) else x.astype(dtype), params,
+                      is_leaf=lambda x: isinstance(x, QTensor))
 
 
 def param_bytes(params) -> int:
@@ -277,9 +288,8 @@ def expected_shapes(shapes: dict, mode: str) -> dict:
   out = {}
 
   def mat(name, n, k, lead=()):
-    t = _tile_rows(n, k, bits)
+    t, g = _layout(n, k, bits)
     tiles = -(-n // t)
-    g = k if bits == 8 or k % GROUP_INT4 else GROUP_INT4
     out[name + ".values"] = (*lead, tiles, t if bits == 8 else t // 2, k)
     out[name + ".scale"] = (*lead, tiles, t, k // g)
     if bits == 4:

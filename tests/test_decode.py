@@ -17,6 +17,7 @@ from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.draft import DraftModelProposer, early_exit_proposer
 from spec_jax.proposers.ngram import NgramProposer
 from tests.conftest import tiny_gemma_config, tiny_llama_config
+from tests.distribution import assert_same_distribution, sample_plain_and_speculative
 
 CONFIG = tiny_gemma_config(eos_ids=(1,))
 
@@ -169,32 +170,14 @@ def test_adaptive_generation_stays_lossless_and_uses_several_k():
 
 def test_speculative_sampling_matches_plain_sampling_distribution():
   """The first 3 sampled tokens have the same distribution with and without a (sampling) draft model."""
-  from scipy.stats import chi2_contingency
   config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))  # a tiny vocab: enough samples per cell
   params = init_params(config, jax.random.PRNGKey(3))
-  n, calls = 500, 6  # 3000 samples; one compiled shape reused (a 3000-row batch once crashed XLA's compiler)
-  prompts = [[2, 5, 6, 7]] * n
-  samp = SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
   dcfg = config.replace(num_layers=1)
   draft = DraftModelProposer(config=dcfg, k=2)
   dparams = init_params(dcfg, jax.random.PRNGKey(4))
-  plain, specd, stats = [], [], []
-  for c in range(calls):
-    plain += generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=100 + c).token_ids
-    spec = generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=200 + c, proposer=draft,
-                    proposer_params=dparams, adaptive_k=False)
-    specd += spec.token_ids
-    stats.append(spec.stats["acceptance_rate"])
-  plain, specd = np.array(plain), np.array(specd)
-  assert 0.1 < np.mean(stats) < 0.95  # both accept and reject paths are exercised
-  for cols in ([0], [1], [2], [0, 1], [1, 2]):
-    a = [tuple(r) for r in plain[:, cols]]
-    b = [tuple(r) for r in specd[:, cols]]
-    cats = sorted(set(a) | set(b))
-    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]]) + 0
-    table = table[:, table.sum(0) > 0]
-    p = chi2_contingency(table)[1]
-    assert p > 1e-4, f"token positions {cols}: p = {p}"
+  plain, specd, rates = sample_plain_and_speculative(params, config, draft, dparams, n=500, calls=6)  # 3000 each
+  assert 0.1 < np.mean(rates) < 0.95  # both accept and reject paths are exercised
+  assert_same_distribution(plain, specd)
 
 
 def test_bad_generation_input():

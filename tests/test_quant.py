@@ -14,7 +14,6 @@ import pytest
 
 from spec_jax import quant
 from spec_jax.checkpoints.load import load_params
-from spec_jax.config import SamplingParams
 from spec_jax.decode import generate
 from spec_jax.models.transformer import forward, init_params, param_shapes
 from spec_jax.proposers.draft import DraftModelProposer
@@ -22,6 +21,7 @@ from spec_jax.proposers.ngram import NgramProposer
 from spec_jax.quant import QTensor, dequantize, qdot, quantize, quantize_params, take_rows
 from tests.checkpoints.gguf_writer import write_tiny_gguf
 from tests.conftest import tiny_gemma_config, tiny_llama_config
+from tests.distribution import assert_same_distribution, sample_plain_and_speculative
 
 CONFIG = tiny_gemma_config(eos_ids=(1,))
 # The greedy runs share these prompts and length, so they share one compiled plain-decoding loop.
@@ -415,31 +415,13 @@ def test_qdraft_through_the_registry(tmp_path):
 def test_qdraft_sampling_matches_plain_sampling_distribution():
   """As test_decode's test for a draft model, with the target's own int4 weights drafting (acceptance high but
   not 1: both the accept and the residual-resample paths run)."""
-  from scipy.stats import chi2_contingency
   config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))
   params = init_params(config, jax.random.PRNGKey(3))
-  n, calls = 500, 4
-  prompts = [[2, 5, 6, 7]] * n
-  samp = SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
   draft = DraftModelProposer(config=config, k=2, name="qdraft")
-  dparams = quantize_params(params, "int4")
-  plain, specd, stats = [], [], []
-  for c in range(calls):
-    plain += generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=100 + c).token_ids
-    spec = generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=200 + c, proposer=draft,
-                    proposer_params=dparams, adaptive_k=False)
-    specd += spec.token_ids
-    stats.append(spec.stats["acceptance_rate"])
-  plain, specd = np.array(plain), np.array(specd)
-  assert 0.4 < np.mean(stats) < 0.95, stats  # measured 0.71
-  for cols in ([0], [1], [2], [0, 1], [1, 2]):
-    a = [tuple(r) for r in plain[:, cols]]
-    b = [tuple(r) for r in specd[:, cols]]
-    cats = sorted(set(a) | set(b))
-    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
-    table = table[:, table.sum(0) > 0]
-    p = chi2_contingency(table)[1]
-    assert p > 1e-4, f"token positions {cols}: p = {p}"
+  plain, specd, rates = sample_plain_and_speculative(params, config, draft, quantize_params(params, "int4"), n=500,
+                                                     calls=4)
+  assert 0.4 < np.mean(rates) < 0.95, rates  # measured 0.71
+  assert_same_distribution(plain, specd)
 
 
 def test_spec_config_qdraft_quantization():

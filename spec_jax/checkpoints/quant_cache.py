@@ -81,5 +81,4 @@ def load_quantized(source: str, mode: str, config, load_float, dtype, use_cache:
   params = quant.quantize_params(load_float(), mode)
   if use_cache:
     write_cache(source, mode, params)
-  arrays, statics = quant.flatten(params)
-  return quant.unflatten(arrays, statics, dtype)
+  return quant.cast_floats(params, dtype)

@@ -10,12 +10,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from spec_jax import sharding, slots
-from spec_jax.config import SamplingParams
 from spec_jax.decode import decode_loop, generate, make_spec, start
 from spec_jax.models.transformer import init_params
 from spec_jax.proposers.draft import DraftModelProposer
 from tests.conftest import tiny_gemma_config
 from tests.test_slots import _proposer as slots_proposer
+from tests.distribution import assert_same_distribution, sample_plain_and_speculative
 
 # Vocabulary, heads and MLP divide by every `model` size used here, so all of them really split.
 CONFIG = tiny_gemma_config(vocab_size=128, eos_ids=(1,))
@@ -130,29 +130,12 @@ def test_slots_on_a_mesh_equal_the_request_alone():
 def test_sampled_distribution_matches_one_device():
   """The first 3 sampled tokens of a speculative run on a 4x2 mesh have the distribution of plain sampling on
   one device (the one-device test of tests/test_decode.py, on a mesh)."""
-  from scipy.stats import chi2_contingency
   config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))  # vocabulary 8: split over `model` = 2
   params = init_params(config, jax.random.PRNGKey(3))
-  n, calls = 400, 3  # 1200 samples per side
-  prompts = [[2, 5, 6, 7]] * n
-  samp = SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
   dcfg = config.replace(num_layers=1)
   draft = DraftModelProposer(config=dcfg, k=2)
   dparams = init_params(dcfg, jax.random.PRNGKey(4))
-  mesh = sharding.make_mesh("data:4,model:2")
-  plain, specd, rates = [], [], []
-  for c in range(calls):
-    plain += generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=100 + c).token_ids
-    out = generate(params, config, prompts, max_new_tokens=3, sampling=samp, seed=200 + c, proposer=draft,
-                   proposer_params=dparams, adaptive_k=False, mesh=mesh)
-    specd += out.token_ids
-    rates.append(out.stats["acceptance_rate"])
-  plain, specd = np.array(plain), np.array(specd)
+  plain, specd, rates = sample_plain_and_speculative(params, config, draft, dparams, n=400, calls=3,
+                                                     mesh=sharding.make_mesh("data:4,model:2"))  # 1200 each
   assert 0.1 < np.mean(rates) < 0.95
-  for cols in ([0], [1], [2], [0, 1], [1, 2]):
-    a = [tuple(r) for r in plain[:, cols]]
-    b = [tuple(r) for r in specd[:, cols]]
-    cats = sorted(set(a) | set(b))
-    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
-    table = table[:, table.sum(0) > 0]
-    assert chi2_contingency(table)[1] > 1e-4, cols
+  assert_same_distribution(plain, specd)
