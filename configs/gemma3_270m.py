@@ -22,6 +22,7 @@ def get_config():
   c.ngram_min = 1
   c.ngram_max = 3
   c.draft_layers = 0  # method=draft: 0 = the distilled draft in heads/; N > 0 = early exit after N layers
+  c.draft_model = ""  # method=draft: an independent draft model (.gguf, HF directory or packaged name) instead
   # Token trees (medusa; SGLang's flags): num_speculative_tokens is the depth, eagle_topk the candidates per
   # node (1 = chains) and num_draft_tokens the node budget, root included (0 = 1 + depth * eagle_topk).
   c.eagle_topk = 1

@@ -2,6 +2,7 @@
 
   python -m serve.generate                                  # default demo prompts, Gemma 3 270M
   python -m serve.generate --compare --method=ngram --prompts=../shared/data/specbench/spec_bench_question.jsonl
+  python -m serve.generate --config=configs/qwen25_coder_1p5b.py --compare  # Qwen2.5-Coder 1.5B, 0.5B draft
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
 flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
 flags.DEFINE_integer("draft_layers", None, "method=draft: 0 = the distilled draft checkpoint (--heads); N > 0 = "
                      "the early-exit self-draft of the target's first N layers.")
+flags.DEFINE_string("draft_model", None, "method=draft: an independent draft model with the target's vocabulary "
+                    "(a .gguf, an HF safetensors directory or a packaged model's name); '' = none.")
 flags.DEFINE_integer("eagle_topk", None, "Token trees: candidates per node (1 = chains; medusa).")
 flags.DEFINE_integer("num_draft_tokens", None, "Token trees: node budget, root included (0 = 1 + depth * topk).")
 flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
@@ -58,7 +61,7 @@ flags.DEFINE_string("costs_file", None, "Step costs for the adaptive controller 
 
 FLAGS = flags.FLAGS
 _OVERRIDABLE = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers",
+                "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "draft_model",
                 "eagle_topk", "num_draft_tokens",
                 "adaptive", "heads", "costs_file", "mesh", "quantize", "draft_quantize")
 
@@ -135,7 +138,7 @@ def build_method(cfg: dict, method: str, config, params, impl: str):
       ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl,
       heads_path=cfg.get("heads") or None, topk=cfg.get("eagle_topk", 1),
       num_draft_tokens=cfg.get("num_draft_tokens", 0), model_path=cfg["model"] or None, dtype=cfg["dtype"],
-      draft_quantize=cfg.get("draft_quantize") or "int8")
+      draft_quantize=cfg.get("draft_quantize") or "int8", draft_model=cfg.get("draft_model") or None)
 
 
 def method_costs(cfg: dict, proposer, params):
@@ -166,8 +169,8 @@ def run(cfg: dict) -> dict:
   runs = run_arms(arms, params, setup.config, setup.tokenizer, setup.prompts, setup.prompt_ids,
                   batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
                   sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
-                  adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=setup.impl, repeats=FLAGS.repeats,
-                  progress=FLAGS.progress, mesh=mesh)
+                  adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=setup.impl, stop_ids=setup.tokenizer.stop_ids,
+                  repeats=FLAGS.repeats, progress=FLAGS.progress, mesh=mesh)
   base, main_run = (runs[0], runs[1]) if len(runs) == 2 else (None, runs[0])
 
   records = main_run.records

@@ -52,6 +52,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
   flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
   flags.DEFINE_integer("draft_layers", None, "method=draft: N > 0 = early-exit self-draft of N target layers.")
+  flags.DEFINE_string("draft_model", None, "method=draft: an independent draft model with the target's vocabulary "
+                      "(.gguf, HF directory or packaged name); '' = none.")
   flags.DEFINE_integer("eagle_topk", None, "Token trees: candidates per node (1 = chains; medusa).")
   flags.DEFINE_integer("num_draft_tokens", None, "Token trees: node budget, root included (0 = 1 + depth * topk).")
   flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
@@ -84,7 +86,7 @@ def define_flags() -> None:
 
 FLAGS = flags.FLAGS
 RUN_FLAGS = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "method",
-             "heads", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "eagle_topk",
+             "heads", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "draft_model", "eagle_topk",
              "num_draft_tokens", "adaptive", "quantize", "draft_quantize")
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, speculative_config=None, max_num_seqs=4, max_queue=64,
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
@@ -139,7 +141,7 @@ def build_engine(cfg: dict):
       sc.method, target_config=config, target_params=params, k=sc.k, ngram_min=sc.ngram_min, ngram_max=sc.ngram_max,
       draft_layers=sc.draft_layers, impl=impl, heads_path=sc.model or None, topk=sc.eagle_topk,
       num_draft_tokens=sc.num_draft_tokens, model_path=cfg["model"] or None, dtype=cfg["dtype"],
-      draft_quantize=sc.quantization)
+      draft_quantize=sc.quantization, draft_model=cfg.get("draft_model") or None)
   # k = 0 is always an option, so the global switch (and a request's speculate=false) can turn drafting off.
   ks = {0} | set(adaptive.option_set(sc.k, cfg["adaptive"], proposer.tree)) | {k for _, k in sc.per_concurrency}
   ks = tuple(sorted(k for k in ks if k <= sc.k))

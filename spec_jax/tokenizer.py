@@ -1,284 +1,102 @@
-"""Gemma 3 tokenizer: SentencePiece with transformers-compatible handling of control tokens and space runs.
+"""The one tokenizer interface the rest of spec_jax sees, and the streaming detokenizer built on it.
 
-A `Tokenizer` is made from a serialized SentencePiece model: `spec_jax.checkpoints.load.load_tokenizer` builds one
-from a GGUF's metadata (`spec_jax.checkpoints.gguf_tokenizer`) or an HF directory's `tokenizer.model`, and
-`Tokenizer.from_model_file` reads a `.model` file. This module does no checkpoint I/O of its own.
+Two implementations, both built from a checkpoint's own metadata by `spec_jax.checkpoints.load.load_tokenizer`:
 
-Encoding follows Hugging Face transformers' tokenizer for the same GGUF:
+- `SentencePieceTokenizer` (spec_jax/sentencepiece_tokenizer.py): Gemma 3's SentencePiece vocabulary.
+- `BPETokenizer` (spec_jax/bpe_tokenizer.py): a GPT-2-style byte-level BPE (Qwen2), run by the `tokenizers`
+  library, with the chat template rendered from the checkpoint's own Jinja template.
 
-- Control pieces written literally in the text (`<start_of_turn>`, `<end_of_turn>`, `<bos>`, `<unused7>`, ...) are
-  cut out and become their ids; whitespace around them is kept as text (transformers does not strip it).
-- The text between them goes through SentencePiece BPE with byte fallback. User-defined pieces (runs of newlines,
-  tabs or spaces, HTML tags, `<start_of_image>`) are matched whole, as transformers' added tokens are.
-- A run of more spaces than the longest space piece (31) is split the way transformers' BPE merges split it, where
-  plain SentencePiece would take the longest piece first.
+Both follow Hugging Face transformers' tokenizer for the same file: ids, special-token parsing, decoding and the
+chat format. Nothing downstream (serve/, train/) knows which one it holds.
 """
 
 from __future__ import annotations
 
-import errno
-import heapq
-import os
-import re
+import abc
+import hashlib
 from typing import Iterable, Mapping, Sequence
-
-import sentencepiece as spm
-
-from spec_jax import chat_template
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
-_WS = "\u2581"  # SentencePiece's whitespace marker
-# Candidates for a literal control piece in text: "<" ... ">" with no brackets inside.
-_ANGLE = re.compile(r"<[^<>]*>")
 
+class Tokenizer(abc.ABC):
+  """Text <-> token ids for one vocabulary."""
 
-class Tokenizer:
-  """Gemma 3's SentencePiece tokenizer with transformers-compatible handling of control tokens."""
-
-  def __init__(self, model_proto: bytes, source: str = "<memory>"):
-    sp = spm.SentencePieceProcessor()
-    try:
-      sp.LoadFromSerializedProto(model_proto)
-    except Exception as exc:  # sentencepiece raises RuntimeError / OSError on bad input
-      raise ValueError(f"{source}: not a valid SentencePiece model ({exc})") from None
-    self._sp = sp
-    self._source = source
-    n = sp.GetPieceSize()
-    self._vocab_size = n
-    self._bos = sp.bos_id()
-    self._eos = sp.eos_id()
-    self._pad = sp.pad_id()
-    self._unk = sp.unk_id()
-    # Specials are what transformers treats as special: every CONTROL piece and the unk piece.
-    special = [i for i in range(n) if sp.IsControl(i)]
-    if self._unk >= 0:
-      special.append(self._unk)
-    self._special_ids = frozenset(special)
-    self._special_by_text = {sp.IdToPiece(i): i for i in special}
-    self._special_pattern = self._make_special_pattern()
-    # Runs of spaces: transformers splits runs longer than the longest space piece with its own BPE merges.
-    self._space_ids = {1: sp.PieceToId(_WS)} if sp.PieceToId(_WS) != self._unk else {}
-    k = 2
-    while True:
-      i = sp.PieceToId(_WS * k)
-      if i == self._unk or i in self._special_ids:
-        break
-      self._space_ids[k] = i
-      k += 1
-    self._max_space = max(self._space_ids) if self._space_ids else 0
-    self._long_space = re.compile(f"[ {_WS}]{{{self._max_space + 1},}}") if self._max_space >= 2 else None
-    self._space_split_cache: dict[int, list[int]] = {}
-    self._end_of_turn = self._lookup("<end_of_turn>")
-    self._start_of_turn = self._lookup("<start_of_turn>")
-
-  # ---- construction
-
-  @classmethod
-  def from_model_file(cls, path: str | os.PathLike) -> "Tokenizer":
-    """A tokenizer from a serialized SentencePiece `.model` file."""
-    path = os.fspath(path)
-    try:
-      with open(path, "rb") as f:
-        data = f.read()
-    except FileNotFoundError:
-      raise FileNotFoundError(errno.ENOENT, f"SentencePiece model file not found: {path}", path) from None
-    if not data:
-      raise ValueError(f"{path}: not a valid SentencePiece model (the file is empty)")
-    return cls(data, source=path)
-
-  def serialized_model_proto(self) -> bytes:
-    return self._sp.serialized_model_proto()
-
-  def _make_special_pattern(self) -> re.Pattern | None:
-    texts = [t for t in self._special_by_text if t]
-    if not texts:
-      return None
-    if all(_ANGLE.fullmatch(t) for t in texts):
-      return _ANGLE  # every candidate is looked up; cheaper than an alternation of thousands of names
-    # Leftmost match, longest first among those starting at the same place.
-    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
-
-  def _lookup(self, piece: str) -> int | None:
-    i = self._sp.PieceToId(piece)
-    return None if (i == self._unk and piece != self._sp.IdToPiece(self._unk)) else i
-
-  # ---- properties
+  # ---- what an implementation provides
 
   @property
+  @abc.abstractmethod
+  def vocab_size(self) -> int: ...
+
+  @property
+  @abc.abstractmethod
   def bos_id(self) -> int:
-    return self._bos
+    """-1 when the vocabulary has none."""
 
   @property
-  def eos_id(self) -> int:
-    return self._eos
+  @abc.abstractmethod
+  def eos_id(self) -> int: ...
 
   @property
-  def pad_id(self) -> int:
-    return self._pad
+  @abc.abstractmethod
+  def pad_id(self) -> int: ...
 
   @property
-  def unk_id(self) -> int:
-    return self._unk
-
-  @property
-  def vocab_size(self) -> int:
-    return self._vocab_size
-
-  @property
-  def end_of_turn_id(self) -> int | None:
-    return self._end_of_turn
-
-  @property
-  def start_of_turn_id(self) -> int | None:
-    return self._start_of_turn
-
-  @property
+  @abc.abstractmethod
   def special_ids(self) -> frozenset[int]:
-    """Ids transformers treats as special: the control pieces and `<unk>`."""
-    return self._special_ids
+    """Ids that `decode(skip_special=True)` drops (transformers' special tokens)."""
+
+  @abc.abstractmethod
+  def encode(self, text: str, add_bos: bool = True, *, parse_special: bool = True) -> list[int]:
+    """Token ids for `text`. `add_bos`: put BOS first when this vocabulary's model expects one (Gemma does,
+    Qwen2 does not). `parse_special`: special tokens written in the text become their ids."""
+
+  @abc.abstractmethod
+  def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+    """Text for `ids`; ValueError for an id outside the vocabulary."""
+
+  @abc.abstractmethod
+  def id_of(self, piece: str) -> int:
+    """The id of a piece as the vocabulary spells it (or as its text); KeyError if there is none."""
+
+  @abc.abstractmethod
+  def piece_of(self, token_id: int) -> str: ...
+
+  @abc.abstractmethod
+  def may_split_character(self, token_id: int) -> bool:
+    """Whether this token can end inside a UTF-8 character (its text then waits for the next tokens)."""
+
+  @abc.abstractmethod
+  def apply_chat_template(self, turns: Sequence[str] | Sequence[Mapping[str, object]],
+                          add_generation_prompt: bool = True) -> str:
+    """The model's chat format as text for `encode`. `turns`: strings (alternating user and assistant, user
+    first) or {"role", "content"} messages (system, user, assistant; "model" is an alias of assistant)."""
+
+  @abc.abstractmethod
+  def _stop_candidates(self) -> Sequence[int | None]:
+    """EOS and the end-of-turn markers this vocabulary has (None where absent)."""
+
+  # ---- shared
 
   @property
   def stop_ids(self) -> tuple[int, ...]:
-    """Ids that end a generation: EOS and, when present, `<end_of_turn>`."""
-    return tuple(i for i in (self._eos, self._end_of_turn) if i is not None and i >= 0)
-
-  def id_of(self, piece: str) -> int:
-    """The id of a piece as it is written in the vocabulary; KeyError if there is none.
-
-    Spaces may be written as " " or "▁".
-    """
-    i = self._lookup(piece)
-    if i is None and " " in piece:
-      i = self._lookup(piece.replace(" ", _WS))
-    if i is None:
-      raise KeyError(f"no piece {piece!r} in the vocabulary")
-    return i
-
-  def piece_of(self, token_id: int) -> str:
-    self._check_id(token_id)
-    return self._sp.IdToPiece(int(token_id))
+    """Ids that end a generation: EOS and the end-of-turn markers."""
+    return tuple(dict.fromkeys(i for i in self._stop_candidates() if i is not None and i >= 0))
 
   def __len__(self) -> int:
-    return self._vocab_size
-
-  def __repr__(self) -> str:
-    return f"Tokenizer(vocab_size={self._vocab_size}, source={self._source!r})"
-
-  # ---- encoding
-
-  def encode(self, text: str, add_bos: bool = True, *, parse_special: bool = True) -> list[int]:
-    """Token ids for `text`, with BOS first when `add_bos`.
-
-    With `parse_special` (the default, as in transformers), control pieces written literally in the text become
-    their ids. Without it, the whole text is ordinary text.
-    """
-    if not isinstance(text, str):
-      raise TypeError(f"encode expects str, got {type(text).__name__}")
-    ids: list[int] = [self._bos] if add_bos and self._bos >= 0 else []
-    if not parse_special or self._special_pattern is None:
-      self._encode_plain(text, ids)
-      return ids
-    start = 0
-    lookup = self._special_by_text
-    for m in self._special_pattern.finditer(text):
-      tid = lookup.get(m.group())
-      if tid is None:
-        continue
-      if m.start() > start:
-        self._encode_plain(text[start:m.start()], ids)
-      ids.append(tid)
-      start = m.end()
-    if start < len(text):
-      self._encode_plain(text[start:], ids)
-    return ids
-
-  def _encode_plain(self, text: str, out: list[int]) -> None:
-    if not text:
-      return
-    if self._long_space is None:
-      out.extend(self._sp.EncodeAsIds(text))
-      return
-    start = 0
-    for m in self._long_space.finditer(text):
-      if m.start() > start:
-        out.extend(self._sp.EncodeAsIds(text[start:m.start()]))
-      out.extend(self._split_space_run(m.end() - m.start()))
-      start = m.end()
-    if start < len(text):
-      out.extend(self._sp.EncodeAsIds(text[start:]))
-
-  def _split_space_run(self, n: int) -> list[int]:
-    """Ids for a run of n spaces the way transformers' BPE merges it.
-
-    transformers rebuilds merges from the vocabulary, ranked by the merged piece's position in the file and then by
-    the longer left part, and its BPE applies the best-ranked merge first (leftmost on ties). The space pieces
-    come right after the control pieces, so a run is merged in isolation before anything else touches it.
-    """
-    cached = self._space_split_cache.get(n)
-    if cached is not None:
-      return cached
-    have = self._space_ids
-    lengths = [1] * n
-    nxt = list(range(1, n)) + [-1]
-    prv = list(range(-1, n - 1))
-    alive = [True] * n
-    heap: list[tuple[int, int, int, int]] = []
-
-    def push(pos: int) -> None:
-      j = nxt[pos]
-      if j < 0:
-        return
-      a, b = lengths[pos], lengths[j]
-      if a + b in have:
-        heapq.heappush(heap, (a + b, -a, pos, a + b))  # rank: shorter result first, then longer left part
-
-    for pos in range(n - 1):
-      push(pos)
-    while heap:
-      _, _, pos, new_len = heapq.heappop(heap)
-      j = nxt[pos] if alive[pos] else -1
-      if j < 0 or lengths[pos] + lengths[j] != new_len:
-        continue
-      lengths[pos] = new_len
-      alive[j] = False
-      nxt[pos] = nxt[j]
-      if nxt[j] >= 0:
-        prv[nxt[j]] = pos
-      if prv[pos] >= 0:
-        push(prv[pos])
-      push(pos)
-    result = [have[lengths[i]] for i in range(n) if alive[i]]
-    if len(self._space_split_cache) < 256:
-      self._space_split_cache[n] = result
-    return result
-
-  # ---- decoding
+    return self.vocab_size
 
   def _check_id(self, token_id: int) -> None:
-    if not 0 <= int(token_id) < self._vocab_size:
-      raise ValueError(f"token id {token_id} is outside the vocabulary of {self._vocab_size}")
+    if not 0 <= int(token_id) < self.vocab_size:
+      raise ValueError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
 
-  def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-    """Text for `ids`. BOS and PAD are always dropped; other control tokens are written as their text
-    (`<end_of_turn>`) unless `skip_special`."""
-    parts: list[str] = []
-    run: list[int] = []
-    always_skip = {self._bos, self._pad}
-    for t in ids:
-      t = int(t)
-      self._check_id(t)
-      if t in self._special_ids:
-        if run:
-          parts.append(self._sp.DecodeIds(run))
-          run = []
-        if not skip_special and t not in always_skip:
-          parts.append(self._sp.IdToPiece(t))
-      else:
-        run.append(t)
-    if run:
-      parts.append(self._sp.DecodeIds(run))
-    return "".join(parts)
+  def pieces(self) -> list[str]:
+    """Every piece, in id order."""
+    return [self.piece_of(i) for i in range(self.vocab_size)]
+
+  def vocab_digest(self) -> str:
+    """sha256 of every piece in id order: two tokenizers with the same digest map ids to the same pieces."""
+    return hashlib.sha256("\0".join(self.pieces()).encode("utf-8", "surrogatepass")).hexdigest()
 
   def decode_incremental(self, prev_ids: Sequence[int], new_ids: Sequence[int], skip_special: bool = False) -> str:
     """The text that `new_ids` add after `prev_ids`, for streaming.
@@ -295,8 +113,8 @@ class Tokenizer:
     """decode(ids) without a trailing incomplete UTF-8 sequence (the part that later tokens could change)."""
     text = self.decode(ids, skip_special=skip_special)
     k = len(ids)
-    # Trailing byte pieces that do not yet form a character decode to U+FFFD; hold them back.
-    while k > 0 and self._sp.IsByte(int(ids[k - 1])) and text.endswith("\ufffd"):
+    # Trailing pieces that do not yet form a character decode to U+FFFD; hold them back.
+    while k > 0 and self.may_split_character(int(ids[k - 1])) and text.endswith("\ufffd"):
       k -= 1
       text = self.decode(ids[:k], skip_special=skip_special)
     return text
@@ -304,20 +122,13 @@ class Tokenizer:
   def stream(self, skip_special: bool = False) -> "StreamDecoder":
     return StreamDecoder(self, skip_special=skip_special)
 
-  # ---- chat template
-
-  def apply_chat_template(self, turns: Sequence[str] | Sequence[Mapping[str, object]],
-                          add_generation_prompt: bool = True) -> str:
-    """Gemma 3's chat format, without the leading `<bos>` (encode adds it); see `chat_template`."""
-    return chat_template.apply_chat_template(turns, add_generation_prompt)
-
 
 class StreamDecoder:
   """Incremental detokenizer: feed ids as they are generated, get back the text they add.
 
   It decodes only a short window of recent ids, so a step costs O(window). A character whose UTF-8 bytes are split
-  across byte-fallback tokens is held back until it is complete. The concatenation of everything `add` and `flush`
-  return equals `Tokenizer.decode` of all the ids fed.
+  across tokens is held back until it is complete. The concatenation of everything `add` and `flush` return
+  equals `Tokenizer.decode` of all the ids fed.
   """
 
   def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
@@ -338,7 +149,7 @@ class StreamDecoder:
     tok, skip = self._tok, self._skip
     before = tok.decode(self._ids[self._prefix:self._read], skip_special=skip)
     after = tok.decode(self._ids[self._prefix:], skip_special=skip)
-    if after.endswith("\ufffd") and tok._sp.IsByte(self._ids[-1]):
+    if after.endswith("\ufffd") and tok.may_split_character(self._ids[-1]):
       return ""  # an incomplete character; wait for its remaining bytes
     if not after.startswith(before):
       return ""

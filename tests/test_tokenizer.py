@@ -12,6 +12,7 @@ import pytest
 
 from spec_jax.checkpoints import gguf_meta, gguf_tokenizer
 from spec_jax.checkpoints.load import load_tokenizer
+from spec_jax.sentencepiece_tokenizer import SentencePieceTokenizer
 from spec_jax.tokenizer import StreamDecoder, Tokenizer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -247,7 +248,7 @@ def test_missing_file_names_path(tmp_path):
   with pytest.raises(FileNotFoundError, match="nope.gguf"):
     load_tokenizer(missing)
   with pytest.raises(FileNotFoundError, match="nope.model"):
-    Tokenizer.from_model_file(str(tmp_path / "nope.model"))
+    SentencePieceTokenizer.from_model_file(str(tmp_path / "nope.model"))
 
 
 @pytest.mark.parametrize("content", [b"", b"hello, not a gguf file at all" * 10, b"GGUF" + b"\xff" * 60])
@@ -283,11 +284,11 @@ def test_corrupt_model_file_names_path(tmp_path):
   bad = tmp_path / "bad.model"
   bad.write_bytes(b"\x00\x01garbage" * 50)
   with pytest.raises(ValueError, match="bad.model"):
-    Tokenizer.from_model_file(str(bad))
+    SentencePieceTokenizer.from_model_file(str(bad))
   empty = tmp_path / "empty.model"
   empty.write_bytes(b"")
   with pytest.raises(ValueError, match="empty.model"):
-    Tokenizer.from_model_file(str(empty))
+    SentencePieceTokenizer.from_model_file(str(empty))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,7 +351,7 @@ def test_cache_is_reused_and_rebuilt_when_gguf_changes(tmp_path, monkeypatch):
   assert len(builds) == 1, "second load must come from the cache"
   assert t2.encode("ab") == t1.encode("ab")
   # The cached file is a SentencePiece model in its own right.
-  assert Tokenizer.from_model_file(str(cached)).encode("ab") == t1.encode("ab")
+  assert SentencePieceTokenizer.from_model_file(str(cached)).encode("ab") == t1.encode("ab")
 
   # Replace the GGUF with a different vocabulary: the cache must be rebuilt.
   time.sleep(0.01)

@@ -22,15 +22,17 @@ __all__ = ["CACHE_SUFFIX", "DEFAULT_MODEL_FILE", "config_from_reader", "default_
 
 CACHE_SUFFIX = ".spec_jax.safetensors"
 CACHE_FORMAT = "2"
-SUPPORTED_ARCHS = ("gemma3",)
+SUPPORTED_ARCHS = ("gemma3", "qwen2")
 
-# GGUF tensor name (per block) -> (our layer param, how to reshape the dequantized [out, in] matrix)
+# GGUF tensor name (per block, ".weight") -> our layer param
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
     "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
     "ffn_norm": "mlp_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
     "post_ffw_norm": "post_mlp_norm",
 }
+# GGUF tensor name (per block, ".bias") -> our layer param (Qwen2's QKV biases)
+_LAYER_BIASES = {"attn_q": "q_bias", "attn_k": "k_bias", "attn_v": "v_bias"}
 
 
 def config_from_reader(reader, path: str) -> ModelConfig:
@@ -42,43 +44,48 @@ def config_from_reader(reader, path: str) -> ModelConfig:
   n_head = int(field(reader, f"{a}.attention.head_count"))
   head_dim = int(field(reader, f"{a}.attention.key_length", n_embd // n_head))
   tokens = reader.fields.get("tokenizer.ggml.tokens")
-  embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+  names = {t.name: t for t in reader.tensors}
+  embd = names.get("token_embd.weight")
   if embd is None:
     raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
   vocab = int(embd.shape[1])
   if tokens is not None and len(tokens.data) != vocab:
     raise ValueError(f"{path}: tokenizer has {len(tokens.data)} tokens but token_embd has {vocab} rows")
-  return ModelConfig(
+  common = dict(
       vocab_size=vocab, d_model=n_embd, num_layers=int(field(reader, f"{a}.block_count")),
       num_heads=n_head, num_kv_heads=int(field(reader, f"{a}.attention.head_count_kv", n_head)),
       head_dim=head_dim, mlp_dim=int(field(reader, f"{a}.feed_forward_length")),
-      activation="gelu_tanh", norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-      post_norms=True, qk_norm=True, qkv_bias=False,
+      norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+      max_seq_len=int(field(reader, f"{a}.context_length", 32768)),
+      name=str(field(reader, "general.name", "gguf")),
+  )
+  if arch == "qwen2":
+    # Full attention in every layer (the GGUF has no sliding-window schedule), SwiGLU, QKV biases, plain RoPE.
+    eos = int(field(reader, "tokenizer.ggml.eos_token_id"))
+    return ModelConfig(
+        **common, activation="silu", post_norms=False, qk_norm=False, qkv_bias=True,
+        rope_base=float(field(reader, f"{a}.rope.freq_base", 1e6)),
+        rope_base_local=float(field(reader, f"{a}.rope.freq_base", 1e6)), sliding_window=None,
+        query_pre_attn_scalar=None, embed_scale=False, tie_embeddings="output.weight" not in names,
+        bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", eos)), eos_ids=(eos,),
+        pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", eos)),
+    )
+  return ModelConfig(
+      **common, activation="gelu_tanh", post_norms=True, qk_norm=True, qkv_bias=False,
       rope_base=float(field(reader, f"{a}.rope.freq_base", 1e6)), rope_base_local=10_000.0,
       sliding_window=int(field(reader, f"{a}.attention.sliding_window", 512)), global_every=6,
       query_pre_attn_scalar=256.0, embed_scale=True, tie_embeddings=True,
-      max_seq_len=int(field(reader, f"{a}.context_length", 32768)),
       bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", 2)),
       eos_ids=(int(field(reader, "tokenizer.ggml.eos_token_id", 1)), 106),
       pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", 0)),
-      name=str(field(reader, "general.name", "gguf")),
   )
 
 
 def _dequantize_all(reader, config: ModelConfig, path: str) -> dict:
+  """Every tensor dequantized to float32 straight into its place in the stacked params, one at a time, so the
+  peak is about one float copy of the model (a 1.5B model is 7 GB in float32)."""
   import gguf
   from spec_jax.models.transformer import param_shapes
-  arrays = {}
-  for t in reader.tensors:
-    try:
-      arrays[t.name] = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-    except Exception as e:
-      raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
-
-  def take(name):
-    if name not in arrays:
-      raise ValueError(f"{path}: tensor {name!r} is missing")
-    return arrays[name]
 
   c = config
   H, K, d, D = c.num_heads, c.num_kv_heads, c.head_dim, c.d_model
@@ -86,29 +93,48 @@ def _dequantize_all(reader, config: ModelConfig, path: str) -> dict:
   reshape = {
       "q": lambda w: w.T.reshape(D, H, d), "k": lambda w: w.T.reshape(D, K, d),
       "v": lambda w: w.T.reshape(D, K, d), "o": lambda w: w.T.reshape(H, d, D),
-      "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T,
+      "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T, "lm_head": lambda w: w.T,
+      "q_bias": lambda w: w.reshape(H, d), "k_bias": lambda w: w.reshape(K, d), "v_bias": lambda w: w.reshape(K, d),
   }
   shapes = param_shapes(c)
-  layers = {}
-  for gname, ours in _LAYER_TENSORS.items():
-    if ours not in shapes["layers"]:
+  layers = {name: np.empty(shape, np.float32) for name, shape in shapes["layers"].items()}
+  seen = set()
+  top = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+  params = {"layers": layers}
+  for t in reader.tensors:
+    if t.name.startswith("blk."):
+      _, i, rest = t.name.split(".", 2)
+      gname, kind = rest.rsplit(".", 1)
+      ours = (_LAYER_TENSORS if kind == "weight" else _LAYER_BIASES if kind == "bias" else {}).get(gname)
+      if ours not in layers:
+        continue  # a tensor this architecture does not use (e.g. precomputed rope factors)
+      want, where = shapes["layers"][ours][1:], (ours, int(i))
+    elif top.get(t.name) in shapes:
+      ours = top[t.name]
+      want, where = shapes[ours], (ours, None)
+    else:
       continue
-    per_layer = []
-    for i in range(c.num_layers):
-      w = take(f"blk.{i}.{gname}.weight")
-      want = shapes["layers"][ours][1:]
-      fn = reshape.get(ours, lambda w: w)
-      try:
-        w = fn(w)
-      except ValueError:
-        pass
-      if w.shape != want:
-        raise ValueError(f"{path}: tensor blk.{i}.{gname}.weight has shape {w.shape}, expected {want}")
-      per_layer.append(w)
-    layers[ours] = np.stack(per_layer)
-  params = {"embed": take("token_embd.weight"), "final_norm": take("output_norm.weight"), "layers": layers}
-  if params["embed"].shape != shapes["embed"]:
-    raise ValueError(f"{path}: token_embd has shape {params['embed'].shape}, expected {shapes['embed']}")
+    try:
+      w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    except Exception as e:
+      raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
+    try:
+      w = reshape.get(ours, lambda w: w)(w)
+    except ValueError:
+      pass
+    if w.shape != tuple(want):
+      raise ValueError(f"{path}: tensor {t.name} has shape {w.shape}, expected {tuple(want)}")
+    if where[1] is None:
+      params[ours] = np.ascontiguousarray(w)
+    else:
+      layers[ours][where[1]] = w
+    seen.add(where)
+  gguf_name = {ours: f"{g}.weight" for g, ours in _LAYER_TENSORS.items()}
+  gguf_name.update({ours: f"{g}.bias" for g, ours in _LAYER_BIASES.items()})
+  missing = [f"{g} ({n})" for g, n in top.items() if n in shapes and (n, None) not in seen]
+  missing += [f"blk.{i}.{gguf_name[n]} ({n}[{i}])" for n in layers for i in range(c.num_layers) if (n, i) not in seen]
+  if missing:
+    raise ValueError(f"{path}: tensor {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''} is missing")
   return params
 
 
@@ -183,5 +209,7 @@ def load_gguf(path: str | None = None, dtype=jnp.float32, use_cache: bool = True
       with open(meta_path + ".tmp", "w") as f:
         json.dump({"fingerprint": fp, "format": CACHE_FORMAT, "config": _config_to_json(config)}, f)
       os.replace(meta_path + ".tmp", meta_path)
-  params = _unflatten({k: jnp.asarray(v, dtype) for k, v in flat.items()})
-  return config, params
+  converted = {}
+  for k in list(flat):  # one leaf at a time, dropping the float32 source as we go (peak: model + one leaf)
+    converted[k] = jnp.asarray(flat.pop(k), dtype)
+  return config, _unflatten(converted)

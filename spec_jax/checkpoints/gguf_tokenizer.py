@@ -1,12 +1,19 @@
-"""A SentencePiece model built from a GGUF file's tokenizer metadata, cached beside the GGUF.
+"""A tokenizer built from a GGUF file's tokenizer metadata, cached beside the GGUF.
 
-The GGUF carries the vocabulary (pieces, scores, types and the special ids) as llama.cpp's converter wrote it.
-`build_proto` repairs what that converter changed and builds the SentencePiece `ModelProto` that matches Hugging
-Face transformers' tokenizer for the same file. Reading the metadata of 262k pieces takes many seconds, so
-`tokenizer_proto` caches the serialized proto beside the GGUF (see `file_cache`) with the GGUF's fingerprint;
-later loads read the cache in a fraction of a second.
+The GGUF carries the vocabulary as llama.cpp's converter wrote it; `tokenizer.ggml.model` says which kind:
 
-This module only makes the proto: `spec_jax.tokenizer.Tokenizer` takes it from there, and
+- "llama" (SentencePiece; Gemma 3): pieces, scores, types and the special ids. `build_proto` repairs what the
+  converter changed and builds the SentencePiece `ModelProto` that matches Hugging Face transformers' tokenizer
+  for the same file.
+- "gpt2" (byte-level BPE; Qwen2): tokens, merges, types, the pre-tokenizer's name (`tokenizer.ggml.pre`) and the
+  Jinja chat template. `build_bpe_spec` builds the `tokenizers` pipeline transformers builds for the file: its
+  BPE over the vocab and merges, the split regex of the named pre-tokenizer, byte-level mapping, no normalizer,
+  control tokens (type 3) as special added tokens and user-defined ones (type 4) as plain added tokens.
+
+Reading the metadata of 150-260k pieces takes seconds, so `tokenizer_proto` and `bpe_spec` cache the result beside
+the GGUF (see `file_cache`) with the GGUF's fingerprint; later loads read the cache in a fraction of a second.
+
+This module only makes the tokenizer's data: `SentencePieceTokenizer` / `BPETokenizer` take it from there, and
 `spec_jax.checkpoints.load.load_tokenizer` joins the two.
 """
 
@@ -26,6 +33,8 @@ _WS = "\u2581"  # SentencePiece's whitespace marker
 # Bump when the proto built from a GGUF changes, so old caches are rebuilt.
 CACHE_FORMAT = 1
 CACHE_SUFFIX = ".tokenizer.model"
+BPE_CACHE_FORMAT = 1
+BPE_CACHE_SUFFIX = ".tokenizer.json"
 
 # GGUF token types (llama.cpp) use the same numbers as SentencePiece's ModelProto.SentencePiece.Type.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -113,11 +122,11 @@ def build_proto(path: str) -> bytes:
   return m.SerializeToString()
 
 
-def _load_cached_proto(model_path: str, meta_path: str, fp: str) -> bytes | None:
+def _load_cached(model_path: str, meta_path: str, fp: str, fmt: int) -> bytes | None:
   try:
     with open(meta_path, encoding="utf-8") as f:
       meta = json.load(f)
-    if meta.get("format") != CACHE_FORMAT or meta.get("source_fingerprint") != fp:
+    if meta.get("format") != fmt or meta.get("source_fingerprint") != fp:
       return None
     with open(model_path, "rb") as f:
       data = f.read()
@@ -128,19 +137,19 @@ def _load_cached_proto(model_path: str, meta_path: str, fp: str) -> bytes | None
   return data
 
 
-def tokenizer_proto(path: str | os.PathLike, *, use_cache: bool = True) -> bytes:
-  """`build_proto(path)`, served from the cache beside the GGUF when the GGUF has not changed since."""
+def _cached(path, suffix: str, fmt: int, build, use_cache: bool) -> bytes:
+  """`build(path)` (bytes), served from the cache beside the GGUF when the GGUF has not changed since."""
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(errno.ENOENT, f"GGUF file not found: {path}", path)
   fp = fingerprint(path)
-  model_path = cache_path(path, CACHE_SUFFIX)
+  model_path = cache_path(path, suffix)
   meta_path = model_path + ".json"
-  data = _load_cached_proto(model_path, meta_path, fp) if use_cache else None
+  data = _load_cached(model_path, meta_path, fp, fmt) if use_cache else None
   if data is None:
-    data = build_proto(path)
+    data = build(path)
     if use_cache:
-      meta = {"format": CACHE_FORMAT, "source": os.path.abspath(path), "source_fingerprint": fp,
+      meta = {"format": fmt, "source": os.path.abspath(path), "source_fingerprint": fp,
               "model_sha256": hashlib.sha256(data).hexdigest()}
       try:
         atomic_write_bytes(model_path, data)
@@ -148,3 +157,127 @@ def tokenizer_proto(path: str | os.PathLike, *, use_cache: bool = True) -> bytes
       except OSError:
         pass  # a cache we cannot write only costs time
   return data
+
+
+def tokenizer_proto(path: str | os.PathLike, *, use_cache: bool = True) -> bytes:
+  """`build_proto(path)`, served from the cache beside the GGUF when the GGUF has not changed since."""
+  return _cached(path, CACHE_SUFFIX, CACHE_FORMAT, lambda p: build_proto(p), use_cache)
+
+
+def bpe_spec(path: str | os.PathLike, *, use_cache: bool = True) -> dict:
+  """`build_bpe_spec(path)`, served from the cache beside the GGUF when the GGUF has not changed since."""
+  data = _cached(path, BPE_CACHE_SUFFIX, BPE_CACHE_FORMAT,
+                 lambda p: json.dumps(build_bpe_spec(p), ensure_ascii=False).encode("utf-8"), use_cache)
+  return json.loads(data.decode("utf-8"))
+
+
+def tokenizer_kind(path: str | os.PathLike, *, use_cache: bool = True) -> str:
+  """"sentencepiece" or "bpe": from a valid cache beside the GGUF when there is one, else its metadata."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(errno.ENOENT, f"GGUF file not found: {path}", path)
+  if use_cache:
+    fp = fingerprint(path)
+    for kind, suffix, fmt in (("sentencepiece", CACHE_SUFFIX, CACHE_FORMAT), ("bpe", BPE_CACHE_SUFFIX, BPE_CACHE_FORMAT)):
+      model_path = cache_path(path, suffix)
+      if os.path.exists(model_path) and _load_cached(model_path, model_path + ".json", fp, fmt) is not None:
+        return kind
+  model = read_metadata(path, ("tokenizer.ggml.model",)).get("tokenizer.ggml.model")
+  if model == "llama":
+    return "sentencepiece"
+  if model == "gpt2":
+    return "bpe"
+  raise ValueError(f"{path}: tokenizer model {model!r} is not supported (SentencePiece 'llama' or byte-level "
+                   "BPE 'gpt2')")
+
+
+# ---------------------------------------------------------------------------------------------- byte-level BPE
+
+BPE_METADATA_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template",
+)
+
+# The pre-tokenizer's split regex, by `tokenizer.ggml.pre` (Qwen2's, as its own tokenizer.json has it).
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+BPE_SPLITS = {"qwen2": _QWEN2_SPLIT}
+
+
+def byte_alphabet() -> dict[int, str]:
+  """GPT-2's byte -> printable character map: printable Latin-1 bytes stand for themselves, the other 68 bytes
+  take the characters from U+0100 upwards in byte order."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+  out = {b: chr(b) for b in keep}
+  extra = 0
+  for b in range(256):
+    if b not in out:
+      out[b] = chr(256 + extra)
+      extra += 1
+  return out
+
+
+def build_bpe_spec(path: str) -> dict:
+  """The byte-level BPE tokenizer of a GGUF (no cache): {"tokenizer_json", "bos_id", "eos_id", "pad_id",
+  "add_bos", "chat_template"}."""
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+  md = read_metadata(path, BPE_METADATA_KEYS)
+  if md.get("tokenizer.ggml.model") != "gpt2":
+    raise ValueError(f"{path}: tokenizer model {md.get('tokenizer.ggml.model')!r} is not byte-level BPE ('gpt2')")
+  for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+    if key not in md:
+      raise ValueError(f"{path}: GGUF file has no {key!r} metadata, so it carries no BPE tokenizer")
+  pre = md.get("tokenizer.ggml.pre")
+  if pre not in BPE_SPLITS:
+    raise ValueError(f"{path}: BPE pre-tokenizer {pre!r} is not supported (supported: {sorted(BPE_SPLITS)})")
+  tokens = md["tokenizer.ggml.tokens"]
+  types = md.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+  n = len(tokens)
+  if len(types) != n or n == 0:
+    raise ValueError(f"{path}: tokenizer arrays disagree: {n} tokens, {len(types)} types")
+  spell = byte_alphabet()
+  alphabet = set(spell.values())
+  vocab: dict[str, int] = {}
+  for i, tok in enumerate(tokens):
+    if not set(tok) <= alphabet:  # a token written as text rather than in the byte alphabet
+      tok = "".join(spell[b] for b in tok.encode("utf-8"))
+    if tok in vocab:
+      raise ValueError(f"{path}: token {tok!r} appears twice in the vocabulary (ids {vocab[tok]} and {i})")
+    vocab[tok] = i
+  merges = []
+  for m in md["tokenizer.ggml.merges"]:
+    parts = m.split(" ")
+    if len(parts) != 2:
+      raise ValueError(f"{path}: merge {m!r} is not two tokens separated by one space")
+    merges.append((parts[0], parts[1]))
+  tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+  tk.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(BPE_SPLITS[pre]), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tk.decoder = decoders.ByteLevel()
+  # Control tokens are matched whole and are special; a "control" token spelled outside the byte alphabet is a
+  # converter mislabel (transformers skips those too). User-defined tokens are matched whole, not special.
+  tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                         if int(ty) == _CONTROL and set(t) <= alphabet])
+  tk.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                 if int(ty) == _USER_DEFINED and t in vocab])
+  if tk.get_vocab_size(with_added_tokens=True) != n:
+    raise ValueError(f"{path}: the tokenizer has {tk.get_vocab_size(with_added_tokens=True)} ids, the file {n}")
+
+  def special(key: str):
+    v = md.get(f"tokenizer.ggml.{key}")
+    if v is not None and not 0 <= int(v) < n:
+      raise ValueError(f"{path}: tokenizer.ggml.{key} = {v} is outside the vocabulary of {n}")
+    return None if v is None else int(v)
+
+  return {"tokenizer_json": tk.to_str(), "bos_id": special("bos_token_id"), "eos_id": special("eos_token_id"),
+          "pad_id": special("padding_token_id"), "add_bos": bool(md.get("tokenizer.ggml.add_bos_token", False)),
+          "chat_template": md.get("tokenizer.chat_template")}

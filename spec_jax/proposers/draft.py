@@ -179,6 +179,28 @@ def quantized_self_draft(target_config: ModelConfig, target_params: dict, model_
   return DraftModelProposer(config=cfg, k=k, impl=impl, name="qdraft", tree=tree), qparams
 
 
+def independent_draft(draft_path: str, target_config: ModelConfig, target_path: str | None, dtype: str, k: int,
+                      impl: str = "xla", tree: Optional[DynamicTree] = None):
+  """A separately trained model of the target's family as the draft (Qwen2.5-Coder 0.5B for the 1.5B), with its
+  own config and KV cache. It must map ids to the same pieces as the target: checked on the vocabulary sizes,
+  then on the tokenizers' pieces, before its weights are loaded."""
+  from spec_jax.checkpoints.load import load_config, load_params, load_tokenizer, resolve_model_path
+  draft_path = resolve_model_path(draft_path)
+  dcfg = load_config(draft_path)
+  if dcfg.vocab_size != target_config.vocab_size:
+    raise ValueError(f"draft {draft_path} has a vocabulary of {dcfg.vocab_size} ids and the target "
+                     f"{target_config.vocab_size}: a draft model must share the target's tokenizer")
+  try:
+    same = load_tokenizer(draft_path).vocab_digest() == load_tokenizer(target_path).vocab_digest()
+  except FileNotFoundError:
+    same = True  # a safetensors directory without tokenizer.model: the sizes agreed, nothing more to compare
+  if not same:
+    raise ValueError(f"draft {draft_path} has {dcfg.vocab_size} ids like the target, but its tokenizer maps them "
+                     "to other pieces: a draft model must share the target's tokenizer")
+  _, params = load_params(draft_path, dtype)
+  return DraftModelProposer(config=dcfg.replace(name=f"{dcfg.name}-draft"), k=k, impl=impl, tree=tree), params
+
+
 def param_shapes(target_config: ModelConfig, num_layers: int) -> dict:
   """The trained weights of a distilled draft: its layers and final norm (embedding and head are the target's)."""
   from spec_jax.models.transformer import param_shapes as tfm_shapes

@@ -20,12 +20,14 @@ def default_heads_path(method: str) -> str:
 def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngram_min: int = 1,
                    ngram_max: int = 3, draft_layers: int = 0, impl: str = "xla", heads_path: str | None = None,
                    topk: int = 1, num_draft_tokens: int = 0, model_path: str | None = None,
-                   dtype: str = "float32", draft_quantize: str = "int8"):
+                   dtype: str = "float32", draft_quantize: str = "int8", draft_model: str | None = None):
   """-> (proposer, proposer_params). medusa, eagle and draft load `heads_path` ('' or None: the one in heads/);
   draft with draft_layers = N > 0 is instead the early-exit self-draft of the target's first N
   layers. Trees (SGLang's flags): k is the depth, `topk` the branching (1: chains), `num_draft_tokens` the
   node budget (root included; 0: 1 + k * topk). qdraft is the target drafting for itself through its own
-  weights quantized to `draft_quantize` (loaded from `model_path` with `dtype`, cached like the target's)."""
+  weights quantized to `draft_quantize` (loaded from `model_path` with `dtype`, cached like the target's).
+  draft with `draft_model` (a GGUF, an HF safetensors directory or a packaged model's name) is that independent
+  model, which must share the target's vocabulary (`model_path` is the target's checkpoint, for the check)."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
   if method == "none":
@@ -54,7 +56,11 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngr
   if method == "qdraft":
     from spec_jax.proposers.draft import quantized_self_draft
     return quantized_self_draft(target_config, target_params, model_path, dtype, draft_quantize, k, impl, tree)
-  from spec_jax.proposers.draft import early_exit_proposer, load_draft
+  from spec_jax.proposers.draft import early_exit_proposer, independent_draft, load_draft
+  if draft_model:
+    if draft_layers:
+      raise ValueError("--draft_model and --draft_layers both name a draft; give one")
+    return independent_draft(draft_model, target_config, model_path, dtype, k, impl, tree)
   if draft_layers:
     return early_exit_proposer(target_config, target_params, draft_layers, k, impl, tree)
   return load_draft(heads_path or default_heads_path(method), target_config, target_params, k, impl, tree)

@@ -1,4 +1,4 @@
-"""Writes tiny Gemma 3 GGUF files (float32 tensors, llama.cpp names and layout) for loader tests."""
+"""Writes tiny Gemma 3 and Qwen2 GGUF files (float32 tensors, llama.cpp names and layout) for loader tests."""
 
 import gguf
 import numpy as np
@@ -7,6 +7,7 @@ INV = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v", "o
        "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "post_attn_norm": "post_attention_norm",
        "mlp_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
        "post_mlp_norm": "post_ffw_norm"}
+BIAS = {"q_bias": "attn_q", "k_bias": "attn_k", "v_bias": "attn_v"}
 
 
 def to_torch_layout(name, w):
@@ -32,7 +33,8 @@ def write_tiny_gguf(path, config, params, *, arch="gemma3", drop=(), reshape=Non
   w.add_value_length(config.head_dim)
   w.add_layer_norm_rms_eps(config.norm_eps)
   w.add_rope_freq_base(config.rope_base)
-  w.add_sliding_window(config.sliding_window)
+  if config.sliding_window is not None:
+    w.add_sliding_window(config.sliding_window)
   w.add_context_length(config.max_seq_len)
   w.add_bos_token_id(config.bos_id)
   w.add_eos_token_id(config.eos_ids[0])
@@ -40,9 +42,17 @@ def write_tiny_gguf(path, config, params, *, arch="gemma3", drop=(), reshape=Non
   if extra is not None:
     extra(w)
   tensors = {"token_embd.weight": np.asarray(params["embed"]), "output_norm.weight": np.asarray(params["final_norm"])}
+  if "lm_head" in params:  # untied: llama.cpp's output.weight, [V, D]
+    tensors["output.weight"] = np.asarray(params["lm_head"]).T
   for ours, theirs in INV.items():
+    if ours not in params["layers"]:
+      continue
     for i in range(config.num_layers):
       tensors[f"blk.{i}.{theirs}.weight"] = to_torch_layout(ours, np.asarray(params["layers"][ours][i]))
+  for ours, theirs in BIAS.items():
+    if ours in params["layers"]:
+      for i in range(config.num_layers):
+        tensors[f"blk.{i}.{theirs}.bias"] = np.asarray(params["layers"][ours][i]).reshape(-1)
   for name, arr in tensors.items():
     if name in drop:
       continue
