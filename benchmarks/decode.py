@@ -1,6 +1,7 @@
-"""Plain decode speed of Gemma 3 270M against the memory-bandwidth floor, and the loop's own overhead.
+"""Plain decode speed against the memory-bandwidth floor, and the loop's own overhead.
 
-  python benchmarks/decode.py [--new_tokens=64] [--json_out=PATH]
+  python benchmarks/decode.py [--new_tokens=64] [--json_out=PATH]     # Gemma 3 270M
+  python benchmarks/decode.py --model=qwen2.5-coder-1.5b-instruct --batches=1 --k0_check=0
 
 For each dtype and batch size: tokens/s of the jitted while-loop decode (prefill excluded), the time of one
 bare forward step of the same shape, and their difference per step (what the loop adds: sampling, commit,
@@ -22,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.cache import KVCache
-from spec_jax.checkpoints.gguf_loader import load_gguf
-from spec_jax.checkpoints.load import cpu_layout
+from spec_jax.checkpoints.load import load_params
 from serve.runner import timed_generate
 from spec_jax import slots
 from spec_jax.backend import batch_rows
@@ -108,6 +108,7 @@ def main():
   ap.add_argument("--batches", default="1,8")
   ap.add_argument("--dtypes", default="float32,bfloat16")
   ap.add_argument("--json_out", default=None)
+  ap.add_argument("--model", default="", help="a checkpoint path or packaged model name ('' = Gemma 3 270M)")
   ap.add_argument("--k0_check", type=int, default=1, help="1: also compare plain vs. the speculative loop at k = 0")
   ap.add_argument("--k0_repeats", type=int, default=5)
   args = ap.parse_args()
@@ -116,9 +117,7 @@ def main():
   rows = []
   prompt = [2] + list(range(1000, 1100))  # 101 tokens
   for dtype_name in args.dtypes.split(","):
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
-    config, params = load_gguf(dtype=dtype)
-    params = cpu_layout(params)
+    config, params = load_params(args.model or None, dtype_name)  # with the CPU layout for bfloat16
     config = config.replace(eos_ids=())  # fixed-length runs
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3

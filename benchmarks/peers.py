@@ -1,8 +1,12 @@
-"""Optional peers on the same model and prompts: transformers (torch, CPU) plain greedy and prompt lookup,
-and llama.cpp (llama-cpp-python) if installed. Each is skipped with a message when absent.
+"""Optional peers on the same model and prompts: transformers (torch, CPU) plain greedy, prompt lookup and
+assisted generation with a draft model, and llama.cpp (llama-cpp-python) if installed. Each is skipped with a
+message when absent.
 
 Run it with an interpreter that has the peer installed (never the project's environment), e.g.:
   /tmp/refenv/bin/python benchmarks/peers.py --per_category=3 --max_new_tokens=64 --json_out=out/peers.json
+  /tmp/refenv/bin/python benchmarks/peers.py --gguf=~/.cache/spec_jax/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+      --assistant_gguf=~/.cache/spec_jax/qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf --dtypes=float32,bfloat16
+Prompts use the GGUF's own chat template (Gemma's when the file has none).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ GGUF = os.path.expanduser("~/.cache/spec_jax/gemma-3-270m-Q4_K_M.gguf")
 TEMPLATE = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
 
-def pick(per_category):
+def pick(per_category, tok=None, limit=0):
   seen = collections.Counter()
   out = []
   with open(SPECBENCH) as f:
@@ -27,11 +31,16 @@ def pick(per_category):
       r = json.loads(line)
       if seen[r["category"]] < per_category:
         seen[r["category"]] += 1
-        out.append((r["category"], TEMPLATE.format(r["turns"][0].strip())))
-  return out
+        q = r["turns"][0].strip()
+        if tok is not None and getattr(tok, "chat_template", None):
+          text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        else:
+          text = TEMPLATE.format(q)
+        out.append((r["category"], text))
+  return out[:limit] if limit else out
 
 
-def run_transformers(prompts, max_new, lookup):
+def run_transformers(prompts, max_new, lookup, gguf_path=GGUF, assistant=None, dtype="float32"):
   try:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -39,11 +48,17 @@ def run_transformers(prompts, max_new, lookup):
     print(f"transformers peer skipped: {e}")
     return None
   torch.set_num_threads(os.cpu_count() or 2)
-  d, name = os.path.dirname(GGUF), os.path.basename(GGUF)
+  dt_ = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  d, name = os.path.split(gguf_path)
   tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-  model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+  model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dt_).eval()
+  modes = [("greedy", {}), (f"prompt_lookup_{lookup}", {"prompt_lookup_num_tokens": lookup})]
+  if assistant:
+    ad, an = os.path.split(assistant)
+    draft = AutoModelForCausalLM.from_pretrained(ad, gguf_file=an, dtype=dt_).eval()
+    modes.append(("assisted", {"assistant_model": draft}))
   res = {}
-  for label, kw in (("greedy", {}), (f"prompt_lookup_{lookup}", {"prompt_lookup_num_tokens": lookup})):
+  for label, kw in modes:
     per_cat = collections.defaultdict(lambda: [0, 0.0])
     ids0 = tok(prompts[0][1], return_tensors="pt").input_ids
     model.generate(ids0, max_new_tokens=8, do_sample=False, **kw)  # warm-up
@@ -62,18 +77,20 @@ def run_transformers(prompts, max_new, lookup):
                   "all_tok_s": sum(n for n, _ in per_cat.values()) / sum(t for _, t in per_cat.values()),
                   "outputs": outs}
     print(label, f"{res[label]['all_tok_s']:.2f} tok/s", flush=True)
-  same = sum(a == b for a, b in zip(res["greedy"]["outputs"], res[f"prompt_lookup_{lookup}"]["outputs"]))
-  print(f"prompt lookup output identical to greedy on {same}/{len(prompts)} prompts")
+  for label in res:
+    same = sum(a == b for a, b in zip(res["greedy"]["outputs"], res[label]["outputs"]))
+    print(f"{dtype} {label}: output identical to greedy on {same}/{len(prompts)} prompts; "
+          f"{res[label]['all_tok_s'] / res['greedy']['all_tok_s']:.2f}x greedy")
   return res
 
 
-def run_llama_cpp(prompts, max_new):
+def run_llama_cpp(prompts, max_new, gguf_path=GGUF):
   try:
     from llama_cpp import Llama
   except ImportError as e:
     print(f"llama.cpp peer skipped: {e}")
     return None
-  llm = Llama(model_path=GGUF, n_ctx=4096, n_threads=os.cpu_count() or 2, verbose=False)
+  llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=os.cpu_count() or 2, verbose=False)
   n_tot, t_tot = 0, 0.0
   for _, text in prompts:
     t0 = time.perf_counter()
@@ -90,13 +107,27 @@ def main():
   ap.add_argument("--max_new_tokens", type=int, default=64)
   ap.add_argument("--lookup", type=int, default=4)
   ap.add_argument("--json_out", default=None)
+  ap.add_argument("--gguf", default=GGUF)
+  ap.add_argument("--assistant_gguf", default="", help="a draft model for transformers' assisted generation")
+  ap.add_argument("--dtypes", default="float32")
+  ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0: all)")
   args = ap.parse_args()
-  prompts = pick(args.per_category)
-  out = {"transformers": run_transformers(prompts, args.max_new_tokens, args.lookup),
-         "llama_cpp": run_llama_cpp(prompts, args.max_new_tokens)}
+  gguf_path = os.path.expanduser(args.gguf)
+  tok = None
+  try:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+  except ImportError:
+    pass
+  prompts = pick(args.per_category, tok, args.limit)
+  out = {"transformers": {dt: run_transformers(prompts, args.max_new_tokens, args.lookup, gguf_path,
+                                               os.path.expanduser(args.assistant_gguf) or None, dt)
+                          for dt in args.dtypes.split(",")},
+         "llama_cpp": run_llama_cpp(prompts, args.max_new_tokens, gguf_path)}
   if args.json_out:
-    for v in (out["transformers"] or {}).values():
-      v.pop("outputs", None)
+    for per_dtype in out["transformers"].values():
+      for v in (per_dtype or {}).values():
+        v.pop("outputs", None)
     with open(args.json_out, "w") as f:
       json.dump(out, f, indent=1)
 

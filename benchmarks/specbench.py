@@ -1,9 +1,11 @@
-"""Spec-Bench on Gemma 3 270M: per category, baseline vs. each method, adaptive speculation on and off.
+"""Spec-Bench: per category, baseline vs. each method, adaptive speculation on and off (Gemma 3 270M by default).
 
   python benchmarks/specbench.py --per_category=3 --max_new_tokens=64 --methods=ngram,draft --json_out=PATH
   python benchmarks/specbench.py --methods=medusa,eagle --trees=medusa:4:24,eagle:4:16 --adaptive=off  # chain vs tree
   python benchmarks/specbench.py --methods=qdraft --draft_quantize=int8      # the target's own int8 weights draft
   python benchmarks/specbench.py --quantize=int8 --methods=ngram             # an int8 target
+  python benchmarks/specbench.py --model=qwen2.5-coder-1.5b-instruct --draft_model=qwen2.5-coder-0.5b-instruct \
+      --dtype=float32 --costs_file=configs/costs/qwen25_coder_cpu.json --per_category=1   # the Qwen pair
 
 Greedy, batch 1 by default. Every configuration runs the same prompts in this one process, warmed up, interleaved
 batch by batch. Speedup per category is output tokens/s of the method over
@@ -33,6 +35,8 @@ SPECBENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--prompts", default=SPECBENCH)
+  ap.add_argument("--model", default="", help="the target: a checkpoint path or packaged name ('' = Gemma 3 270M)")
+  ap.add_argument("--draft_model", default="", help="method draft: an independent draft model (same vocabulary)")
   ap.add_argument("--per_category", type=int, default=3)
   ap.add_argument("--max_new_tokens", type=int, default=64)
   ap.add_argument("--methods", default="ngram,draft")
@@ -52,7 +56,7 @@ def main():
                                                         "gemma3_270m_cpu.json"))
   args = ap.parse_args()
 
-  config, params, tok = load_model(None, args.dtype, args.quantize)
+  config, params, tok = load_model(args.model or None, args.dtype, args.quantize)
   prompts = load_prompts(args.prompts, tok)
   seen = collections.Counter()
   chosen = []
@@ -68,7 +72,8 @@ def main():
   for method, topk, nodes in variants:
     proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=args.k,
                                        draft_layers=args.draft_layers, topk=topk, num_draft_tokens=nodes,
-                                       dtype=args.dtype, draft_quantize=args.draft_quantize)
+                                       dtype=args.dtype, draft_quantize=args.draft_quantize,
+                                       model_path=args.model or None, draft_model=args.draft_model or None)
     name = method if proposer.tree is None else f"{method}-tree{proposer.tree.nodes}"
     for adapt in args.adaptive.split(","):
       ks = adaptive.option_set(proposer.k, adapt == "on", proposer.tree)
@@ -79,7 +84,8 @@ def main():
   runs = run_arms(arms, params, config, tok, chosen, ids, batch_size=args.batch_size,
                   max_new_tokens=args.max_new_tokens,
                   sampling_args=dict(temperature=args.temperature, top_k=0, top_p=args.top_p),
-                  adaptive_k=False, seed=0, impl="xla", repeats=args.repeats, progress=True)
+                  adaptive_k=False, seed=0, impl="xla", stop_ids=tok.stop_ids, repeats=args.repeats,
+                  progress=True)
   base = runs[0]
   results = {"baseline": base.summary, "runs": {}}
   for arm, run in zip(arms[1:], runs[1:]):

@@ -15,6 +15,8 @@ def get_config():
   c.method = "draft"
   c.draft_model = "qwen2.5-coder-0.5b-instruct"  # method=draft: the independent draft
   c.dtype = "float32"
-  c.costs_file = ""  # no calibration for this pair yet: the default cost model
+  # Step costs measured on this 2-core CPU: python -m serve.calibrate --config=configs/qwen25_coder_1p5b.py
+  # --method=draft|ngram --calibrate_batch=1|4 --output_costs=configs/costs/qwen25_coder_cpu.json
+  c.costs_file = "configs/costs/qwen25_coder_cpu.json"
   c.served_model_name = "qwen2.5-coder-1.5b-instruct"
   return c

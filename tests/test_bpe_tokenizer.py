@@ -16,62 +16,15 @@ from spec_jax.bpe_tokenizer import BPETokenizer
 from spec_jax.checkpoints import gguf_tokenizer
 from spec_jax.checkpoints.gguf_loader import load_gguf
 from spec_jax.checkpoints.load import load_tokenizer
-from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward, init_params
 from spec_jax.tokenizer import Tokenizer
 from tests.checkpoints.gguf_writer import write_tiny_gguf
-
-ALPHA = gguf_tokenizer.byte_alphabet()
-SP = ALPHA[ord(" ")]  # "Ġ"
-MERGES = ["h e", "l l", "he ll", "hell o", f"{SP} w", "o r", f"{SP}w or", "l d", f"{SP}wor ld"]
-CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-USER_DEFINED = ["<tool_call>"]
-UNUSED = ["[PAD0]"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def _vocab():
-  tokens = [ALPHA[b] for b in range(256)]
-  for m in MERGES:
-    tokens.append(m.replace(" ", ""))
-  types = [1] * len(tokens)
-  for group, ty in ((CONTROL, 3), (USER_DEFINED, 4), (UNUSED, 5)):
-    tokens += group
-    types += [ty] * len(group)
-  return tokens, types
-
-
-TOKENS, TYPES = _vocab()
-V = len(TOKENS)
-EOT, IM_START, IM_END = (TOKENS.index(t) for t in CONTROL)
-
-
-def _extra(pre="qwen2", merges=True, template=TEMPLATE):
-  def add(w):
-    w.add_tokenizer_model("gpt2")
-    if pre is not None:
-      w.add_tokenizer_pre(pre)
-    w.add_token_list(TOKENS)
-    w.add_token_types(TYPES)
-    if merges:
-      w.add_token_merges(MERGES)
-    w.add_add_bos_token(False)
-    if template is not None:
-      w.add_chat_template(template)
-  return add
-
-
-CONFIG = ModelConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
-                     activation="silu", post_norms=False, qk_norm=False, qkv_bias=True, sliding_window=None,
-                     query_pre_attn_scalar=None, embed_scale=False, tie_embeddings=False, rope_base=1e6,
-                     rope_base_local=1e6, bos_id=EOT, eos_ids=(IM_END,), pad_id=EOT, max_seq_len=256)
+from tests.checkpoints.tiny_qwen2 import (CONFIG, EOT, IM_END, IM_START, SP, TOKENS, V, tokenizer_metadata,
+                                         write_tiny_qwen2)
 
 
 def _write(path, **kw):
-  params = init_params(CONFIG, jax.random.key(0))
-  write_tiny_gguf(path, CONFIG, params, arch="qwen2", extra=_extra(**kw))
-  return str(path), params
+  return write_tiny_qwen2(path, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +155,7 @@ def test_qwen2_gguf_with_tied_head(tmp_path):
   cfg = CONFIG.replace(tie_embeddings=True)
   params = init_params(cfg, jax.random.key(1))
   path = tmp_path / "tied.gguf"
-  write_tiny_gguf(path, cfg, params, arch="qwen2", extra=_extra())
+  write_tiny_gguf(path, cfg, params, arch="qwen2", extra=tokenizer_metadata())
   config, loaded = load_gguf(str(path), use_cache=False)
   assert config.tie_embeddings and "lm_head" not in loaded
 
@@ -210,7 +163,7 @@ def test_qwen2_gguf_with_tied_head(tmp_path):
 def test_qwen2_gguf_missing_bias_is_named(tmp_path):
   params = init_params(CONFIG, jax.random.key(0))
   path = tmp_path / "nobias.gguf"
-  write_tiny_gguf(path, CONFIG, params, arch="qwen2", extra=_extra(), drop=("blk.1.attn_k.bias",))
+  write_tiny_gguf(path, CONFIG, params, arch="qwen2", extra=tokenizer_metadata(), drop=("blk.1.attn_k.bias",))
   with pytest.raises(ValueError, match=r"k_bias\[1\]"):
     load_gguf(str(path), use_cache=False)
 
