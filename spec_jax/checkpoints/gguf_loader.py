@@ -108,6 +108,8 @@ def _dequantize_all(reader, config: ModelConfig, path: str) -> dict:
       ours = (_LAYER_TENSORS if kind == "weight" else _LAYER_BIASES if kind == "bias" else {}).get(gname)
       if ours not in layers:
         continue  # a tensor this architecture does not use (e.g. precomputed rope factors)
+      if not i.isdigit() or int(i) >= c.num_layers:
+        raise ValueError(f"{path}: tensor {t.name!r} names block {i}, but the file has {c.num_layers} blocks")
       want, where = shapes["layers"][ours][1:], (ours, int(i))
     elif top.get(t.name) in shapes:
       ours = top[t.name]
