@@ -47,29 +47,6 @@ class BPETokenizer(Tokenizer):
       self._template = JinjaTemplate(str(template), {
           "bos_token": piece(self._bos), "eos_token": piece(self._eos), "pad_token": piece(self._pad)})
 
-  # ---- properties
-
-  @property
-  def vocab_size(self) -> int:
-    return self._vocab_size
-
-  @property
-  def bos_id(self) -> int:
-    return self._bos
-
-  @property
-  def eos_id(self) -> int:
-    return self._eos
-
-  @property
-  def pad_id(self) -> int:
-    return self._pad
-
-  @property
-  def special_ids(self) -> frozenset[int]:
-    """The control tokens (the GGUF's token type 3), as transformers marks them special."""
-    return self._special_ids
-
   def _stop_candidates(self):
     return (self._eos, *self._end_of_turn)
 

@@ -107,24 +107,8 @@ class SentencePieceTokenizer(Tokenizer):
   # ---- properties
 
   @property
-  def bos_id(self) -> int:
-    return self._bos
-
-  @property
-  def eos_id(self) -> int:
-    return self._eos
-
-  @property
-  def pad_id(self) -> int:
-    return self._pad
-
-  @property
   def unk_id(self) -> int:
     return self._unk
-
-  @property
-  def vocab_size(self) -> int:
-    return self._vocab_size
 
   @property
   def end_of_turn_id(self) -> int | None:
@@ -133,11 +117,6 @@ class SentencePieceTokenizer(Tokenizer):
   @property
   def start_of_turn_id(self) -> int | None:
     return self._start_of_turn
-
-  @property
-  def special_ids(self) -> frozenset[int]:
-    """Ids transformers treats as special: the control pieces and `<unk>`."""
-    return self._special_ids
 
   def _stop_candidates(self):
     return (self._eos, self._end_of_turn)

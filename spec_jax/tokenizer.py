@@ -22,29 +22,33 @@ __all__ = ["Tokenizer", "StreamDecoder"]
 class Tokenizer(abc.ABC):
   """Text <-> token ids for one vocabulary."""
 
-  # ---- what an implementation provides
+  # ---- what an implementation provides: these attributes, set in its __init__, and the methods below
+
+  _vocab_size: int
+  _bos: int  # -1 when the vocabulary has none
+  _eos: int
+  _pad: int
+  _special_ids: frozenset  # ids that decode(skip_special=True) drops (transformers' special tokens)
 
   @property
-  @abc.abstractmethod
-  def vocab_size(self) -> int: ...
+  def vocab_size(self) -> int:
+    return self._vocab_size
 
   @property
-  @abc.abstractmethod
   def bos_id(self) -> int:
-    """-1 when the vocabulary has none."""
+    return self._bos
 
   @property
-  @abc.abstractmethod
-  def eos_id(self) -> int: ...
+  def eos_id(self) -> int:
+    return self._eos
 
   @property
-  @abc.abstractmethod
-  def pad_id(self) -> int: ...
+  def pad_id(self) -> int:
+    return self._pad
 
   @property
-  @abc.abstractmethod
   def special_ids(self) -> frozenset[int]:
-    """Ids that `decode(skip_special=True)` drops (transformers' special tokens)."""
+    return self._special_ids
 
   @abc.abstractmethod
   def encode(self, text: str, add_bos: bool = True, *, parse_special: bool = True) -> list[int]:
