@@ -40,7 +40,7 @@ def pick(per_category, tok=None, limit=0):
   return out[:limit] if limit else out
 
 
-def run_transformers(prompts, max_new, lookup, gguf_path=GGUF, assistant=None, dtype="float32"):
+def run_transformers(prompts, max_new, lookup, gguf_path=GGUF, assistant=None, dtype="float32", tok=None):
   try:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -50,7 +50,7 @@ def run_transformers(prompts, max_new, lookup, gguf_path=GGUF, assistant=None, d
   torch.set_num_threads(os.cpu_count() or 2)
   dt_ = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
   d, name = os.path.split(gguf_path)
-  tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+  tok = tok or AutoTokenizer.from_pretrained(d, gguf_file=name)
   model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dt_).eval()
   modes = [("greedy", {}), (f"prompt_lookup_{lookup}", {"prompt_lookup_num_tokens": lookup})]
   if assistant:
@@ -121,7 +121,7 @@ def main():
     pass
   prompts = pick(args.per_category, tok, args.limit)
   out = {"transformers": {dt: run_transformers(prompts, args.max_new_tokens, args.lookup, gguf_path,
-                                               os.path.expanduser(args.assistant_gguf) or None, dt)
+                                               os.path.expanduser(args.assistant_gguf) or None, dt, tok)
                           for dt in args.dtypes.split(",")},
          "llama_cpp": run_llama_cpp(prompts, args.max_new_tokens, gguf_path)}
   if args.json_out:

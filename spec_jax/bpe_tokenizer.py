@@ -25,16 +25,15 @@ class BPETokenizer(Tokenizer):
   def __init__(self, spec: Mapping[str, object], source: str = "<memory>"):
     import tokenizers
     from spec_jax.chat_template import JinjaTemplate
+    self._json = str(spec["tokenizer_json"])
     try:
-      self._tk = tokenizers.Tokenizer.from_str(str(spec["tokenizer_json"]))
-      # The same pipeline with special tokens read as plain text (encode(parse_special=False)).
-      self._tk_plain = tokenizers.Tokenizer.from_str(str(spec["tokenizer_json"]))
-      self._tk_plain.encode_special_tokens = True
+      self._tk = tokenizers.Tokenizer.from_str(self._json)
     except Exception as e:  # tokenizers raises its own Exception subclass on a bad JSON
       raise ValueError(f"{source}: not a valid tokenizers pipeline ({e})") from None
+    self._plain = None  # built on first use: see _tk_plain
     self._source = source
     self._vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
-    ids = lambda key: int(spec.get(key, -1) if spec.get(key) is not None else -1)
+    ids = lambda key: -1 if spec.get(key) is None else int(spec[key])
     self._bos, self._eos, self._pad = ids("bos_id"), ids("eos_id"), ids("pad_id")
     self._add_bos = bool(spec.get("add_bos", False))
     added = self._tk.get_added_tokens_decoder()
@@ -46,6 +45,15 @@ class BPETokenizer(Tokenizer):
       piece = lambda i: self._tk.id_to_token(i) if 0 <= i < self._vocab_size else None
       self._template = JinjaTemplate(str(template), {
           "bos_token": piece(self._bos), "eos_token": piece(self._eos), "pad_token": piece(self._pad)})
+
+  @property
+  def _tk_plain(self):
+    """The same pipeline with special tokens read as plain text (encode(parse_special=False), id_of)."""
+    if self._plain is None:
+      import tokenizers
+      self._plain = tokenizers.Tokenizer.from_str(self._json)
+      self._plain.encode_special_tokens = True
+    return self._plain
 
   def _stop_candidates(self):
     return (self._eos, *self._end_of_turn)

@@ -23,13 +23,9 @@ from tests.checkpoints.tiny_qwen2 import (CONFIG, EOT, IM_END, IM_START, SP, TOK
                                          write_tiny_qwen2)
 
 
-def _write(path, **kw):
-  return write_tiny_qwen2(path, **kw)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-  return _write(tmp_path_factory.mktemp("bpe") / "tiny-qwen2.gguf")
+  return write_tiny_qwen2(tmp_path_factory.mktemp("bpe") / "tiny-qwen2.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +95,10 @@ def test_chat_template_from_the_file(tok):
 
 
 def test_template_errors_are_value_errors(tmp_path):
-  path, _ = _write(tmp_path / "raise.gguf", template="{{ raise_exception('no system role here') }}")
+  path, _ = write_tiny_qwen2(tmp_path / "raise.gguf", template="{{ raise_exception('no system role here') }}")
   with pytest.raises(ValueError, match="no system role here"):
     load_tokenizer(path).apply_chat_template(["Hi"])
-  path, _ = _write(tmp_path / "none.gguf", template=None)
+  path, _ = write_tiny_qwen2(tmp_path / "none.gguf", template=None)
   with pytest.raises(ValueError, match="no chat template"):
     load_tokenizer(path).apply_chat_template(["Hi"])
 
@@ -118,7 +114,7 @@ def test_spec_is_cached_beside_the_file(tiny, monkeypatch):
 
 
 def test_damaged_cache_is_rebuilt(tmp_path):
-  path, _ = _write(tmp_path / "t.gguf")
+  path, _ = write_tiny_qwen2(tmp_path / "t.gguf")
   load_tokenizer(path)
   with open(path + gguf_tokenizer.BPE_CACHE_SUFFIX, "r+b") as f:
     f.seek(20)
@@ -127,10 +123,10 @@ def test_damaged_cache_is_rebuilt(tmp_path):
 
 
 def test_bad_files_give_clear_errors(tmp_path):
-  path, _ = _write(tmp_path / "pre.gguf", pre="some-other-pre")
+  path, _ = write_tiny_qwen2(tmp_path / "pre.gguf", pre="some-other-pre")
   with pytest.raises(ValueError, match="pre-tokenizer 'some-other-pre' is not supported"):
     load_tokenizer(path)
-  path, _ = _write(tmp_path / "merges.gguf", merges=False)
+  path, _ = write_tiny_qwen2(tmp_path / "merges.gguf", merges=False)
   with pytest.raises(ValueError, match="tokenizer.ggml.merges"):
     load_tokenizer(path)
 

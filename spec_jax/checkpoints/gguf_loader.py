@@ -62,10 +62,10 @@ def config_from_reader(reader, path: str) -> ModelConfig:
   if arch == "qwen2":
     # Full attention in every layer (the GGUF has no sliding-window schedule), SwiGLU, QKV biases, plain RoPE.
     eos = int(field(reader, "tokenizer.ggml.eos_token_id"))
+    base = float(field(reader, f"{a}.rope.freq_base", 1e6))
     return ModelConfig(
         **common, activation="silu", post_norms=False, qk_norm=False, qkv_bias=True,
-        rope_base=float(field(reader, f"{a}.rope.freq_base", 1e6)),
-        rope_base_local=float(field(reader, f"{a}.rope.freq_base", 1e6)), sliding_window=None,
+        rope_base=base, rope_base_local=base, sliding_window=None,
         query_pre_attn_scalar=None, embed_scale=False, tie_embeddings="output.weight" not in names,
         bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", eos)), eos_ids=(eos,),
         pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", eos)),

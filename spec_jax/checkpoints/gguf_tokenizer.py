@@ -13,8 +13,8 @@ The GGUF carries the vocabulary as llama.cpp's converter wrote it; `tokenizer.gg
 Reading the metadata of 150-260k pieces takes seconds, so `tokenizer_proto` and `bpe_spec` cache the result beside
 the GGUF (see `file_cache`) with the GGUF's fingerprint; later loads read the cache in a fraction of a second.
 
-This module only makes the tokenizer's data: `SentencePieceTokenizer` / `BPETokenizer` take it from there, and
-`spec_jax.checkpoints.load.load_tokenizer` joins the two.
+This module only makes the tokenizer's data (`load` picks the kind and serves it): `SentencePieceTokenizer` /
+`BPETokenizer` take it from there, and `spec_jax.checkpoints.load.load_tokenizer` joins the two.
 """
 
 from __future__ import annotations
@@ -171,22 +171,27 @@ def bpe_spec(path: str | os.PathLike, *, use_cache: bool = True) -> dict:
   return json.loads(data.decode("utf-8"))
 
 
-def tokenizer_kind(path: str | os.PathLike, *, use_cache: bool = True) -> str:
-  """"sentencepiece" or "bpe": from a valid cache beside the GGUF when there is one, else its metadata."""
+_KINDS = {"sentencepiece": (CACHE_SUFFIX, CACHE_FORMAT), "bpe": (BPE_CACHE_SUFFIX, BPE_CACHE_FORMAT)}
+
+
+def load(path: str | os.PathLike, *, use_cache: bool = True) -> tuple[str, bytes | dict]:
+  """-> ("sentencepiece", serialized proto) or ("bpe", `build_bpe_spec`'s dict) for a GGUF: from whichever valid
+  cache sits beside it (each is read once), else built from the metadata and cached."""
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(errno.ENOENT, f"GGUF file not found: {path}", path)
   if use_cache:
     fp = fingerprint(path)
-    for kind, suffix, fmt in (("sentencepiece", CACHE_SUFFIX, CACHE_FORMAT), ("bpe", BPE_CACHE_SUFFIX, BPE_CACHE_FORMAT)):
+    for kind, (suffix, fmt) in _KINDS.items():
       model_path = cache_path(path, suffix)
-      if os.path.exists(model_path) and _load_cached(model_path, model_path + ".json", fp, fmt) is not None:
-        return kind
+      data = _load_cached(model_path, model_path + ".json", fp, fmt)
+      if data is not None:
+        return kind, (data if kind == "sentencepiece" else json.loads(data.decode("utf-8")))
   model = read_metadata(path, ("tokenizer.ggml.model",)).get("tokenizer.ggml.model")
   if model == "llama":
-    return "sentencepiece"
+    return "sentencepiece", tokenizer_proto(path, use_cache=use_cache)
   if model == "gpt2":
-    return "bpe"
+    return "bpe", bpe_spec(path, use_cache=use_cache)
   raise ValueError(f"{path}: tokenizer model {model!r} is not supported (SentencePiece 'llama' or byte-level "
                    "BPE 'gpt2')")
 

@@ -50,10 +50,11 @@ def load_tokenizer(path: str | None = None, *, use_cache: bool = True):
       raise FileNotFoundError(f"{path} has no tokenizer.model (SentencePiece) next to its weights")
     return SentencePieceTokenizer.from_model_file(tok_file)
   from spec_jax.checkpoints import gguf_tokenizer
-  if gguf_tokenizer.tokenizer_kind(path, use_cache=use_cache) == "bpe":
+  kind, data = gguf_tokenizer.load(path, use_cache=use_cache)
+  if kind == "bpe":
     from spec_jax.bpe_tokenizer import BPETokenizer
-    return BPETokenizer(gguf_tokenizer.bpe_spec(path, use_cache=use_cache), source=path)
-  return SentencePieceTokenizer(gguf_tokenizer.tokenizer_proto(path, use_cache=use_cache), source=path)
+    return BPETokenizer(data, source=path)
+  return SentencePieceTokenizer(data, source=path)
 
 
 def resolve_model_path(path: str | None) -> str:
