@@ -13,15 +13,18 @@ from spec_jax.proposers.base import Draft
 def draft_chain(draw: Callable, advance: Callable, carry: Any, key: jax.Array, k: int) -> tuple[Draft, Any]:
   """Draft k tokens. draw(carry, key) -> (token int32[B], q float32[B, V]) from the carry's current prediction;
   advance(carry, token) -> carry, which feeds the token and predicts the next one. The k-th token is drawn but
-  not fed (nothing would read its prediction). -> (Draft [B, k] with q [B, k, V], final carry)."""
+  not fed (nothing would read its prediction). -> (Draft [B, k] with q [B, k, V], final carry).
+
+  Unrolled (k is small and static), not a lax.scan: inside a loop XLA:CPU hoists loop-invariant converts out
+  of it, so a scan over a step that gathers from the bfloat16 embedding converted the whole 262k-row table to
+  float32 (670 MB) on every propose, and the carry's caches were copied each iteration (benchmarks/draft_cost.py,
+  BENCHMARKS.md section 13)."""
   keys = jax.random.split(key, k)
-
-  def step(carry, key):
-    tok, q = draw(carry, key)
-    return advance(carry, tok), (tok, q)
-
-  carry, (toks, qs) = jax.lax.scan(step, carry, keys[:k - 1])
-  last_tok, last_q = draw(carry, keys[k - 1])
-  tokens = jnp.concatenate([jnp.swapaxes(toks, 0, 1), last_tok[:, None]], axis=1)
-  probs = jnp.concatenate([jnp.swapaxes(qs, 0, 1), last_q[:, None]], axis=1)
-  return Draft(tokens=tokens.astype(jnp.int32), probs=probs), carry
+  toks, qs = [], []
+  for i in range(k):
+    tok, q = draw(carry, keys[i])
+    toks.append(tok)
+    qs.append(q)
+    if i < k - 1:
+      carry = advance(carry, tok)
+  return Draft(tokens=jnp.stack(toks, axis=1).astype(jnp.int32), probs=jnp.stack(qs, axis=1)), carry

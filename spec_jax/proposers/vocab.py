@@ -24,14 +24,19 @@ def output_rows(target_params: dict, d2t: Optional[jax.Array] = None) -> jax.Arr
   if isinstance(q, QTensor):  # quantized output-major [V, D] either way
     return q if d2t is None else take_rows(q, d2t, target_params["final_norm"].dtype)
   w = target_params["lm_head"].T if "lm_head" in target_params else target_params["embed"]
-  return w if d2t is None else jnp.take(w, d2t, axis=0)
+  if d2t is None:
+    return w
+  # A reduced set is small (8192 x 640): keep it in the activations' dtype, once, so that project() never
+  # converts it per drafted token (a bfloat16 table in a float32 head was a 21 MB convert per token on CPU).
+  return jnp.take(w, d2t, axis=0).astype(target_params["final_norm"].dtype)
 
 
 def project(hidden: jax.Array, rows: jax.Array) -> jax.Array:
-  """hidden [..., D] -> float32 logits [..., N]."""
+  """hidden [..., D] -> float32 logits [..., N]. Casts the activations to the rows' dtype, never the rows (a
+  262k-row bfloat16 table promoted to float32 would be copied whole on every call)."""
   if isinstance(rows, QTensor):
     return qdot(hidden, rows)
-  return jnp.einsum("...d,nd->...n", hidden, rows.astype(hidden.dtype), preferred_element_type=jnp.float32)
+  return jnp.einsum("...d,nd->...n", hidden.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
 
 
 def draw(key, logits, sampling, d2t: Optional[jax.Array], vocab_size: int):
