@@ -18,6 +18,7 @@ def get_config(kind: str = "medusa"):
   c.num_heads = 4  # medusa
   c.mlp_dim = 1024  # eagle layer's MLP width (0: the target's)
   c.noise = 0.0  # eagle feature noise
+  c.feature_layers = ()  # eagle: () = the final-normed hidden (EAGLE-1); e.g. (1, 8, 14) = EAGLE-3's fused layers
   c.ttt_passes = 1  # eagle: 1 + self-fed passes of the training-time test (train/losses.py eagle_unrolled)
   c.reg_weight = 1.0
   c.ce_weight = 1.0

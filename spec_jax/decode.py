@@ -26,7 +26,8 @@ from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.models.transformer import forward, lm_head
 from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill
-from spec_jax.proposers.base import NoneProposer, PrefillOut, ProposeContext, VerifyResult
+from spec_jax.proposers.base import (NoneProposer, PrefillOut, ProposeContext, VerifyResult, feature_layers,
+                                     target_features)
 from spec_jax.sampling import sample
 from spec_jax.stats import Stats, summarize
 from spec_jax.verify import verify_chain, verify_tree
@@ -75,7 +76,8 @@ class DecodeState:
   key: PRNG key (one stream for the whole batch).
   done bool[B]; finish int32[B] FINISH_*; speculate bool[B]: the row lets the proposer draft for it.
   sampling: SamplingParams [B]. stats: Stats [B] counters. adapt: AdaptState (per-row acceptance, cost table).
-  last_hidden [B, D]: the target hidden state that predicted the last committed token.
+  last_hidden [B, F]: the proposer's target features (proposers.base.target_features; the final-normed hidden,
+  F = D, for all but EAGLE-3) at the position that predicted the last committed token.
   spec_enabled bool[]: the global speculation switch (off: every step drafts k = 0).
   step int32[]: loop steps so far; done_step int32[B]: the step at which each row finished.
   """
@@ -110,9 +112,13 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   """Rows right after the target's prefill: sample the first token, start the proposer, fresh counters.
 
   prompt_tokens int32[R, P] right-padded; cache: the prefilled target cache (capacity slots); hidden [R, D] at
-  each row's last prompt token; prompt_hidden [R, P, D] or None. Traced inside jit (generate and slot insert).
+  each row's last prompt token; prompt_hidden [R, P, F] (the proposer's features) or None. Traced inside jit
+  (generate and slot insert).
   """
   R, P = prompt_tokens.shape
+  # The proposer's features at the last prompt token: the hidden state itself, or its feature layers'.
+  feats = hidden if not feature_layers(spec.proposer) else \
+      jnp.take_along_axis(prompt_hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
   key, k0 = jax.random.split(key)
   first = sample(k0, lm_head(params["target"], hidden), sampling)
   rows = jnp.arange(R)
@@ -125,12 +131,12 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   hit_len = max_new <= 1
   finish = jnp.where(stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE)).astype(jnp.int32)
   pre = PrefillOut(prompt_tokens=prompt_tokens, tokens=tokens, lengths=lengths, prompt_lens=prompt_lens,
-                   prompt_hidden=prompt_hidden, last_hidden=hidden, chunk=chunk)
+                   prompt_hidden=prompt_hidden, last_hidden=feats, chunk=chunk)
   pstate = spec.proposer.init(params["proposer"], pre, capacity)
   return DecodeState(
       tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, max_new=max_new, cache=cache, pstate=pstate, key=key,
       done=stop | hit_len, finish=finish, speculate=speculate, sampling=sampling, stats=Stats.zeros(R, spec.k_max),
-      adapt=adaptive.AdaptState.init(R, jnp.ones((1, len(spec.ks)), jnp.float32)), last_hidden=hidden,
+      adapt=adaptive.AdaptState.init(R, jnp.ones((1, len(spec.ks)), jnp.float32)), last_hidden=feats,
       spec_enabled=jnp.ones((), bool), step=jnp.zeros((), jnp.int32), done_step=jnp.zeros((R,), jnp.int32))
 
 
@@ -185,8 +191,9 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
     draft_tokens, draft_probs = jnp.zeros((B, 0), jnp.int32), None
   feed = jnp.concatenate([last, jnp.maximum(draft_tokens, 0)], axis=1)  # no-draft slots feed a harmless 0
   positions = (state.lengths - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-  logits, hidden, cache = forward(params["target"], feed, positions, state.cache, config=spec.config,
-                                  impl=spec.impl)
+  logits, hidden, cache, *layers = forward(params["target"], feed, positions, state.cache, config=spec.config,
+                                           impl=spec.impl, return_layers=feature_layers(spec.proposer))
+  hidden = target_features(hidden, layers[0] if layers else None)
   out, n_acc = verify_chain(logits, draft_tokens, draft_probs, k_verify, state.sampling)
   tokens, lengths, n_emit, finish, done = _commit(state, spec, active, out, n_acc)
   cache = cache.replace(lengths=state.cache.lengths + n_emit)
@@ -229,8 +236,10 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   mask = tree.ancestor_mask(parents)
   depths = tree.mask_depths(mask)
   positions = (state.lengths - 1)[:, None] + depths
-  logits, hidden, cache = forward(params["target"], jnp.maximum(tree_tokens, 0), positions, state.cache,
-                                  config=spec.config, impl=spec.impl, tree_mask=mask)
+  logits, hidden, cache, *layers = forward(params["target"], jnp.maximum(tree_tokens, 0), positions, state.cache,
+                                           config=spec.config, impl=spec.impl, tree_mask=mask,
+                                           return_layers=feature_layers(spec.proposer))
+  hidden = target_features(hidden, layers[0] if layers else None)
   out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
                                   max_children=shape.max_children)
   tokens, lengths, n_emit, finish, done = _commit(state, spec, active, out, n_acc)
@@ -365,7 +374,8 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   # Host inputs become arrays split over `data` (global arrays on a multi-host mesh; plain ones without a mesh).
   buf, prompt_lens, max_new, sampling = sharding.rows((buf, prompt_lens, max_new, sampling), mesh)
   out = prefill(params_t, jnp.asarray(buf), jnp.asarray(prompt_lens), cache, config=config, impl=spec.impl,
-                chunk=chunk, return_all=spec.proposer.needs_prompt_hidden)
+                chunk=chunk, return_all=spec.proposer.needs_prompt_hidden,
+                feature_layers=feature_layers(spec.proposer))
   cache, hidden = out[:2]
   every = out[2] if spec.proposer.needs_prompt_hidden else None
   costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)

@@ -13,6 +13,7 @@ import numpy as np
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
+from spec_jax.proposers.base import target_features
 
 DEFAULT_CHUNK = 512
 
@@ -25,26 +26,29 @@ def bucket(max_prompt: int, chunk: int = DEFAULT_CHUNK) -> tuple[int, int]:
   return -(-max_prompt // chunk) * chunk, chunk
 
 
-def _chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, impl):
-  """One chunk at positions start..start+C-1. Keeps each row's hidden state at its last prompt token."""
+def _chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, impl, feature_layers=()):
+  """One chunk at positions start..start+C-1. Keeps each row's hidden state at its last prompt token; returns the
+  chunk's target features too (target_features: the hidden states, or the feature layers' outputs)."""
   B, C = chunk.shape
   positions = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
   cache = cache.replace(lengths=jnp.full((B,), start, jnp.int32))
-  _, hidden, cache = forward(params, chunk, positions, cache, config=config, impl=impl, compute_logits=False)
+  _, hidden, cache, *layers = forward(params, chunk, positions, cache, config=config, impl=impl,
+                                      compute_logits=False, return_layers=feature_layers)
   idx = prompt_lens - 1 - start
   here = (idx >= 0) & (idx < C)
   h = jnp.take_along_axis(hidden, jnp.clip(idx, 0, C - 1)[:, None, None], axis=1)[:, 0]
-  return cache, jnp.where(here[:, None], h, last_hidden), hidden
+  return cache, jnp.where(here[:, None], h, last_hidden), target_features(hidden, layers[0] if layers else None)
 
 
-prefill_chunk = jax.jit(_chunk, static_argnames=("config", "impl"), donate_argnames=("cache",))
+prefill_chunk = jax.jit(_chunk, static_argnames=("config", "impl", "feature_layers"), donate_argnames=("cache",))
 
 
 def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *, config: ModelConfig,
-            impl: str = "xla", chunk: int = DEFAULT_CHUNK, return_all: bool = False):
+            impl: str = "xla", chunk: int = DEFAULT_CHUNK, return_all: bool = False, feature_layers: tuple = ()):
   """Right-padded prompts [B, P] (P a multiple of `chunk`) -> (cache with lengths = prompt_lens, hidden[B, D]).
 
-  With `return_all`, the hidden states of every prompt position [B, P, D] come back third (EAGLE reads them).
+  With `return_all`, the target features of every prompt position [B, P, F] come back third (EAGLE reads them):
+  the hidden states, or the outputs of `feature_layers` side by side (proposers.base.target_features).
   Inside another jit (slot insert) the jitted chunks simply inline.
   """
   B, P = tokens.shape
@@ -55,7 +59,8 @@ def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *
   every = []
   for start in range(0, P, chunk):
     cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], np.int32(start), cache,
-                                               prompt_lens, last_hidden, config=config, impl=impl)
+                                               prompt_lens, last_hidden, config=config, impl=impl,
+                                               feature_layers=tuple(feature_layers) if return_all else ())
     if return_all:
       every.append(hidden)
   # A fresh buffer: callers donate the cache, and prompt_lens must survive that (astype may return it as is).

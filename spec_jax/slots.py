@@ -21,7 +21,7 @@ from spec_jax.cache import KVCache
 from spec_jax.config import SamplingParams, validate_sampling
 from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec, check_fits, start_rows
 from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill
-from spec_jax.proposers.base import write_row, write_rows_tree
+from spec_jax.proposers.base import feature_layers, write_row, write_rows_tree
 from spec_jax.stats import Stats
 
 
@@ -97,7 +97,8 @@ def _empty(params, spec, batch, capacity, costs, key):
   lens = jnp.ones((batch,), jnp.int32)
   cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype)
   cache, hidden, every = prefill(params["target"], prompt, lens, cache, config=spec.config, impl=spec.impl,
-                                 chunk=chunk, return_all=True)
+                                 chunk=chunk, return_all=True,
+                                 feature_layers=feature_layers(spec.proposer))
   state = start_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), bool), key,
                      cache, hidden, every if spec.proposer.needs_prompt_hidden else None, capacity, chunk)
   state = state.replace(done=jnp.ones((batch,), bool), finish=jnp.full((batch,), FINISH_ABORT, jnp.int32),
@@ -114,7 +115,8 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   prompt, lens = req.tokens[None], req.prompt_len[None]
   cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
   cache, hidden, every = prefill(params["target"], prompt, lens, cache, config=spec.config, impl=spec.impl,
-                                 chunk=chunk, return_all=True)
+                                 chunk=chunk, return_all=True,
+                                 feature_layers=feature_layers(spec.proposer))
   row = start_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.speculate[None], req.key, cache,
                    hidden, every if spec.proposer.needs_prompt_hidden else None, S, chunk)
   put = functools.partial(write_row, slot=slot)

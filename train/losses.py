@@ -18,11 +18,17 @@ import jax.numpy as jnp
 from spec_jax.kernels.reference import NEG_INF
 from spec_jax.models import transformer as tfm
 from spec_jax.proposers import eagle, medusa, vocab
+from spec_jax.proposers.base import target_features as target_features_of
 
 
-def target_features(target_params, config, tokens):
-  """Final-normed hidden states [B, T, D] of the frozen target (no logits: the heads project themselves)."""
-  _, hidden, _ = tfm.forward(target_params, tokens, cache=None, config=config, compute_logits=False)
+def target_features(target_params, config, tokens, feature_layers=()):
+  """Final-normed hidden states [B, T, D] of the frozen target (no logits: the heads project themselves). With
+  EAGLE-3 `feature_layers`, those layers' outputs follow side by side: [B, T, (1 + n) D], the first D the final
+  hidden (the teacher), the rest what the decode loop hands the head (proposers.base.target_features)."""
+  _, hidden, _, *layers = tfm.forward(target_params, tokens, cache=None, config=config, compute_logits=False,
+                                      return_layers=tuple(feature_layers))
+  if layers:
+    hidden = jnp.concatenate([hidden, target_features_of(hidden, layers[0])], axis=-1)
   return jax.lax.stop_gradient(hidden)
 
 
@@ -76,7 +82,8 @@ def eagle_unrolled(params, cfg, feats, toks, passes: int):
   """EAGLE's layer over a whole sequence, then `passes - 1` more passes fed with its own predicted features
   (EAGLE-3's training-time test), each as the decode loop would see it.
 
-  feats [B, T, D] are the target's features F_s, toks [B, T] the tokens tok_{s+1}, at positions s. Pass 0 reads
+  feats [B, T, D] are the target's features F_s (or [B, T, n * D]: EAGLE-3's fused layers, which pass 0 fuses;
+  later passes read the head's own D-wide predictions, as drafting does), toks [B, T] the tokens tok_{s+1}. Pass 0 reads
   (F_s, tok_{s+1}) and attends causally over pass 0: it predicts F_{s+1}. Pass j reads (P_{j-1}[s-1], tok_{s+1})
   and attends to pass 0's keys at positions <= s-j and to pass i's key at position s-(j-i) for i = 1..j: exactly
   the cache of draft step j+1 after s-j verified positions (slot == position). Every pass predicts F_{s+1}.
@@ -126,12 +133,14 @@ def eagle_loss(weights, frozen, hidden, tokens, mask, *, cfg, key=None, noise=0.
                ce_weight=1.0, passes=1):
   """frozen: {"embed": [V, D], "rows": [N, D]}. Pairs (F_t, tok_{t+1}) -> F_{t+1} and the target's p(t+2),
   averaged over `passes` (1 + the training-time test's self-fed passes; see eagle_unrolled)."""
-  feats, toks = hidden[:, :-1], tokens[:, 1:]
+  D = cfg.d_model
+  final, feats = (hidden, hidden) if hidden.shape[-1] == D else (hidden[..., :D], hidden[..., D:])
+  feats, toks = feats[:, :-1], tokens[:, 1:]
   if noise and key is not None:  # EAGLE's feature noise: robustness to its own imperfect features
     feats = feats + noise * jax.random.uniform(key, feats.shape, feats.dtype, -1.0, 1.0)
   params = dict(weights, embed=frozen["embed"])
   preds = eagle_unrolled(params, cfg, feats.astype(weights["fc"].dtype), toks, passes)
-  want = hidden[:, 1:].astype(preds[0].dtype)
+  want = final[:, 1:].astype(preds[0].dtype)
   ok = mask[:, 1:] & mask[:, :-1]
   teacher = jax.lax.stop_gradient(vocab.project(want, frozen["rows"]))
   # KL(teacher || student): the soft CE's gradient, without the teacher's entropy as a floor.

@@ -80,9 +80,14 @@ def build_task(cfg, config, params, d2t):
   from train import losses
   from train.trainer import Task
   key = jax.random.PRNGKey(cfg.train.seed)
-  features = lambda frozen, toks: losses.target_features(frozen["target"], config, toks)
-  # What the features are: the target's final-normed hidden states, of this target in this dtype.
-  features_id = f"target_features:{config.name}:{cfg.model}:{cfg.dtype}:{cfg.tiny_seed}"
+  layers = tuple(cfg.feature_layers) if cfg.kind == "eagle" else ()
+  if layers:
+    eagle.check_feature_layers(layers, config, "config.feature_layers")
+  features = lambda frozen, toks: losses.target_features(frozen["target"], config, toks, layers)
+  # What the features are: the target's final-normed hidden states (and EAGLE-3's layers), of this target in
+  # this dtype.
+  features_id = (f"target_features:{config.name}:{cfg.model}:{cfg.dtype}:{cfg.tiny_seed}" +
+                 (f":layers{list(layers)}" if layers else ""))
   rows = vocab.output_rows(params, None if d2t is None else jnp.asarray(d2t))
   if cfg.kind == "medusa":
     frozen = {"target": params, "rows": rows}
@@ -94,11 +99,12 @@ def build_task(cfg, config, params, d2t):
   if cfg.kind == "eagle":
     ecfg = eagle.layer_config(config, cfg.mlp_dim or None)
     frozen = {"target": params, "embed": params["embed"], "rows": rows}
-    init = eagle.init_params(key, ecfg, jnp.float32, target_params=params)
+    init = eagle.init_params(key, ecfg, jnp.float32, target_params=params, num_feature_layers=len(layers))
     loss = functools.partial(losses.eagle_loss, cfg=ecfg, noise=cfg.noise, reg_weight=cfg.reg_weight,
                              ce_weight=cfg.ce_weight, passes=cfg.ttt_passes)
     task = Task("eagle", features, lambda p, fz, f, t, m, k: loss(p, fz, f, t, m, key=k), features_id)
-    return task, init, frozen, {"mlp_dim": ecfg.mlp_dim, "ttt_passes": cfg.ttt_passes}
+    return task, init, frozen, {"mlp_dim": ecfg.mlp_dim, "ttt_passes": cfg.ttt_passes,
+                                "feature_layers": list(layers)}
   if cfg.kind == "draft":
     if not 1 <= cfg.draft_layers < config.num_layers:
       raise ValueError(f"draft_layers must be in [1, {config.num_layers}), got {cfg.draft_layers}")

@@ -2,6 +2,8 @@
 leaves carry the batch (slot) axis, so one row can be replaced while the others keep decoding.
 
   needs_prompt_hidden: bool                       whether init() reads the prompt's target hidden states
+  feature_layers: tuple (optional, default ())    the target layers whose outputs are the proposer's features
+                                                  (EAGLE-3); () = the final-normed hidden state
   tree: None | tree shape                         None: chains (propose); else propose_tree drafts token trees of
                                                   tree.nodes nodes, tree.depth deep, at most tree.max_children
                                                   children per node (k = tree.depth)
@@ -21,6 +23,7 @@ import dataclasses
 from typing import Any, ClassVar, Optional, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 
@@ -51,8 +54,9 @@ class PrefillOut:
   tokens int32[B, S]: the token buffer; row b holds its prompt and the first new token in tokens[b, :lengths[b]].
   lengths int32[B]: prompt_lens + 1.
   prompt_lens int32[B].
-  prompt_hidden [B, P, D] | None: the target's final-normed hidden states of the padded prompt (P = bucket),
-    only for proposers with needs_prompt_hidden.
+  prompt_hidden [B, P, F] | None: the proposer's target features (`target_features`: the final-normed hidden
+    states, F = D, or its feature layers side by side) of the padded prompt (P = bucket), only for proposers with
+    needs_prompt_hidden.
   last_hidden [B, D]: the target's hidden state at the last prompt token (it predicted the first new token).
   chunk int (static): the prefill chunk the prompt was padded for.
   """
@@ -102,6 +106,21 @@ class Proposer(Protocol):
   def propose(self, params, state, ctx: ProposeContext, k: int, key: jax.Array) -> tuple[Draft, Any]: ...
   def update(self, params, state, result: VerifyResult): ...
   def insert(self, state, slot, row_state): ...
+
+
+def feature_layers(proposer) -> tuple:
+  """The target layers (0-based) whose outputs a proposer reads as its features, side by side: EAGLE-3's low,
+  middle and high layers. () = the target's final-normed hidden state, what the other proposers read."""
+  return tuple(getattr(proposer, "feature_layers", ()) or ())
+
+
+def target_features(hidden: jax.Array, layer_outputs: Optional[jax.Array]) -> jax.Array:
+  """What the loop hands a proposer as `hidden`: the final-normed hidden [B, T, D], or with feature layers the
+  layer outputs [n, B, T, D] (forward's return_layers) side by side as [B, T, n * D], layer-major."""
+  if layer_outputs is None:
+    return hidden
+  n, B, T, D = layer_outputs.shape
+  return jnp.moveaxis(layer_outputs, 0, 2).reshape(B, T, n * D)
 
 
 def write_row(full: jax.Array, row: jax.Array, slot, axis: int = 0) -> jax.Array:

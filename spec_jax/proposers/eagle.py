@@ -15,6 +15,12 @@ Cache bookkeeping, zero-copy like the draft model's: with L = lengths, the EAGLE
 - init writes the prompt pairs from the prompt's hidden states (`needs_prompt_hidden`), and the pending pair is
   (f of the last prompt token, the first sampled token).
 The state has the same shape for every k, so adaptive speculation's branches agree.
+
+EAGLE-3 features (`feature_layers`, e.g. a low, a middle and a high layer): the target feature of a committed
+position is then the outputs of those target layers side by side [n * D] (the loop's `target_features`), each
+RMS-normed with its own weight and fused by an FC (`fuse`, [n * D, D]) into the D-wide feature the layer reads.
+A drafted position's feature is still the layer's own prediction (D wide), fed back unfused: EAGLE-3's
+training-time test trains exactly that mix. A head without `fuse` reads the final-normed hidden state (EAGLE-1).
 """
 
 from __future__ import annotations
@@ -45,27 +51,58 @@ def layer_config(target: ModelConfig, mlp_dim: Optional[int] = None) -> ModelCon
                         name=f"{target.name}-eagle")
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
+def param_shapes(cfg: ModelConfig, num_feature_layers: int = 0) -> dict:
   D = cfg.d_model
   layer = {k: v[1:] for k, v in tfm.param_shapes(cfg)["layers"].items()}
-  return {"fc": (2 * D, D), "feat_norm": (D,), "emb_norm": (D,), "out_norm": (D,), "layer": layer}
+  out = {"fc": (2 * D, D), "feat_norm": (D,), "emb_norm": (D,), "out_norm": (D,), "layer": layer}
+  if num_feature_layers:
+    out.update(fuse=(num_feature_layers * D, D), fuse_norm=(num_feature_layers, D))
+  return out
 
 
-def init_params(key, cfg: ModelConfig, dtype=jnp.float32, target_params: Optional[dict] = None) -> dict:
-  """Random layer (the transformer's init) and an FC that starts as the sum of both inputs' halves."""
-  k1, k2 = jax.random.split(key)
+def check_feature_layers(layers, target: ModelConfig, where: str) -> tuple:
+  layers = tuple(int(l) for l in layers)
+  if any(not 0 <= l < target.num_layers for l in layers) or len(set(layers)) != len(layers):
+    raise ValueError(f"{where}: feature layers {list(layers)} must be distinct target layers in "
+                     f"[0, {target.num_layers})")
+  return layers
+
+
+def init_params(key, cfg: ModelConfig, dtype=jnp.float32, target_params: Optional[dict] = None,
+                num_feature_layers: int = 0) -> dict:
+  """Random layer (the transformer's init) and an FC that starts as the sum of both inputs' halves; with feature
+  layers, a fusing FC that starts as their mean."""
+  k1, k2, k3 = jax.random.split(key, 3)
   stacked = tfm.init_params(cfg, k1, dtype)["layers"]
   D = cfg.d_model
   fc = jnp.concatenate([jnp.eye(D), jnp.eye(D)], 0) * 0.5 + 0.02 * jax.random.normal(k2, (2 * D, D))
   out_norm = (target_params["final_norm"] if target_params is not None else jnp.ones((D,)))
-  return {"fc": fc.astype(dtype), "feat_norm": jnp.ones((D,), dtype), "emb_norm": jnp.ones((D,), dtype),
-          "out_norm": jnp.asarray(out_norm, dtype), "layer": jax.tree.map(lambda x: x[0], stacked)}
+  out = {"fc": fc.astype(dtype), "feat_norm": jnp.ones((D,), dtype), "emb_norm": jnp.ones((D,), dtype),
+         "out_norm": jnp.asarray(out_norm, dtype), "layer": jax.tree.map(lambda x: x[0], stacked)}
+  if num_feature_layers:
+    n = num_feature_layers
+    fuse = jnp.tile(jnp.eye(D), (n, 1)) / n + 0.02 * jax.random.normal(k3, (n * D, D))
+    out.update(fuse=fuse.astype(dtype), fuse_norm=jnp.ones((n, D), dtype))
+  return out
+
+
+def fuse_features(params: dict, cfg: ModelConfig, feats):
+  """EAGLE-3: target layer outputs side by side [..., n * D] -> [..., D]: each RMS-normed with its own weight
+  (the residual stream's scale grows with depth), then the fusing FC."""
+  n = params["fuse_norm"].shape[0]
+  D = cfg.d_model
+  parts = feats.astype(params["fuse"].dtype).reshape(feats.shape[:-1] + (n, D))
+  parts = tfm.rms_norm(parts, params["fuse_norm"], cfg.norm_eps)
+  return tfm.dot("...f,fd->...d", parts.reshape(feats.shape[:-1] + (n * D,)), params["fuse"])
 
 
 def layer_input(params: dict, cfg: ModelConfig, feats, toks):
-  """FC over [rms_norm(feature) ; rms_norm(embedding(token))]: the decoder layer's input [B, T, D]."""
+  """FC over [rms_norm(feature) ; rms_norm(embedding(token))]: the decoder layer's input [B, T, D]. A feature
+  wider than D is a committed position's fused target layers (EAGLE-3), fused first."""
   # The target's embedding (and scale), in the EAGLE layer's dtype.
   e = tfm.embed({"embed": params["embed"], "final_norm": params["out_norm"]}, toks, cfg).astype(params["fc"].dtype)
+  if feats.shape[-1] != cfg.d_model:
+    feats = fuse_features(params, cfg, feats)
   f = tfm.rms_norm(feats.astype(e.dtype), params["feat_norm"], cfg.norm_eps)
   e = tfm.rms_norm(e, params["emb_norm"], cfg.norm_eps)
   return tfm.dot("btd,de->bte", jnp.concatenate([f, e], axis=-1), params["fc"])
@@ -104,6 +141,7 @@ class EagleProposer:
   impl: str = "xla"
   name: str = "eagle"
   tree: Optional[DynamicTree] = None  # EAGLE-2 dynamic trees (k = tree.depth); None: chains
+  feature_layers: tuple = ()  # EAGLE-3: the target layers it reads, fused; () = the final-normed hidden
   needs_prompt_hidden: ClassVar[bool] = True
 
   def __post_init__(self):
@@ -205,7 +243,12 @@ def load_eagle(path: str, target_config: ModelConfig, target_params: dict, k: in
   dtype = target_params["final_norm"].dtype
   meta, weights, d2t = head_ckpt.load_heads(path, target_config, "eagle", dtype)
   cfg = layer_config(target_config, int(meta.get("mlp_dim", target_config.mlp_dim)))
-  head_ckpt.check_shapes(weights, param_shapes(cfg), path)
+  layers = check_feature_layers(meta.get("feature_layers") or (), target_config, path)
+  if ("fuse" in weights) != bool(layers):
+    raise ValueError(f"{path}: its metadata says feature layers {list(layers)} (EAGLE-{3 if layers else 1} "
+                     f"features) but its weights {'have no' if layers else 'have a'} fusing FC: a head trained "
+                     "for another feature layout")
+  head_ckpt.check_shapes(weights, param_shapes(cfg, len(layers)), path)
   proposer = EagleProposer(config=cfg, vocab_size=target_config.vocab_size, k=k, reduced=d2t is not None,
-                           impl=impl, tree=tree)
+                           impl=impl, tree=tree, feature_layers=layers)
   return proposer, runtime_params(weights, target_params, d2t)
