@@ -178,7 +178,15 @@ def embed(params, tokens, config: ModelConfig):
   """Activations take the layers' dtype (final_norm's), which may differ from the embedding table's."""
   dtype = params["final_norm"].dtype
   w = params["embed"]
-  x = take_rows(w, tokens, dtype) if isinstance(w, QTensor) else jnp.take(w, tokens, axis=0).astype(dtype)
+  if isinstance(w, QTensor):
+    x = take_rows(w, tokens, dtype)
+  else:
+    # XLA:CPU gathers bfloat16 by converting the whole table to float32 first; inside a loop (the decode loop,
+    # the trainer's scan) that convert is loop-invariant and hoisted out, so every loop call materialized the
+    # 262k-row table in float32 (670 MB, ~150 ms). Tying the table to the loop-variant tokens in one
+    # optimization barrier keeps the convert in the loop, fused into the gather of the few rows it reads.
+    w, tokens = jax.lax.optimization_barrier((w, tokens))
+    x = jnp.take(w, tokens, axis=0).astype(dtype)
   if config.embed_scale:
     x = x * jnp.asarray(math.sqrt(config.d_model), x.dtype)
   return x
