@@ -19,6 +19,7 @@ def get_config(kind: str = "medusa"):
   c.mlp_dim = 1024  # eagle layer's MLP width (0: the target's)
   c.noise = 0.0  # eagle feature noise
   c.feature_layers = ()  # eagle: () = the final-normed hidden (EAGLE-1); e.g. (1, 8, 14) = EAGLE-3's fused layers
+  c.cached_feature_layers = ()  # layers the feature pass caches (() = feature_layers); feature_layers begins it
   c.ttt_passes = 1  # eagle: 1 + self-fed passes of the training-time test (train/losses.py eagle_unrolled)
   c.reg_weight = 1.0
   c.ce_weight = 1.0
@@ -27,9 +28,9 @@ def get_config(kind: str = "medusa"):
   c.export_best = True
   c.data = ml_collections.ConfigDict(dict(
       num_prompts=480, num_transcripts=1500, num_text=400, text_chars=1000, max_new_tokens=96,
-      temperatures=(0.0, 0.7, 1.0), gen_batch=16, seq_len=192, eval_fraction=0.05, seed=0))
+      temperatures=(0.0, 0.7, 1.0), gen_batch=16, seq_len=192, eval_fraction=0.05, seed=0, distill_dir=""))
   c.train = ml_collections.ConfigDict(dict(
       steps=1200, batch_size=8, lr=2e-3, warmup=30, end_lr_fraction=0.05, weight_decay=0.0, clip=1.0,
       eval_every=100, eval_batches=4, save_every=100, keep=2, log_every=10, seed=0,
-      workdir=f"/tmp/spec_jax_train/{kind}", progress=True, cache_features=True))
+      workdir=f"/tmp/spec_jax_train/{kind}", progress=True, cache_features=True, feature_dtype="float32"))
   return c

@@ -2,8 +2,10 @@
 
 Sources (never Spec-Bench), all from ../shared/data/train/*.jsonl (gsm8k, mbpp, self-instruct seed tasks) and the
 Python standard library:
-- self-distillation: prompts answered by the frozen target itself with the project's batched
-  `spec_jax.decode.generate` at a mix of temperatures (the heads learn the target's own continuations);
+- self-distillation: prompts answered by the frozen target itself, either read from the committed shards of
+  `python -m train.distill` (`distill_dir`: thousands of prompts, greedy and T 0.7, 256 new tokens) or generated
+  here with the project's batched `spec_jax.decode.generate` at a mix of temperatures (`num_prompts`, cached);
+  either way the heads learn the target's own continuations;
 - reference transcripts: further prompts with the dataset's own answers, in the chat format. Cheap (no
   generation) and, since the losses are against the target's distribution at every position, still the target's
   behaviour that is learned; EAGLE trained on fixed chat data for the same reason;
@@ -105,6 +107,9 @@ class DataSpec:
   seq_len: int = 192  # sequences are cut / padded to this
   eval_fraction: float = 0.05
   seed: int = 0
+  # A train.distill output directory: its answers replace the num_prompts generated here (num_prompts must be
+  # 0), and the reference transcripts start after the last prompt position it answered.
+  distill_dir: str = ""
 
 
 @dataclasses.dataclass
@@ -160,42 +165,72 @@ def _distill_key(spec: DataSpec, target_name: str) -> str:
   return hashlib.sha256(json.dumps([keep, target_name], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def distilled_answers(spec: DataSpec, target_name: str, log=print) -> tuple[list, int]:
+  """-> (prompt + answer token lists of a train.distill directory, the first prompt position it did not
+  answer). Refuses answers of another target (they would teach another model's distribution)."""
+  from train.distill import load_shards, read_manifest
+  made_by = read_manifest(spec.distill_dir).get("settings", {}).get("target_name")
+  if made_by is not None and made_by != target_name:
+    raise ValueError(f"{spec.distill_dir} holds answers of {made_by!r}, not of the target {target_name!r}")
+  recs = load_shards(spec.distill_dir)  # checks every shard's sha256
+  log(f"data: {len(recs)} self-distilled answers from {spec.distill_dir}")
+  return [r["ids"].tolist() for r in recs], max(r["position"] for r in recs) + 1
+
+
+def _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, cache_dir, log) -> list:
+  """The prompts answered here by generate_fn, cached as .npz under cache_dir."""
+  os.makedirs(cache_dir, exist_ok=True)
+  path = os.path.join(cache_dir, f"distill-{_distill_key(spec, target_name)}.npz")
+  if os.path.exists(path):
+    z = np.load(path)
+    log(f"data: cached self-distilled sequences {path}")
+    return [row[m].tolist() for row, m in zip(z["tokens"], z["mask"])]
+  prompt_ids = [encode_prompt(p)[:spec.seq_len // 2] for p in prompts]
+  # Similar lengths share a generation batch (less padding); the result order is fixed by the sort.
+  prompt_ids.sort(key=len)
+  seqs = self_distill(generate_fn, prompt_ids, spec)
+  toks, mask = pack(seqs, spec.seq_len)
+  np.savez(path, tokens=toks, mask=mask)
+  return seqs
+
+
 def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_text: Callable,
           generate_fn: Callable, cache_dir: str, prompts: Optional[list] = None, texts: Optional[list] = None,
           transcripts: Optional[list] = None, data_dir: str = TRAIN_DATA_DIR, log=print) -> Dataset:
   """The full pipeline; the self-distilled sequences (the slow part) are cached as .npz. `encode_prompt(text)
   -> ids` (BOS and chat template included); `encode_text(text) -> ids` (BOS included) for plain-text chunks;
   `transcripts` are token lists (built from the reference answers when None)."""
-  os.makedirs(cache_dir, exist_ok=True)
-  path = os.path.join(cache_dir, f"distill-{_distill_key(spec, target_name)}.npz")
-  examples = None
+  if spec.distill_dir and spec.num_prompts:
+    raise ValueError("distill_dir replaces the generated self-distilled answers: set num_prompts to 0")
+  examples = order = None
   if prompts is None or transcripts is None:
     examples = load_examples(data_dir)
     order = prompt_order(len(examples), spec.seed)
-    if spec.num_prompts + spec.num_transcripts > len(examples) - HELD_OUT:
-      raise ValueError(f"num_prompts + num_transcripts must be <= {len(examples) - HELD_OUT} (the rest is held "
-                       "out)")
-  if prompts is None:
-    prompts = [examples[i][0] for i in order[:spec.num_prompts]]
-  if os.path.exists(path):
-    z = np.load(path)
-    seqs = [row[m].tolist() for row, m in zip(z["tokens"], z["mask"])]
-    log(f"data: cached self-distilled sequences {path}")
+
+  def check_room(first_transcript):  # before any generation: the held-out prompts stay out of training
+    if examples is not None and first_transcript + spec.num_transcripts > len(examples) - HELD_OUT:
+      raise ValueError(f"self-distilled prompts + num_transcripts must be <= {len(examples) - HELD_OUT} (the rest "
+                       "is held out)")
+
+  if spec.distill_dir:
+    seqs, first_transcript = distilled_answers(spec, target_name, log)
+    check_room(first_transcript)
+    n_distilled = len(seqs)
   else:
-    prompt_ids = [encode_prompt(p)[:spec.seq_len // 2] for p in prompts]
-    # Similar lengths share a generation batch (less padding); the result order is fixed by the sort.
-    prompt_ids.sort(key=len)
-    seqs = self_distill(generate_fn, prompt_ids, spec)
-    toks, mask = pack(seqs, spec.seq_len)
-    np.savez(path, tokens=toks, mask=mask)
+    first_transcript = spec.num_prompts
+    check_room(first_transcript)
+    if prompts is None:
+      prompts = [examples[i][0] for i in order[:spec.num_prompts]]
+    seqs = _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, cache_dir, log)
+    n_distilled = len(prompts)
   if transcripts is None:
-    picked = order[spec.num_prompts:spec.num_prompts + spec.num_transcripts]
+    picked = order[first_transcript:first_transcript + spec.num_transcripts]
     transcripts = [encode_prompt((examples[i][0], examples[i][1])) for i in picked if examples[i][1].strip()]
   if texts is None:
     texts = stdlib_texts(spec.num_text, spec.text_chars, spec.seed)
   seqs = list(seqs) + list(transcripts) + [encode_text(t) for t in texts]
   toks, mask = pack(seqs, spec.seq_len)
-  log(f"data: {len(seqs)} sequences ({len(prompts)} self-distilled, {len(transcripts)} reference transcripts, "
+  log(f"data: {len(seqs)} sequences ({n_distilled} self-distilled, {len(transcripts)} reference transcripts, "
       f"{len(texts)} text chunks), {int(mask.sum())} tokens")
   return split(toks, mask, spec)
 

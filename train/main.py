@@ -83,18 +83,30 @@ def build_task(cfg, config, params, d2t):
   layers = tuple(cfg.feature_layers) if cfg.kind == "eagle" else ()
   if layers:
     eagle.check_feature_layers(layers, config, "config.feature_layers")
-  features = lambda frozen, toks: losses.target_features(frozen["target"], config, toks, layers)
+  # The feature pass computes [final hidden; cached layers] and the loss reads the first (1 + len(layers)) D
+  # columns, so runs of every kind share one cache (an EAGLE-1 or Medusa run reads an EAGLE-3 run's features).
+  cached = tuple(cfg.cached_feature_layers) or layers
+  if cached:
+    eagle.check_feature_layers(cached, config, "config.cached_feature_layers")
+  if cached[:len(layers)] != layers:
+    raise ValueError(f"config.feature_layers {list(layers)} must begin config.cached_feature_layers "
+                     f"{list(cached)}: the loss reads a column prefix of the cached features")
+  width = config.d_model * (1 + len(layers))
+  features = lambda frozen, toks: losses.target_features(frozen["target"], config, toks, cached)
   # What the features are: the target's final-normed hidden states (and EAGLE-3's layers), of this target in
   # this dtype.
   features_id = (f"target_features:{config.name}:{cfg.model}:{cfg.dtype}:{cfg.tiny_seed}" +
-                 (f":layers{list(layers)}" if layers else ""))
+                 (f":layers{list(cached)}" if cached else ""))
+
+  def task_of(name, loss):  # loss(params, frozen, features, tokens, mask, key) on its own columns
+    return Task(name, features, lambda p, fz, f, t, m, k: loss(p, fz, f[..., :width], t, m, k), features_id)
   rows = vocab.output_rows(params, None if d2t is None else jnp.asarray(d2t))
   if cfg.kind == "medusa":
     frozen = {"target": params, "rows": rows}
     if d2t is not None:
       frozen["t2d"] = jnp.asarray(head_ckpt.t2d(d2t, config.vocab_size))
     init = medusa.init_params(key, config.d_model, cfg.num_heads, jnp.float32)
-    task = Task("medusa", features, lambda p, fz, f, t, m, k: losses.medusa_loss(p, fz, f, t, m), features_id)
+    task = task_of("medusa", lambda p, fz, f, t, m, k: losses.medusa_loss(p, fz, f, t, m))
     return task, init, frozen, {"num_heads": cfg.num_heads}
   if cfg.kind == "eagle":
     ecfg = eagle.layer_config(config, cfg.mlp_dim or None)
@@ -102,7 +114,7 @@ def build_task(cfg, config, params, d2t):
     init = eagle.init_params(key, ecfg, jnp.float32, target_params=params, num_feature_layers=len(layers))
     loss = functools.partial(losses.eagle_loss, cfg=ecfg, noise=cfg.noise, reg_weight=cfg.reg_weight,
                              ce_weight=cfg.ce_weight, passes=cfg.ttt_passes)
-    task = Task("eagle", features, lambda p, fz, f, t, m, k: loss(p, fz, f, t, m, key=k), features_id)
+    task = task_of("eagle", lambda p, fz, f, t, m, k: loss(p, fz, f, t, m, key=k))
     return task, init, frozen, {"mlp_dim": ecfg.mlp_dim, "ttt_passes": cfg.ttt_passes,
                                 "feature_layers": list(layers)}
   if cfg.kind == "draft":
@@ -113,7 +125,7 @@ def build_task(cfg, config, params, d2t):
     init = {"layers": start["layers"], "final_norm": start["final_norm"]}
     frozen = {"target": params, "embed": params["embed"], "rows": rows}
     loss = functools.partial(losses.draft_kl_loss, cfg=dcfg)
-    task = Task("draft", features, lambda p, fz, f, t, m, k: loss(p, fz, f, t, m), features_id)
+    task = task_of("draft", lambda p, fz, f, t, m, k: loss(p, fz, f, t, m))
     return task, init, frozen, {"num_layers": cfg.draft_layers}
   raise ValueError(f"unknown kind {cfg.kind!r}: medusa, eagle or draft")
 

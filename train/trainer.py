@@ -58,6 +58,18 @@ class TrainSpec:
   progress: bool = True
   cache_features: bool = False  # run the frozen target once over the data instead of at every step
   feature_dir: str = ""  # with cache_features: also keep them on disk here, shared by runs on the same data
+  # The cached features' storage dtype: "bfloat16" halves the host memory and disk of "float32"; the step reads
+  # them back as float32 either way (BENCHMARKS.md section 14 measures what the rounding costs).
+  feature_dtype: str = "float32"
+
+
+def _storage_dtype(name: str):
+  if name == "float32":
+    return np.float32
+  if name == "bfloat16":
+    import ml_dtypes  # numpy's bfloat16
+    return ml_dtypes.bfloat16
+  raise ValueError(f"feature_dtype must be float32 or bfloat16, got {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,31 +242,40 @@ class Trainer:
 
   # ------------------------------------------------------------------------------------------- loops
   def precompute(self, frozen, tokens) -> np.ndarray:
-    """The frozen target's features for every sequence, in batches (host memory; memory-mapped from
-    `feature_dir` when an earlier run on the same tokens saved them there)."""
+    """The frozen target's features for every sequence in `feature_dtype`, computed in batches and written
+    straight into the result (a memory-mapped .npy under `feature_dir`, reused by later runs on the same tokens;
+    host memory otherwise), so no float32 copy of the whole set is ever held."""
+    dtype = _storage_dtype(self.spec.feature_dtype)
     path = None
     if self.spec.feature_dir and self.task.features_id:
-      h = hashlib.sha256(self.task.features_id.encode() + np.ascontiguousarray(tokens).tobytes()).hexdigest()[:16]
+      key = f"{self.task.features_id}:{self.spec.feature_dtype}".encode()
+      h = hashlib.sha256(key + np.ascontiguousarray(tokens).tobytes()).hexdigest()[:16]
       path = os.path.join(self.spec.feature_dir, f"features-{h}.npy")
       if os.path.exists(path):
-        return np.load(path, mmap_mode="r")
-    out = self._compute_features(frozen, tokens)
-    if path:
-      os.makedirs(self.spec.feature_dir, exist_ok=True)
-      tmp = f"{path}.{os.getpid()}.tmp.npy"
-      np.save(tmp, out)
-      os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
-    return out
-
-  def _compute_features(self, frozen, tokens) -> np.ndarray:
+        return np.load(path, mmap_mode="r").view(dtype)
     bs = self.spec.batch_size
-    out = []
+    out = tmp = None
     for i in range(0, len(tokens), bs):
       chunk = tokens[i:i + bs]
       pad = bs - len(chunk)
       f = shd.to_host(self.features(frozen, self._put_batch(np.concatenate([chunk, chunk[:pad]]) if pad else chunk)))
-      out.append(f[:len(chunk)])
-    return np.concatenate(out)
+      if out is None:
+        shape = (len(tokens),) + f.shape[1:]
+        if path:
+          os.makedirs(self.spec.feature_dir, exist_ok=True)
+          tmp = f"{path}.{os.getpid()}.tmp.npy"
+          # .npy has no bfloat16: the file holds its bits as uint16 (same itemsize), viewed back on load.
+          out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint16 if dtype != np.float32 else dtype,
+                                          shape=shape).view(dtype)
+        else:
+          out = np.empty(shape, dtype)
+      out[i:i + len(chunk)] = np.asarray(f[:len(chunk)]).astype(dtype)
+    if path:
+      out.flush()
+      del out
+      os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+      return np.load(path, mmap_mode="r").view(dtype)
+    return out
 
   def evaluate(self, params, frozen, data: data_lib.Dataset, eval_feats=None) -> dict:
     n = len(data.eval_tokens)
@@ -264,7 +285,7 @@ class Trainer:
       idx = np.resize(np.arange(i * bs, (i + 1) * bs) % n, bs)
       m = self.eval_step(params, frozen, self._put_batch(data.eval_tokens[idx]),
                          self._put_batch(data.eval_mask[idx]),
-                         None if eval_feats is None else self._put_batch(eval_feats[idx]))
+                         None if eval_feats is None else self._put_batch(np.asarray(eval_feats[idx], np.float32)))
       for k, v in m.items():
         sums[k] = sums.get(k, 0.0) + float(v)
       count += 1
@@ -296,7 +317,7 @@ class Trainer:
       if stop_after is not None and step >= stop_after:
         break
       toks, mask, idx = data_lib.batch_at(data.tokens, data.mask, step, spec.batch_size, spec.seed)
-      f = None if feats is None else self._put_batch(feats[idx])
+      f = None if feats is None else self._put_batch(np.asarray(feats[idx], np.float32))
       state, m = self.train_step(state, frozen, self._put_batch(toks), self._put_batch(mask), f)
       done = step + 1
       if done % spec.log_every == 0 or done == spec.steps:
