@@ -26,6 +26,7 @@ def get_config(kind: str = "medusa"):
   c.draft_layers = 6  # distilled draft
   c.export = ""  # head checkpoint stem to write at the end ("" = none)
   c.export_best = True
+  c.export_storage = "bfloat16"  # or "int8": matrices stored as int8 + per-row scales (checkpoints.heads)
   c.data = ml_collections.ConfigDict(dict(
       num_prompts=480, num_transcripts=1500, num_text=400, text_chars=1000, max_new_tokens=96,
       temperatures=(0.0, 0.7, 1.0), gen_batch=16, seq_len=192, eval_fraction=0.05, seed=0, distill_dir=""))

@@ -197,7 +197,8 @@ def run(cfg, stop_after=None, log=None, mesh=""):
   if cfg.export:
     meta = dict(meta, train_steps=cfg.train.steps, train_time_s=round(time.time() - t0, 1),
                 data_time_s=round(t_data, 1), eval=ev, data=dict(cfg.data), draft_vocab=cfg.draft_vocab)
-    path = head_ckpt.save_heads(cfg.export, cfg.kind, best if best is not None else final_host, config, meta, d2t)
+    path = head_ckpt.save_heads(cfg.export, cfg.kind, best if best is not None else final_host, config, meta, d2t,
+                                storage=cfg.export_storage)
     log(f"exported {path}")
     out["export"] = path
   with open(os.path.join(cfg.train.workdir, "summary.json"), "w") as f:

@@ -1,5 +1,9 @@
 """Checkpoints of trained draft heads: `<stem>.safetensors` (bfloat16 weights, int32 d2t) + `<stem>.json`.
 
+`save_heads(..., storage="int8")` stores every weight matrix (not the norms) as int8 with a float32 scale per row of its last axis
+(`<name>:scale`), half the bytes of bfloat16, for checkpoints too large for git otherwise (the distilled draft);
+loading dequantizes them, so the proposer runs exactly as on the stored values.
+
 The JSON names the kind (medusa / eagle / draft), the target model and a fingerprint of the target's
 architecture, the shapes the head was built with, and the reduced draft vocabulary size. Loading checks all of
 it against the target at hand, so a head trained for another model fails loudly instead of drafting garbage
@@ -62,13 +66,32 @@ def unflatten(flat: dict) -> dict:
   return out
 
 
+STORAGES = ("bfloat16", "int8")
+_SCALE = ":scale"
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Symmetric int8 with one float32 scale per row of the last axis: w ~= q * scale."""
+  w = np.asarray(w, np.float32)
+  scale = np.max(np.abs(w), axis=-1, keepdims=True) / 127.0
+  scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+  return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
+
+
 def save_heads(path: str, kind: str, params: dict, target_config: ModelConfig, meta: dict | None = None,
-               d2t=None) -> str:
-  """Weights in bfloat16 (d2t stays int32). Returns the .safetensors path."""
+               d2t=None, storage: str = "bfloat16") -> str:
+  """Weights in bfloat16, or matrices in int8 (`storage`; d2t stays int32). Returns the .safetensors path."""
+  if storage not in STORAGES:
+    raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
   st_path, json_path = _paths(path)
   os.makedirs(os.path.dirname(os.path.abspath(st_path)), exist_ok=True)
-  flat = {k: np.asarray(jnp.asarray(v, jnp.float32)).astype(ml_dtypes.bfloat16)
-          for k, v in flatten(jax.device_get(params)).items()}
+  flat = {}
+  for k, v in flatten(jax.device_get(params)).items():
+    v = np.asarray(jnp.asarray(v, jnp.float32))
+    if storage == "int8" and v.ndim >= 2 and "norm" not in k.rsplit("/", 1)[-1]:  # norm weights stay float
+      flat[k], flat[k + _SCALE] = quantize_int8(v)
+    else:
+      flat[k] = v.astype(ml_dtypes.bfloat16)
   if d2t is not None:
     flat["d2t"] = np.asarray(d2t, np.int32)
   safetensors_io.write(st_path, flat)
@@ -76,7 +99,7 @@ def save_heads(path: str, kind: str, params: dict, target_config: ModelConfig, m
       "format_version": FORMAT_VERSION, "kind": kind, "target_name": target_config.name,
       "target_fingerprint": target_fingerprint(target_config), "hidden_size": target_config.d_model,
       "vocab_size": target_config.vocab_size, "draft_vocab_size": int(len(d2t)) if d2t is not None else None,
-      **(meta or {}),
+      "storage": storage, **(meta or {}),
   }
   with open(json_path, "w") as f:
     json.dump(info, f, indent=1, sort_keys=True)
@@ -106,6 +129,13 @@ def load_heads(path: str, target_config: ModelConfig, kind: str, dtype=jnp.float
     check_d2t(d2t, target_config.vocab_size, where=st_path)
     if meta.get("draft_vocab_size") != len(d2t):
       raise ValueError(f"{st_path}: d2t has {len(d2t)} entries, the metadata says {meta.get('draft_vocab_size')}")
+  for name in [n for n in flat if n.endswith(_SCALE)]:
+    scale, q = flat.pop(name), flat.get(name[:-len(_SCALE)])
+    if q is None or q.dtype != np.int8 or scale.shape != q.shape[:-1] + (1,):
+      raise ValueError(f"{st_path}: {name} does not scale an int8 tensor {name[:-len(_SCALE)]!r}")
+    flat[name[:-len(_SCALE)]] = q.astype(np.float32) * scale
+  if any(a.dtype == np.int8 for a in flat.values()):
+    raise ValueError(f"{st_path}: an int8 tensor has no {_SCALE} tensor")
   params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32), dtype), unflatten(flat))
   return meta, params, (jnp.asarray(d2t, jnp.int32) if d2t is not None else None)
 

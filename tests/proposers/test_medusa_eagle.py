@@ -194,6 +194,41 @@ def test_head_checkpoint_round_trip_and_errors(tmp_path):
     build_proposer("draft", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "d2"))
 
 
+def test_int8_storage_halves_the_file_and_loads_the_stored_values(tmp_path):
+  """storage="int8": every matrix as int8 with a per-row scale; loading gives q * scale (within half a step of
+  the trained value), norms stay bfloat16, and a scale without its int8 tensor (or the reverse) is refused."""
+  from spec_jax.checkpoints import safetensors_io
+  params = _params()
+  _, dp = _distilled(params, D2T)
+  w = {"layers": dp["layers"], "final_norm": dp["final_norm"]}
+  bf = head_ckpt.save_heads(str(tmp_path / "bf"), "draft", w, CONFIG, {"num_layers": 1}, D2T)
+  q8 = head_ckpt.save_heads(str(tmp_path / "q8"), "draft", w, CONFIG, {"num_layers": 1}, D2T, storage="int8")
+  flat = safetensors_io.read(q8)
+  assert flat["layers/q"].dtype == np.int8 and flat["layers/attn_norm"].dtype != np.int8
+  # The tiny model's norms and d2t weigh as much as its matrices; the matrices alone are halved.
+  mats = [k for k, v in flat.items() if v.dtype == np.int8]
+  assert sum(flat[k].nbytes for k in mats) == sum(np.asarray(w["layers"][k.split("/")[1]]).size for k in mats)
+  _, _, _ = head_ckpt.load_heads(bf, CONFIG, "draft")
+  meta, got, _ = head_ckpt.load_heads(q8, CONFIG, "draft")
+  assert meta["storage"] == "int8"
+  for name in ("q", "down"):
+    want = np.asarray(w["layers"][name], np.float32)
+    step = np.max(np.abs(want), axis=-1, keepdims=True) / 127.0
+    err = np.abs(np.asarray(got["layers"][name]) - want)
+    assert np.all(err <= 0.5 * step + 1e-7) and np.max(err) > 0  # rounded, not stored exactly
+  np.testing.assert_array_equal(np.asarray(got["layers"]["q"]),
+                                flat["layers/q"].astype(np.float32) * flat["layers/q:scale"])
+  prop, pp = build_proposer("draft", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "q8"))
+  assert prop.config.num_layers == 1
+  del flat["layers/q:scale"]
+  safetensors_io.write(str(tmp_path / "bad.safetensors"), flat)
+  os.replace(str(tmp_path / "q8.json"), str(tmp_path / "bad.json"))
+  with pytest.raises(ValueError, match="int8 tensor has no :scale"):
+    head_ckpt.load_heads(str(tmp_path / "bad"), CONFIG, "draft")
+  with pytest.raises(ValueError, match="storage must be"):
+    head_ckpt.save_heads(str(tmp_path / "x"), "draft", w, CONFIG, {"num_layers": 1}, D2T, storage="int4")
+
+
 # ------------------------------------------------------------------------------------------- Gemma 3 270M
 
 def _distill_gemma3_draft(config, params, prompts, path):
