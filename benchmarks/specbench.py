@@ -3,6 +3,7 @@
   python benchmarks/specbench.py --per_category=3 --max_new_tokens=64 --methods=ngram,draft --json_out=PATH
   python benchmarks/specbench.py --methods=medusa,eagle --trees=medusa:4:24,eagle:4:16 --adaptive=off  # chain vs tree
   python benchmarks/specbench.py --methods=qdraft --draft_quantize=int8      # the target's own int8 weights draft
+  python benchmarks/specbench.py --methods=eagle,eagle=/tmp/old/eagle_gemma3_270m --adaptive=off  # two checkpoints
   python benchmarks/specbench.py --quantize=int8 --methods=ngram             # an int8 target
   python benchmarks/specbench.py --model=qwen2.5-coder-1.5b-instruct --draft_model=qwen2.5-coder-0.5b-instruct \
       --dtype=float32 --costs_file=configs/costs/qwen25_coder_cpu.json --per_category=1   # the Qwen pair
@@ -39,7 +40,7 @@ def main():
   ap.add_argument("--draft_model", default="", help="method draft: an independent draft model (same vocabulary)")
   ap.add_argument("--per_category", type=int, default=3)
   ap.add_argument("--max_new_tokens", type=int, default=64)
-  ap.add_argument("--methods", default="ngram,draft")
+  ap.add_argument("--methods", default="ngram,draft", help="method or method=checkpoint stem, comma-separated")
   ap.add_argument("--k", type=int, default=4)
   ap.add_argument("--draft_layers", type=int, default=0, help="0: the distilled draft; N: early exit after N")
   ap.add_argument("--quantize", default="none", help="the target's weights: none, int8 or int4")
@@ -69,12 +70,14 @@ def main():
   arms = [Arm("baseline", NoneProposer(), {}, adaptive_k=False)]
   variants = [(m, 1, 0) for m in args.methods.split(",") if m]
   variants += [(m, int(t), int(n)) for m, t, n in (x.split(":") for x in args.trees.split(",") if x)]
-  for method, topk, nodes in variants:
+  for spec, topk, nodes in variants:
+    method, _, heads = spec.partition("=")  # method=checkpoint stem: another head checkpoint than heads/'s
     proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=args.k,
                                        draft_layers=args.draft_layers, topk=topk, num_draft_tokens=nodes,
-                                       dtype=args.dtype, draft_quantize=args.draft_quantize,
+                                       dtype=args.dtype, draft_quantize=args.draft_quantize, heads_path=heads or None,
                                        model_path=args.model or None, draft_model=args.draft_model or None)
-    name = method if proposer.tree is None else f"{method}-tree{proposer.tree.nodes}"
+    name = method + (f"[{os.path.basename(heads)}]" if heads else "")
+    name = name if proposer.tree is None else f"{name}-tree{proposer.tree.nodes}"
     for adapt in args.adaptive.split(","):
       ks = adaptive.option_set(proposer.k, adapt == "on", proposer.tree)
       costs = load_costs(args.costs_file, method_key(proposer), args.dtype, ks,
