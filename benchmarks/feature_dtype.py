@@ -49,8 +49,8 @@ def main(argv):
   n = min(FLAGS.rows, len(data.eval_tokens)) // BATCH * BATCH
   toks, mask = data.eval_tokens[:n], data.eval_mask[:n]
   layers = tuple(cfg.cached_feature_layers)
-  feat_fn = jax.jit(lambda t: losses.target_features(params, config, t, layers))
-  f32 = np.concatenate([np.asarray(feat_fn(toks[i:i + BATCH])) for i in range(0, n, BATCH)])
+  feat_fn = jax.jit(lambda p, t: losses.target_features(p, config, t, layers))
+  f32 = np.concatenate([np.asarray(feat_fn(params, toks[i:i + BATCH])) for i in range(0, n, BATCH)])
   b16 = _bf16(f32)
   D = config.d_model
   m = mask.reshape(-1)
@@ -63,11 +63,11 @@ def main(argv):
   d2t = head_ckpt.make_d2t(data.token_counts(config.vocab_size), cfg.draft_vocab)
   for label, ids in (("draft vocabulary", jnp.asarray(d2t)), ("full vocabulary", None)):
     rows = vocab.output_rows(params, ids)
-    am = jax.jit(lambda h: jnp.argmax(vocab.project(h, rows), -1))
+    am = jax.jit(lambda h, r: jnp.argmax(vocab.project(h, r), -1))
     flips = 0
     for i in range(0, n, BATCH):
-      a = np.asarray(am(jnp.asarray(f32[i:i + BATCH, :, :D])))
-      b = np.asarray(am(jnp.asarray(b16[i:i + BATCH, :, :D])))
+      a = np.asarray(am(jnp.asarray(f32[i:i + BATCH, :, :D]), rows))
+      b = np.asarray(am(jnp.asarray(b16[i:i + BATCH, :, :D]), rows))
       flips += int(((a != b) & mask[i:i + BATCH]).sum())
     print(f"teacher argmax flips ({label}, {rows.shape[0]} rows): {flips} of {int(mask.sum())} "
           f"({flips / mask.sum():.2e})")
@@ -76,12 +76,12 @@ def main(argv):
     hcfg = importlib.import_module(CONFIGS[kind]).get_config()
     meta, weights, hd2t = head_ckpt.load_heads(path, config, hcfg.kind)
     task, _, frozen, _ = build_task(hcfg, config, params, None if hd2t is None else np.asarray(hd2t))
-    loss = jax.jit(lambda w, f, t, mm: task.loss(w, frozen, f, t, mm, jax.random.PRNGKey(0))[1])
+    loss = jax.jit(lambda w, fz, f, t, mm: task.loss(w, fz, f, t, mm, jax.random.PRNGKey(0))[1])
     out = {}
     for label, feats in (("float32", f32), ("bfloat16", b16)):
       sums = {}
       for i in range(0, n, BATCH):
-        mets = loss(weights, jnp.asarray(feats[i:i + BATCH]), jnp.asarray(toks[i:i + BATCH]),
+        mets = loss(weights, frozen, jnp.asarray(feats[i:i + BATCH]), jnp.asarray(toks[i:i + BATCH]),
                     jnp.asarray(mask[i:i + BATCH]))
         for k, v in mets.items():
           if k.startswith("top1_h"):

@@ -1,6 +1,12 @@
 """Shared training settings (see train/main.py); the per-kind configs override these."""
 
+import os
+
 import ml_collections
+
+# The committed answers of `python -m train.distill` (2/3 greedy, 1/3 T 0.7, 256 new tokens; data/distill/).
+DISTILL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "distill",
+                           "gemma3_270m")
 
 
 def get_config(kind: str = "medusa"):
@@ -34,4 +40,17 @@ def get_config(kind: str = "medusa"):
       steps=1200, batch_size=8, lr=2e-3, warmup=30, end_lr_fraction=0.05, weight_decay=0.0, clip=1.0,
       eval_every=100, eval_batches=4, save_every=100, keep=2, log_every=10, seed=0,
       workdir=f"/tmp/spec_jax_train/{kind}", progress=True, cache_features=True, feature_dtype="float32"))
+  return c
+
+
+def use_self_distilled(c):
+  """Train on the committed self-distilled answers only (no reference transcripts, no stdlib text: the target's
+  own answers are the distribution a proposer drafts), 384 tokens a row (99% of the answers fit), batch 4 (the
+  1,536 positions a step of the old 8 x 192 batches). Every kind shares one bfloat16 feature cache of EAGLE-3's
+  layout, [final; layers 1, 8, 14]."""
+  c.data.update(dict(distill_dir=DISTILL_DIR, num_prompts=0, num_transcripts=0, num_text=0, seq_len=384))
+  c.cached_feature_layers = (1, 8, 14)
+  c.train.batch_size = 4
+  c.train.eval_batches = 16
+  c.train.feature_dtype = "bfloat16"
   return c

@@ -163,6 +163,18 @@ def check_resume_config(cfg):
     f.write(cfg.to_json(indent=1))
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _portable(data: dict) -> dict:
+  """The data settings for a shipped checkpoint's metadata: a distill_dir inside the repository as a relative
+  path, not this machine's."""
+  d = data.get("distill_dir")
+  if d and os.path.abspath(d).startswith(REPO + os.sep):
+    data = dict(data, distill_dir=os.path.relpath(os.path.abspath(d), REPO))
+  return data
+
+
 def run(cfg, stop_after=None, log=None, mesh=""):
   """`mesh`: a --mesh string or a Mesh (None or '' = one device)."""
   import jax
@@ -196,7 +208,7 @@ def run(cfg, stop_after=None, log=None, mesh=""):
   np.savez(os.path.join(cfg.train.workdir, "final_params.npz"), **{k.replace("/", "."): v for k, v in flat.items()})
   if cfg.export:
     meta = dict(meta, train_steps=cfg.train.steps, train_time_s=round(time.time() - t0, 1),
-                data_time_s=round(t_data, 1), eval=ev, data=dict(cfg.data), draft_vocab=cfg.draft_vocab)
+                data_time_s=round(t_data, 1), eval=ev, data=_portable(dict(cfg.data)), draft_vocab=cfg.draft_vocab)
     path = head_ckpt.save_heads(cfg.export, cfg.kind, best if best is not None else final_host, config, meta, d2t,
                                 storage=cfg.export_storage)
     log(f"exported {path}")

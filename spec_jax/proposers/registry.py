@@ -12,8 +12,8 @@ HEADS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "heads")
 
 
 def default_heads_path(method: str) -> str:
-  """The checkpoint for Gemma 3 270M: heads/<method>_gemma3_270m.{safetensors,json} (medusa and eagle ship in git;
-  the draft is written there by configs/train_draft_gemma3_270m.py)."""
+  """The checkpoint for Gemma 3 270M that ships in git: heads/<method>_gemma3_270m.{safetensors,json} (medusa,
+  eagle, eagle3 and the int8 distilled draft; configs/train_<method>_gemma3_270m.py make them)."""
   return os.path.normpath(os.path.join(HEADS_DIR, f"{method}_gemma3_270m"))
 
 

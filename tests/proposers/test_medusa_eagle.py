@@ -232,9 +232,8 @@ def test_int8_storage_halves_the_file_and_loads_the_stored_values(tmp_path):
 # ------------------------------------------------------------------------------------------- Gemma 3 270M
 
 def _distill_gemma3_draft(config, params, prompts, path):
-  """A few training steps of the 2-layer draft on the prompts, exported and loaded back: the shipped draft is
-  22 MB and stays out of git (configs/train_draft_gemma3_270m.py makes it), so CI runs the same pipeline
-  (train -> export -> load) at toy scale."""
+  """A few training steps of the 2-layer draft on the prompts, exported (int8, as the shipped one) and loaded
+  back: the pipeline that made heads/draft_gemma3_270m (train -> export -> load), at toy scale."""
   from configs.train_draft_gemma3_270m import get_config
   from train import data as data_lib
   from train.main import build_task
@@ -245,7 +244,7 @@ def _distill_gemma3_draft(config, params, prompts, path):
   spec = TrainSpec(steps=3, batch_size=len(prompts), lr=1e-4, warmup=1, eval_every=3, save_every=3,
                    workdir=os.path.join(path, "work"), progress=False)
   final, _ = Trainer(task, spec, log=lambda s: None).fit(init, frozen, data_lib.Dataset(toks, mask, toks, mask))
-  head_ckpt.save_heads(os.path.join(path, "draft"), "draft", final, config, meta, d2t)
+  head_ckpt.save_heads(os.path.join(path, "draft"), "draft", final, config, meta, d2t, storage="int8")
   return build_proposer("draft", target_config=config, target_params=params, k=4,
                         heads_path=os.path.join(path, "draft"))
 
@@ -264,11 +263,12 @@ def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemm
   prompts = gemma3_chat_prompts(gemma3_tokenizer)
   base = generate(params, config, prompts, max_new_tokens=32)
   runs = {"early_exit": build_proposer("draft", target_config=config, target_params=params, k=3, draft_layers=6)}
-  runs["draft"] = _distill_gemma3_draft(config, params, prompts, str(tmp_path))
-  for method in ("medusa", "eagle"):
-    if not os.path.exists(default_heads_path(method) + ".safetensors"):
-      pytest.fail(f"the shipped {method} heads are missing: {default_heads_path(method)}")
-    runs[method] = build_proposer(method, target_config=config, target_params=params, k=4)
+  runs["toy_draft"] = _distill_gemma3_draft(config, params, prompts, str(tmp_path))
+  for method in ("medusa", "eagle", "eagle3", "draft"):  # every shipped checkpoint
+    kind, stem = method.rstrip("3"), default_heads_path(method)
+    if not os.path.exists(stem + ".safetensors"):
+      pytest.fail(f"the shipped {method} checkpoint is missing: {stem}")
+    runs[method] = build_proposer(kind, target_config=config, target_params=params, k=4, heads_path=stem)
   for method, (proposer, pparams) in runs.items():
     res = generate(params, config, prompts, max_new_tokens=32, proposer=proposer, proposer_params=pparams,
                    adaptive_k=False)
