@@ -1,12 +1,8 @@
 """Shared training settings (see train/main.py); the per-kind configs override these."""
 
-import os
-
 import ml_collections
 
-# The committed answers of `python -m train.distill` (2/3 greedy, 1/3 T 0.7, 256 new tokens; data/distill/).
-DISTILL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "distill",
-                           "gemma3_270m")
+from train.data import DISTILL_DIR  # the committed answers of `python -m train.distill`
 
 
 def get_config(kind: str = "medusa"):

@@ -31,6 +31,9 @@ import numpy as np
 # shared/ sits beside the repository (on developer machines and in CI alike).
 TRAIN_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
                               "train")
+# The committed answers of `python -m train.distill` for Gemma 3 270M.
+DISTILL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "distill",
+                           "gemma3_270m")
 
 
 def _example(rec: dict) -> Optional[tuple]:

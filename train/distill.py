@@ -34,8 +34,9 @@ from typing import Sequence
 import numpy as np
 from absl import app, flags
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "distill",
-                           "gemma3_270m")
+from train import data as data_lib
+
+DEFAULT_OUT = data_lib.DISTILL_DIR
 FORMAT_VERSION = 1
 
 flags.DEFINE_string("out", DEFAULT_OUT, "Directory for the shards and manifest.json.")
@@ -64,12 +65,7 @@ def settings(model: str, dtype: str, max_new_tokens: int, max_prompt_tokens: int
   return dict(format_version=FORMAT_VERSION, model=model or "gemma3-270m (packaged GGUF)", target_name=target_name,
               dtype=dtype, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
               shard_size=shard_size, seed=seed, greedy_every=[0, 1], sampled_every=[2],
-              sampled_temperature=SAMPLED_TEMPERATURE, held_out=_held_out())
-
-
-def _held_out() -> int:
-  from train.data import HELD_OUT
-  return HELD_OUT
+              sampled_temperature=SAMPLED_TEMPERATURE, held_out=data_lib.HELD_OUT)
 
 
 def _sha256(path: str) -> str:
@@ -199,7 +195,6 @@ class Generator:
 
 def prompts_in_order(tokenizer, seed: int, limit: int = 0, data_dir=None):
   """-> [(position, example index, prompt text)] for the non-held-out prompts of the seeded order."""
-  from train import data as data_lib
   examples = data_lib.load_examples(data_dir or data_lib.TRAIN_DATA_DIR)
   order = data_lib.prompt_order(len(examples), seed)[:len(examples) - data_lib.HELD_OUT]
   if limit:

@@ -63,13 +63,13 @@ class TrainSpec:
   feature_dtype: str = "float32"
 
 
+FEATURE_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}  # jnp.bfloat16 is ml_dtypes' numpy dtype
+
+
 def _storage_dtype(name: str):
-  if name == "float32":
-    return np.float32
-  if name == "bfloat16":
-    import ml_dtypes  # numpy's bfloat16
-    return ml_dtypes.bfloat16
-  raise ValueError(f"feature_dtype must be float32 or bfloat16, got {name!r}")
+  if name not in FEATURE_DTYPES:
+    raise ValueError(f"feature_dtype must be float32 or bfloat16, got {name!r}")
+  return FEATURE_DTYPES[name]
 
 
 @dataclasses.dataclass(frozen=True)

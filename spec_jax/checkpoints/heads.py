@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from spec_jax import quant
 from spec_jax.checkpoints import safetensors_io
 from spec_jax.config import ModelConfig
 
@@ -71,11 +72,13 @@ _SCALE = ":scale"
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Symmetric int8 with one float32 scale per row of the last axis: w ~= q * scale."""
+  """Symmetric int8 with one float32 scale per row of the last axis, w ~= q * scale: quant.quantize_matrix's
+  int8 rows, out of its tiled layout."""
   w = np.asarray(w, np.float32)
-  scale = np.max(np.abs(w), axis=-1, keepdims=True) / 127.0
-  scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-  return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
+  rows = w.reshape(-1, w.shape[-1])
+  q, scale, _ = quant.quantize_matrix(rows, 8)
+  n = len(rows)
+  return q.reshape(-1, w.shape[-1])[:n].reshape(w.shape), scale.reshape(-1)[:n].reshape(w.shape[:-1] + (1,))
 
 
 def save_heads(path: str, kind: str, params: dict, target_config: ModelConfig, meta: dict | None = None,
