@@ -2,6 +2,7 @@
 
   python benchmarks/draft_cost.py                                # eagle, medusa, qdraft; batch 1; bf16 layout
   python benchmarks/draft_cost.py --methods=eagle --hlo          # also list the big converts/copies in propose()
+  python benchmarks/draft_cost.py --loop                         # also time whole 8-step decode_loop calls
 
 For each method, on a state holding one prompt (two rows for the bfloat16 CPU layout, as serve.generate runs):
 - `step0`: one loop step drafting nothing (the plain decode step: target forward of one token, sampling, commit);
@@ -9,6 +10,9 @@ For each method, on a state holding one prompt (two rows for the bfloat16 CPU la
   commit, the proposer's update): what the adaptive controller's cost table holds, as step(k) / step0;
 - `propose(k)`: the proposer's `propose` alone at k = 1 .. K, on a donated copy of the live proposer state
   (as in the loop, so cache writes are in place).
+With --loop, also whole `decode_loop` calls of 8 steps (the server's steps_per_sync), per method: the plain loop,
+the fixed-k loop, and the adaptive loop held at k = 0 (speculation switched off) and at k = K (a cost table that
+makes K the cheapest), so the adaptive loop's own overhead over the loops it chooses between is measured.
 The cost of a drafted token is the marginal (propose(K) - propose(1)) / (K - 1) over step0, plus the fixed part
 propose(1) over step0. Timing is interleaved round-robin over everything measured, `--reps` times; the median
 and the min..max spread are printed. The budget (BENCHMARKS.md): a learned head's draft token <= 0.1 x step0.
@@ -32,6 +36,7 @@ flags.DEFINE_integer("k", 4, "Largest draft length measured.")
 flags.DEFINE_integer("reps", 15, "Interleaved repeats.")
 flags.DEFINE_integer("context", 256, "Prompt tokens in the slot (the caches attend over them).")
 flags.DEFINE_bool("hlo", False, "Print the converts, copies and big dots of the compiled propose(K).")
+flags.DEFINE_bool("loop", False, "Also time 8-step decode_loop calls: plain, fixed k, adaptive at k = 0 and K.")
 flags.DEFINE_string("draft_layers", "0", "method=draft: 0 = the distilled draft in heads/, N = early exit.")
 FLAGS = flags.FLAGS
 
@@ -41,7 +46,7 @@ def propose_only(params, state, pstate, spec, k):
   from spec_jax.proposers.base import ProposeContext
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
   draft, ps = spec.proposer.propose(params["proposer"], pstate, ctx, k, state.key)
-  return ps, jnp.sum(draft.tokens), draft.probs[:, :, 0]
+  return ps, jnp.sum(draft.tokens), None if draft.probs is None else draft.probs[:, :, 0]
 
 
 def big_ops(hlo: str, min_elems: int = 1 << 18) -> list[str]:
@@ -64,14 +69,18 @@ def main(argv):
   from serve.calibrate import _one_step
   from spec_jax import backend, slots
   from spec_jax.checkpoints.load import load_model
-  from spec_jax.decode import make_spec
+  from spec_jax.decode import decode_loop, make_spec
+  from spec_jax.proposers.base import NoneProposer
   from spec_jax.proposers.registry import build_proposer
 
   config, params, tok = load_model(None, FLAGS.dtype)
   rng = np.random.default_rng(0)
   prompt = [config.bos_id] + rng.integers(1000, 20000, FLAGS.context - 1).tolist()
   rows = backend.batch_rows(params, 1)
-  setups = {}
+  setups, loops = {}, {}
+  if FLAGS.loop:
+    plain_spec = make_spec(config, NoneProposer(), adaptive_k=False)
+    loops["plain"] = _loop_setup({"target": params, "proposer": {}}, plain_spec, rows, prompt, None)
   for method in FLAGS.methods:
     proposer, pp = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k,
                                   draft_layers=int(FLAGS.draft_layers), dtype=FLAGS.dtype)
@@ -81,6 +90,14 @@ def main(argv):
     req = slots.make_request(prompt, max_new=128, spec=spec, capacity=1024)
     state = slots.insert(full, state, np.int32(0), req, spec)
     setups[method] = (spec, full, state)
+    if FLAGS.loop:
+      fixed = make_spec(config, proposer, adaptive_k=False)
+      loops[(method, "fixed")] = _loop_setup(full, fixed, rows, prompt, None)
+      loops[(method, "adaptive k=0")] = _loop_setup(full, spec, rows, prompt, None, speculate=False)
+      # The controller picks the cheapest option while it has no acceptance evidence: make that k = K.
+      costs = np.full((1, len(spec.ks)), 10.0, np.float32)
+      costs[0, -1] = 1.0
+      loops[(method, f"adaptive k={spec.ks[-1]}")] = _loop_setup(full, spec, rows, prompt, costs)
 
   def run_step(method, option):
     spec, full, state = setups[method]
@@ -95,11 +112,22 @@ def main(argv):
     jax.block_until_ready(propose_only(full, rest, ps, spec, k))
     return time.perf_counter() - t0
 
+  def run_loop(name):
+    spec, full, state = loops[name]
+    s = jax.tree.map(jnp.copy, state)
+    jax.block_until_ready(s)
+    t0 = time.perf_counter()
+    jax.block_until_ready(decode_loop(full, s, spec, np.int32(LOOP_STEPS)).lengths)
+    return time.perf_counter() - t0
+
   ks = sorted({1, 2, FLAGS.k})
   # ("step", option index) for every option of the adaptive set, ("propose", k) for k in ks.
   items = ([(m, "step", i) for m in FLAGS.methods for i in range(len(setups[m][0].ks))] +
            [(m, "propose", k) for m in FLAGS.methods for k in ks])
-  run = lambda m, what, x: (run_step(m, x), None)[1] if what == "step" else run_propose(m, x)
+  if FLAGS.loop:
+    items += [("loop", "loop", name) for name in loops]
+  run = lambda m, what, x: ((run_step(m, x), None)[1] if what == "step" else
+                            run_loop(x) if what == "loop" else run_propose(m, x))
   for it in items:  # compile everything first
     run(*it)
   if FLAGS.hlo:
@@ -112,7 +140,7 @@ def main(argv):
   times = {it: [] for it in items}
   for _ in range(FLAGS.reps):
     for it in items:
-      if it[1] == "step":
+      if it[1] == "step":  # (a loop call times itself, after copying its state)
         t0 = time.perf_counter()
         run(*it)
         times[it].append(time.perf_counter() - t0)
@@ -133,7 +161,27 @@ def main(argv):
     loop = ", ".join(f"k={k}: {med[(m, 'step', i)] / s0:.2f}" for i, k in enumerate(spec_ks))
     print(f"| {m} | {s0 * 1e3:.2f} ({spread((m, 'step', 0))}) | {cells} | {marg / s0:.3f} | "
           f"{med[(m, 'propose', 1)] / s0:.3f} | {loop} |")
+  if FLAGS.loop:
+    base = med[("loop", "loop", "plain")]
+    print(f"\n{LOOP_STEPS}-step decode_loop calls, median ms (min..max), over the plain loop:")
+    print("| loop | ms | / plain |\n|---|---|---|")
+    for name in loops:
+      it = ("loop", "loop", name)
+      label = name if isinstance(name, str) else " ".join(name)
+      print(f"| {label} | {med[it] * 1e3:.1f} ({spread(it)}) | {med[it] / base:.3f} |")
   sys.stdout.flush()
+
+
+LOOP_STEPS = 8
+
+
+def _loop_setup(full, spec, rows, prompt, costs, speculate=True):
+  """(spec, params, state) with `prompt` in slot 0 and room for the repeats' 8 steps (each call copies it)."""
+  from spec_jax import slots
+  state = slots.empty_state(full, spec, batch=rows, capacity=1024, costs=costs)
+  req = slots.make_request(prompt, max_new=256, spec=spec, capacity=1024)
+  state = slots.insert(full, state, np.int32(0), req, spec)
+  return spec, full, slots.set_speculation(state, speculate)
 
 
 if __name__ == "__main__":

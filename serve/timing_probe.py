@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from spec_jax.decode import choose_option
+from spec_jax.decode import choose_option, switch_in_place
 from spec_jax.proposers.base import ProposeContext
 
 
@@ -34,7 +34,8 @@ def propose_probe(params, state, pstate, spec):
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
 
   def branch(k):
-    def run(ps):
+    def run(carry):
+      ps, _ = carry
       if k == 0:
         return ps, jnp.zeros((), jnp.int32)
       if spec.is_tree(k):
@@ -44,7 +45,8 @@ def propose_probe(params, state, pstate, spec):
       return ps, jnp.sum(draft.tokens.astype(jnp.int32))
     return run
 
-  return jax.lax.switch(option, [branch(k) for k in spec.ks], pstate)
+  # In place, as the loop runs it (a conditional would copy the proposer's caches and overstate the share).
+  return switch_in_place(option, [branch(k) for k in spec.ks], (pstate, jnp.zeros((), jnp.int32)))
 
 
 def time_propose(params, state, spec) -> float:

@@ -273,12 +273,27 @@ def choose_option(state: DecodeState, spec: LoopSpec):
   return adaptive.choose(state.adapt, ~state.done, drafting, spec.ks, spec.probe_every)
 
 
+def switch_in_place(index, branches, operand):
+  """lax.switch(index, branches, operand) for branches that map `operand` to a pytree of the same structure.
+
+  Each branch runs as a while_loop of zero or one trips instead of a conditional: XLA:CPU copies every large
+  buffer a conditional's branches update in place (the adaptive loop copied the whole KV cache, K and V, in every
+  branch of every step: ~20 % of a k = 0 step on Gemma 3 270M, BENCHMARKS.md section 15), while a while loop
+  updates its carry in place. The index is read once, so exactly one branch runs.
+  """
+  index = jnp.clip(index, 0, len(branches) - 1)  # as lax.switch clamps
+  for i, branch in enumerate(branches):
+    _, operand = jax.lax.while_loop(lambda c: c[0], lambda c, f=branch: (jnp.zeros((), bool), f(c[1])),
+                                      (index == i, operand))
+  return operand
+
+
 def adaptive_step(params, state: DecodeState, spec: LoopSpec) -> DecodeState:
   if len(spec.ks) == 1:
     return spec_step(params, state, spec, 0)
   option = choose_option(state, spec)
-  branches = [functools.partial(spec_step, spec=spec, option=i) for i in range(len(spec.ks))]
-  return jax.lax.switch(option, branches, params, state)
+  branches = [functools.partial(spec_step, params, spec=spec, option=i) for i in range(len(spec.ks))]
+  return switch_in_place(option, branches, state)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))

@@ -216,3 +216,13 @@ def test_draft_catches_up_after_steps_without_drafting():
   draft, _ = jax.jit(lambda c: proposer.propose(dparams, c, ctx, 3, jax.random.PRNGKey(0)))(cache)
   want = _reference_greedy(dparams, proposer.config.replace(eos_ids=()), committed, 3)
   assert draft.tokens[0].tolist() == want
+
+
+def test_switch_in_place_runs_exactly_the_indexed_branch():
+  from spec_jax.decode import switch_in_place
+  branches = [lambda x, i=i: (x[0] + 10 ** i, x[1].at[i].add(1)) for i in range(3)]
+  f = jax.jit(lambda idx: switch_in_place(idx, branches, (jnp.zeros((), jnp.int32), jnp.zeros(3, jnp.int32))))
+  for idx, want in [(0, 1), (1, 10), (2, 100), (-4, 1), (7, 100)]:  # out of range clamps, as lax.switch does
+    total, hits = f(jnp.int32(idx))
+    assert int(total) == want
+    assert np.asarray(hits).sum() == 1
