@@ -26,6 +26,7 @@ def get_config(kind: str = "medusa"):
   c.reg_weight = 1.0
   c.ce_weight = 1.0
   c.draft_layers = 6  # distilled draft
+  c.init_from = ""  # a head checkpoint stem to start from (same kind, shapes and vocabulary) instead of a fresh init
   c.export = ""  # head checkpoint stem to write at the end ("" = none)
   c.export_best = True
   c.export_storage = "bfloat16"  # or "int8": matrices stored as int8 + per-row scales (checkpoints.heads)

@@ -3,6 +3,8 @@
   python -m train.main --config=configs/train_eagle_gemma3_270m.py
   python -m train.main --config=configs/train_medusa_gemma3_270m.py --config.train.steps=600
   python -m train.main --config=configs/train_eagle_gemma3_270m.py --mesh=data:4,model:2   # 8 devices
+  python -m train.main --config=configs/train_eagle_gemma3_270m.py --config.init_from=heads/eagle_gemma3_270m \
+      --config.train.workdir=/tmp/spec_jax_train/eagle_epoch2   # start from a shipped head: another epoch
 
 Re-running the same command resumes from the latest checkpoint in `workdir` (exactly: params, optimizer state,
 data position and rng), on any mesh: a checkpoint written on one --mesh resumes on another or on one device.
@@ -163,6 +165,28 @@ def check_resume_config(cfg):
     f.write(cfg.to_json(indent=1))
 
 
+def warm_start(cfg, config, init, d2t):
+  """-> (initial params, export meta): `init` itself, or with cfg.init_from set, the weights of that head
+  checkpoint (a second epoch from where a shipped head stopped). The checkpoint must be of this kind, for this
+  target, of the same shapes, EAGLE feature layers and draft vocabulary, else ValueError naming the difference."""
+  import jax
+  import numpy as np
+  from spec_jax.checkpoints import heads as head_ckpt
+  if not cfg.init_from:
+    return init, {}
+  meta, params, ck_d2t = head_ckpt.load_heads(cfg.init_from, config, cfg.kind)
+  head_ckpt.check_shapes(params, jax.tree.map(np.shape, init), f"init_from {cfg.init_from}")
+  if cfg.kind == "eagle" and list(meta.get("feature_layers") or []) != list(cfg.feature_layers):
+    raise ValueError(f"init_from {cfg.init_from}: an EAGLE head over feature layers {meta.get('feature_layers')}, "
+                     f"but config.feature_layers is {list(cfg.feature_layers)}")
+  same_vocab = (ck_d2t is None) == (d2t is None) and (d2t is None or np.array_equal(np.asarray(ck_d2t), d2t))
+  if not same_vocab:
+    raise ValueError(f"init_from {cfg.init_from}: its draft vocabulary (d2t) differs from the one this data gives "
+                     f"(draft_vocab={cfg.draft_vocab})")
+  prior = int(meta.get("total_train_steps", meta.get("train_steps", 0)))
+  return params, {"init_from": cfg.init_from, "prior_train_steps": prior}
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -190,6 +214,7 @@ def run(cfg, stop_after=None, log=None, mesh=""):
   t_data = time.time() - t0
   d2t = head_ckpt.make_d2t(data.token_counts(config.vocab_size), cfg.draft_vocab) if cfg.draft_vocab else None
   task, init, frozen, meta = build_task(cfg, config, params, d2t)
+  init, start_meta = warm_start(cfg, config, init, d2t)
   if mesh is None or isinstance(mesh, str):
     mesh = sharding.make_mesh(mesh or "")
   spec = TrainSpec(**dict(cfg.train), feature_dir=os.path.join(cfg.cache_dir, "features"))
@@ -207,8 +232,10 @@ def run(cfg, stop_after=None, log=None, mesh=""):
     return final, ev
   np.savez(os.path.join(cfg.train.workdir, "final_params.npz"), **{k.replace("/", "."): v for k, v in flat.items()})
   if cfg.export:
-    meta = dict(meta, train_steps=cfg.train.steps, train_time_s=round(time.time() - t0, 1),
-                data_time_s=round(t_data, 1), eval=ev, data=_portable(dict(cfg.data)), draft_vocab=cfg.draft_vocab)
+    meta = dict(meta, **start_meta, train_steps=cfg.train.steps,
+                total_train_steps=start_meta.get("prior_train_steps", 0) + cfg.train.steps,
+                train_time_s=round(time.time() - t0, 1), data_time_s=round(t_data, 1), eval=ev,
+                data=_portable(dict(cfg.data)), draft_vocab=cfg.draft_vocab)
     path = head_ckpt.save_heads(cfg.export, cfg.kind, best if best is not None else final_host, config, meta, d2t,
                                 storage=cfg.export_storage)
     log(f"exported {path}")

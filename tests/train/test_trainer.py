@@ -2,6 +2,7 @@
 data parallelism over 2 host devices trains the same model."""
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -155,3 +156,57 @@ def test_resume_refuses_other_settings(tmp_path):
   cfg.train.lr = cfg.train.lr * 2
   with pytest.raises(ValueError, match="train.lr"):
     check_resume_config(cfg)
+
+
+def test_warm_start_from_a_head_checkpoint(tmp_path):
+  """config.init_from starts training from a head checkpoint's weights (another epoch for a shipped head); a
+  checkpoint of another kind, feature layout or draft vocabulary is refused by name."""
+  from spec_jax.checkpoints.heads import save_heads
+  from train.main import run, warm_start
+  cfg = get_config("eagle")
+  config, params, _ = load_target(cfg)
+  d2t = np.arange(3, 51, dtype=np.int32)
+  _, init, _, meta = build_task(cfg, config, params, d2t)
+  leaves, tree = jax.tree.flatten(init)
+  keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+  trained = jax.tree.unflatten(tree, [x + jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  stem = str(tmp_path / "head")
+  save_heads(stem, "eagle", trained, config, dict(meta, train_steps=7), d2t)
+  stored = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), trained)
+
+  assert warm_start(cfg, config, init, d2t) == (init, {})  # no init_from: the fresh init
+  cfg.init_from = stem
+  got, start = warm_start(cfg, config, init, d2t)
+  assert start == {"init_from": stem, "prior_train_steps": 7}
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got, stored)
+  with pytest.raises(ValueError, match="draft vocabulary"):
+    warm_start(cfg, config, init, d2t[::-1].copy())
+  medusa_cfg = get_config("medusa")
+  medusa_cfg.init_from = stem
+  with pytest.raises(ValueError, match="'eagle' head checkpoint"):
+    warm_start(medusa_cfg, config, init, d2t)
+  save_heads(stem + "3", "eagle", trained, config, dict(meta, feature_layers=[1]), d2t)
+  cfg.init_from = stem + "3"
+  with pytest.raises(ValueError, match="feature layers"):
+    warm_start(cfg, config, init, d2t)
+
+  # Through train.main with a zero learning rate, the run's final params are the checkpoint's.
+  cfg = get_config("eagle")
+  cfg.train.workdir, cfg.cache_dir = str(tmp_path / "w"), str(tmp_path / "cache")
+  cfg.train.steps, cfg.train.lr, cfg.train.eval_every, cfg.train.save_every = 2, 0.0, 2, 2
+  first = tmp_path / "first"
+  cfg.export = str(first)
+  run(cfg, log=lambda s: None)  # the data's d2t (this config's), a fresh head
+  from spec_jax.checkpoints.heads import load_heads
+  _, shipped, ship_d2t = load_heads(str(first), config, "eagle")
+  cfg2 = get_config("eagle")
+  cfg2.train.workdir, cfg2.cache_dir = str(tmp_path / "w2"), cfg.cache_dir
+  cfg2.train.steps, cfg2.train.lr, cfg2.train.eval_every, cfg2.train.save_every = 2, 0.0, 2, 2
+  cfg2.init_from, cfg2.export = str(first), str(tmp_path / "second")
+  run(cfg2, log=lambda s: None)
+  final = _final(cfg2.train.workdir)
+  from spec_jax.checkpoints.heads import flatten
+  for name, want in flatten(shipped).items():
+    np.testing.assert_array_equal(final[name.replace("/", ".")], np.asarray(want))
+  second_meta = json.load(open(str(tmp_path / "second") + ".json"))
+  assert second_meta["init_from"] == str(first) and second_meta["total_train_steps"] == 4
