@@ -1,4 +1,5 @@
-"""The compiled decode loop never materializes a float32 copy of the bfloat16 embedding table.
+"""What the compiled decode loop must not hold: a float32 copy of the bfloat16 embedding table, or a copy of the
+KV cache per step (the adaptive loop's switch between draft lengths, test at the end).
 
 XLA:CPU gathers bfloat16 rows by converting the whole table to float32; in a loop that convert is loop-invariant
 and was hoisted out, so each loop call wrote the table in float32 (670 MB for Gemma 3 270M). Checked on a tiny
@@ -20,6 +21,7 @@ from spec_jax.decode import decode_loop, make_spec
 from spec_jax.models.transformer import init_params
 from spec_jax.proposers import eagle
 from spec_jax.proposers.base import NoneProposer
+from spec_jax.proposers.ngram import NgramProposer
 from tests.conftest import tiny_gemma_config
 
 CONFIG = tiny_gemma_config(vocab_size=331)
@@ -36,16 +38,21 @@ def _table_buffers(hlo: str) -> list:
           if re.search(r"= f32" + shape, l) and re.search(r"\b(fusion|copy)\(", l)]
 
 
+def _proposer(method, params):
+  """(proposer, its params): none, ngram, or a random EAGLE head of width 48, all drafting k = 4."""
+  if method == "none":
+    return NoneProposer(), {}
+  if method == "ngram":
+    return NgramProposer(k=4), {}
+  ecfg = eagle.layer_config(CONFIG, 48)
+  w = eagle.init_params(jax.random.PRNGKey(1), ecfg, target_params=params)
+  return eagle.EagleProposer(config=ecfg, vocab_size=CONFIG.vocab_size, k=4), eagle.runtime_params(w, params)
+
+
 @pytest.mark.parametrize("method,adaptive", [("none", False), ("eagle", False), ("eagle", True)])
 def test_no_float32_copy_of_the_embedding_in_the_loop(method, adaptive):
   params = _cpu_layout_params()
-  if method == "none":
-    proposer, pp = NoneProposer(), {}
-  else:
-    ecfg = eagle.layer_config(CONFIG, 48)
-    w = eagle.init_params(jax.random.PRNGKey(1), ecfg, target_params=params)
-    proposer = eagle.EagleProposer(config=ecfg, vocab_size=CONFIG.vocab_size, k=4)
-    pp = eagle.runtime_params(w, params)
+  proposer, pp = _proposer(method, params)
   spec = make_spec(CONFIG, proposer, adaptive_k=adaptive)
   full = {"target": params, "proposer": pp}
   state = slots.empty_state(full, spec, batch=2, capacity=64)
@@ -62,15 +69,8 @@ def _copies_of(hlo: str, shape: tuple) -> list:
 def test_the_adaptive_loop_updates_the_kv_cache_in_place(method):
   """The adaptive loop picks each step's k with switch_in_place; a lax.switch there made XLA:CPU copy the whole
   target cache (K and V) in every branch of every step, ~20 % of a plain step on Gemma 3 270M."""
-  from spec_jax.proposers.ngram import NgramProposer
   params = _cpu_layout_params()
-  if method == "ngram":
-    proposer, pp = NgramProposer(k=4), {}
-  else:
-    ecfg = eagle.layer_config(CONFIG, 48)
-    w = eagle.init_params(jax.random.PRNGKey(1), ecfg, target_params=params)
-    proposer = eagle.EagleProposer(config=ecfg, vocab_size=CONFIG.vocab_size, k=4)
-    pp = eagle.runtime_params(w, params)
+  proposer, pp = _proposer(method, params)
   spec = make_spec(CONFIG, proposer, adaptive_k=True)
   assert len(spec.ks) == 3
   full = {"target": params, "proposer": pp}
