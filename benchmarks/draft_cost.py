@@ -67,7 +67,7 @@ def big_ops(hlo: str, min_elems: int = 1 << 18) -> list[str]:
 def main(argv):
   del argv
   from serve.calibrate import _one_step
-  from spec_jax import backend, slots
+  from spec_jax import backend
   from spec_jax.checkpoints.load import load_model
   from spec_jax.decode import decode_loop, make_spec
   from spec_jax.proposers.base import NoneProposer
@@ -80,24 +80,21 @@ def main(argv):
   setups, loops = {}, {}
   if FLAGS.loop:
     plain_spec = make_spec(config, NoneProposer(), adaptive_k=False)
-    loops["plain"] = _loop_setup({"target": params, "proposer": {}}, plain_spec, rows, prompt, None)
+    loops["plain"] = _slot_state({"target": params, "proposer": {}}, plain_spec, rows, prompt, None)
   for method in FLAGS.methods:
     proposer, pp = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k,
                                   draft_layers=int(FLAGS.draft_layers), dtype=FLAGS.dtype)
     spec = make_spec(config, proposer, adaptive_k=True)
     full = {"target": params, "proposer": pp}
-    state = slots.empty_state(full, spec, batch=rows, capacity=1024)
-    req = slots.make_request(prompt, max_new=128, spec=spec, capacity=1024)
-    state = slots.insert(full, state, np.int32(0), req, spec)
-    setups[method] = (spec, full, state)
+    setups[method] = _slot_state(full, spec, rows, prompt, None)
     if FLAGS.loop:
       fixed = make_spec(config, proposer, adaptive_k=False)
-      loops[(method, "fixed")] = _loop_setup(full, fixed, rows, prompt, None)
-      loops[(method, "adaptive k=0")] = _loop_setup(full, spec, rows, prompt, None, speculate=False)
+      loops[(method, "fixed")] = _slot_state(full, fixed, rows, prompt, None)
+      loops[(method, "adaptive k=0")] = _slot_state(full, spec, rows, prompt, None, speculate=False)
       # The controller picks the cheapest option while it has no acceptance evidence: make that k = K.
       costs = np.full((1, len(spec.ks)), 10.0, np.float32)
       costs[0, -1] = 1.0
-      loops[(method, f"adaptive k={spec.ks[-1]}")] = _loop_setup(full, spec, rows, prompt, costs)
+      loops[(method, f"adaptive k={spec.ks[-1]}")] = _slot_state(full, spec, rows, prompt, costs)
 
   def run_step(method, option):
     spec, full, state = setups[method]
@@ -175,11 +172,11 @@ def main(argv):
 LOOP_STEPS = 8
 
 
-def _loop_setup(full, spec, rows, prompt, costs, speculate=True):
-  """(spec, params, state) with `prompt` in slot 0 and room for the repeats' 8 steps (each call copies it)."""
+def _slot_state(full, spec, rows, prompt, costs, speculate=True):
+  """(spec, params, state) with `prompt` in slot 0 and room for a loop call's 8 steps (each call copies it)."""
   from spec_jax import slots
   state = slots.empty_state(full, spec, batch=rows, capacity=1024, costs=costs)
-  req = slots.make_request(prompt, max_new=256, spec=spec, capacity=1024)
+  req = slots.make_request(prompt, max_new=128, spec=spec, capacity=1024)
   state = slots.insert(full, state, np.int32(0), req, spec)
   return spec, full, slots.set_speculation(state, speculate)
 

@@ -172,16 +172,19 @@ def warm_start(cfg, config, init, d2t):
   import jax
   import numpy as np
   from spec_jax.checkpoints import heads as head_ckpt
+  from spec_jax.proposers.eagle import check_feature_layers
   if not cfg.init_from:
     return init, {}
+  where = f"init_from {cfg.init_from}"
   meta, params, ck_d2t = head_ckpt.load_heads(cfg.init_from, config, cfg.kind)
-  head_ckpt.check_shapes(params, jax.tree.map(np.shape, init), f"init_from {cfg.init_from}")
-  if cfg.kind == "eagle" and list(meta.get("feature_layers") or []) != list(cfg.feature_layers):
-    raise ValueError(f"init_from {cfg.init_from}: an EAGLE head over feature layers {meta.get('feature_layers')}, "
-                     f"but config.feature_layers is {list(cfg.feature_layers)}")
-  same_vocab = (ck_d2t is None) == (d2t is None) and (d2t is None or np.array_equal(np.asarray(ck_d2t), d2t))
-  if not same_vocab:
-    raise ValueError(f"init_from {cfg.init_from}: its draft vocabulary (d2t) differs from the one this data gives "
+  head_ckpt.check_shapes(params, jax.tree.map(np.shape, init), where)
+  if cfg.kind == "eagle":  # the metadata read as load_eagle reads it
+    layers = check_feature_layers(meta.get("feature_layers") or (), config, where)
+    if layers != tuple(cfg.feature_layers):
+      raise ValueError(f"{where}: an EAGLE head over feature layers {list(layers)}, but config.feature_layers is "
+                       f"{list(cfg.feature_layers)}")
+  if (ck_d2t is None) != (d2t is None) or (d2t is not None and not np.array_equal(np.asarray(ck_d2t), d2t)):
+    raise ValueError(f"{where}: its draft vocabulary (d2t) differs from the one this data gives "
                      f"(draft_vocab={cfg.draft_vocab})")
   prior = int(meta.get("total_train_steps", meta.get("train_steps", 0)))
   return params, {"init_from": cfg.init_from, "prior_train_steps": prior}
