@@ -31,7 +31,10 @@ Definitions (they explain part of any gap on identical traffic):
 - Tokens/s: output tokens / (first send -> last response), in both. AIPerf's request latency ends at the last
   content event, our e2e (and TPOT, not shown) at the end of the stream.
 - Both clients are one asyncio process here (AIPerf: --workers-max 1), but AIPerf adds its controller, dataset,
-  timing and record-processor processes: on a small busy CPU they compete with the server.
+  timing and record-processor processes: on a small busy CPU they compete with the server. The last rows show
+  it: the server's own ITL and TTFT means over each tool's run (/metrics deltas), its CPU seconds
+  (process_cpu_seconds_total) and each client's (ours: this process; AIPerf: its waited-for process tree). Pin
+  the server and the clients to different cores (taskset) to compare the tools rather than the contention.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import subprocess
 import time
 
@@ -47,6 +51,7 @@ import numpy as np
 
 from serve.loadtest.aggregate import cell_stats, pct
 from serve.loadtest.loadgen import run_point, warmup
+from serve.loadtest.metrics import delta, find_hist, histogram_mean, scrape
 from serve.loadtest.traffic import LoadPoint, build_requests, load_prompts
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -200,7 +205,30 @@ ROWS = (  # label, our key, AIPerf's key, scale
     ("completed requests", "completed", "completed", 1.0),
     ("failed requests", "errors", "errors", 1.0),
     ("duration (s)", "duration_s", "duration_s", 1.0),
+    # The same server seen from inside during each tool's run: if these differ, the server ran at another speed.
+    ("server-side ITL mean (ms)", "server_itl_mean", "server_itl_mean", 1e3),
+    ("server-side TTFT mean (ms)", "server_ttft_mean", "server_ttft_mean", 1e3),
+    ("server CPU (s)", "server_cpu_s", "server_cpu_s", 1.0),
+    ("client CPU (s)", "client_cpu_s", "client_cpu_s", 1.0),
 )
+
+
+def cpu_seconds(who: int) -> float:
+  r = resource.getrusage(who)
+  return r.ru_utime + r.ru_stime
+
+
+def server_view(before, after, client_cpu_s: float) -> dict:
+  """The server's own histograms and CPU over one tool's run (deltas of /metrics), and the client's CPU."""
+  d = delta(before, after)
+  out = {}
+  for key, stems in (("server_itl_mean", ("inter_token",)), ("server_ttft_mean", ("time_to_first_token",))):
+    base = find_hist(d, *stems)
+    out[key] = histogram_mean(d, base) if base else None
+  # prometheus_client's process collector, where the server exports it (ours does)
+  out["server_cpu_s"] = d.value(d.find("process_cpu_seconds"))
+  out["client_cpu_s"] = client_cpu_s
+  return out
 
 
 def rel(a, b):
@@ -294,6 +322,9 @@ def main():
       order = ("ours", "aiperf") if rep % 2 == 0 else ("aiperf", "ours")
       for tool in order:
         t = time.perf_counter()
+        # Client CPU: ours is this process; AIPerf's is its process tree, which subprocess.run waits for.
+        who = resource.RUSAGE_SELF if tool == "ours" else resource.RUSAGE_CHILDREN
+        cpu0, before = cpu_seconds(who), scrape(args.url, api_key=args.api_key)
         if tool == "ours":
           point = LoadPoint("closed", float(conc), f"c{conc}", sampling["name"])
           res = asyncio.run(run_point(args.url, point, reqs, model=args.model, max_requests=len(reqs),
@@ -306,6 +337,7 @@ def main():
               f.write(json.dumps(r) + "\n")
         else:
           cell["aiperf"] = run_aiperf(args, reqs, conc, os.path.join(args.output_dir, f"aiperf_c{conc}_r{rep}"))
+        cell[tool] |= server_view(before, scrape(args.url, api_key=args.api_key), cpu_seconds(who) - cpu0)
         print(f"c={conc} repeat {rep}: {tool} done in {time.perf_counter() - t:.0f} s", flush=True)
       cell["diff"] = {label: rel(cell["ours"].get(ok), cell["aiperf"].get(ak)) for label, ok, ak, _ in ROWS}
       results.append(cell)

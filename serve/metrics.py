@@ -14,7 +14,7 @@ tokens dt after the previous one adds n samples of dt / n. Time per output token
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 PREFIX = "spec_jax:"
 # Latency buckets in seconds: from a fast CPU step (a few ms) to a long queue wait.
@@ -29,6 +29,8 @@ class Metrics:
   def __init__(self, k_max: int, device_memory_available: bool = False):
     r = self.registry = CollectorRegistry()
     p = PREFIX
+    # The standard process_* series (CPU seconds, resident and virtual memory, open fds), unprefixed as everywhere.
+    ProcessCollector(registry=r)
     # Speculation (vLLM names).
     self.num_drafts = Counter(f"{p}spec_decode_num_drafts", "Draft proposals: (request, step) pairs that drafted.",
                               registry=r)

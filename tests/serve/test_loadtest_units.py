@@ -4,6 +4,7 @@ of the server's own registry, and a tuned config the server's parser accepts."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -144,6 +145,26 @@ def test_metrics_from_the_servers_registry():
   assert s["server_ttft"]["count"] == 4 and s["server_ttft"]["mean"] == pytest.approx(0.035)
   assert 0.02 <= s["server_ttft"]["p50"] <= 0.04
   assert M.gauges(after)["slots_in_use"] == 3
+
+
+def test_crosscheck_reads_the_servers_own_view_of_a_run():
+  """The cross-check's server-side columns: engine ITL and TTFT means and the server's CPU seconds, as deltas of
+  /metrics over one tool's run (process_* from prometheus_client's process collector in the server's registry)."""
+  from benchmarks.crosscheck_loadgen import server_view
+  from serve.metrics import Metrics
+  m = Metrics(k_max=2)
+  before = M.Scrape(m.render().decode())
+  for v in (0.02, 0.04, 0.06):
+    m.itl.observe(v)
+  m.ttft.observe(0.5)
+  t = time.process_time()
+  while time.process_time() - t < 0.3:  # burn CPU that the process collector must see
+    pass
+  after = M.Scrape(m.render().decode())
+  v = server_view(before, after, client_cpu_s=1.25)
+  assert v["server_itl_mean"] == pytest.approx(0.04) and v["server_ttft_mean"] == pytest.approx(0.5)
+  assert 0.2 <= v["server_cpu_s"] <= 5.0
+  assert v["client_cpu_s"] == 1.25
 
 
 def test_tuned_config_is_read_by_the_server():
