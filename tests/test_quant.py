@@ -424,6 +424,65 @@ def test_qdraft_sampling_matches_plain_sampling_distribution():
   assert_same_distribution(plain, specd)
 
 
+def _vocab_checkpoint(tmp_path, config, d2t, name="vocab"):
+  from spec_jax.checkpoints.heads import save_heads
+  stem = str(tmp_path / name)
+  save_heads(stem, "vocab", {}, config, {}, np.asarray(d2t, np.int32))
+  return stem
+
+
+def test_qdraft_over_a_draft_vocabulary(tmp_path):
+  """qdraft with a vocabulary checkpoint projects onto N rows of the int8 head and drafts target ids through d2t:
+  greedy output unchanged, and acceptance as high as with all V rows when the N ids hold what the target says
+  (draft ids not mapped back through d2t would be rejected nearly always). Without --heads it drafts over all
+  V ids."""
+  from spec_jax.proposers.registry import build_proposer
+  path = str(tmp_path / "tiny.gguf")
+  _tiny_gguf(path, 0)
+  config, params = load_params(path, "float32")
+  config = config.replace(eos_ids=())
+  base = generate(params, config, PROMPTS, max_new_tokens=N_NEW)
+  said = sorted({t for row in base.token_ids for t in row})
+  rest = [t for t in range(config.vocab_size) if t not in said][::7]
+  d2t = np.sort(np.asarray(said + rest, np.int32))
+  assert len(d2t) < config.vocab_size // 2
+  stem = _vocab_checkpoint(tmp_path, config, d2t)
+  kw = dict(target_config=config, target_params=params, k=3, model_path=path, dtype="float32",
+            draft_quantize="int8")
+  proposer, pparams = build_proposer("qdraft", heads_path=stem, **kw)
+  assert pparams["rows"].shape == (len(d2t), config.d_model)
+  np.testing.assert_array_equal(np.asarray(pparams["d2t"]), d2t)
+  spec = generate(params, config, PROMPTS, max_new_tokens=N_NEW, proposer=proposer, proposer_params=pparams,
+                  adaptive_k=False)
+  assert spec.token_ids == base.token_ids
+  assert spec.stats["acceptance_rate"] > 0.8, spec.stats
+
+  _, full = build_proposer("qdraft", **kw)
+  assert "rows" not in full and "d2t" not in full
+  from spec_jax.checkpoints.heads import save_heads
+  save_heads(str(tmp_path / "medusa"), "medusa", {"w": np.zeros((2, 2), np.float32)}, config, {}, d2t)
+  with pytest.raises(ValueError, match="'vocab' head"):
+    build_proposer("qdraft", heads_path=str(tmp_path / "medusa"), **kw)
+  other = tiny_gemma_config(vocab_size=config.vocab_size + 1)
+  with pytest.raises(ValueError, match="fingerprint"):
+    build_proposer("qdraft", heads_path=_vocab_checkpoint(tmp_path, other, [1, 2], "other"), **kw)
+
+
+def test_qdraft_over_a_draft_vocabulary_samples_the_targets_distribution():
+  """The int4 self-draft over 5 of 8 ids: the 3 it cannot propose come only from the residual, and q is
+  scattered into the full vocabulary (zero outside d2t), so the output distribution is still the target's."""
+  from spec_jax.proposers import vocab
+  config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))
+  params = init_params(config, jax.random.PRNGKey(3))
+  d2t = jnp.asarray([0, 2, 3, 5, 6], jnp.int32)
+  qp = quantize_params(params, "int4")
+  qp = dict(qp, rows=vocab.output_rows(qp, d2t), d2t=d2t)
+  draft = DraftModelProposer(config=config, k=2, name="qdraft")
+  plain, specd, rates = sample_plain_and_speculative(params, config, draft, qp, n=500, calls=4)
+  assert 0.2 < np.mean(rates) < 0.95, rates
+  assert_same_distribution(plain, specd)
+
+
 def test_spec_config_qdraft_quantization():
   from serve.spec_config import parse_speculative_config
   sc = parse_speculative_config('{"method":"qdraft","num_speculative_tokens":3,"quantization":"int4"}', {})

@@ -25,8 +25,8 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngr
   draft with draft_layers = N > 0 is instead the early-exit self-draft of the target's first N
   layers. Trees (SGLang's flags): k is the depth, `topk` the branching (1: chains), `num_draft_tokens` the
   node budget (root included; 0: 1 + k * topk). qdraft is the target drafting for itself through its own
-  weights quantized to `draft_quantize` (loaded from `model_path` with `dtype`, cached like the target's).
-  draft with `draft_model` (a GGUF, an HF safetensors directory or a packaged model's name) is that independent
+  weights quantized to `draft_quantize` (loaded from `model_path` with `dtype`, cached like the target's), over
+  all V ids, or over the draft vocabulary `heads_path` names (a "vocab" checkpoint). draft with `draft_model` (a GGUF, an HF safetensors directory or a packaged model's name) is that independent
   model, which must share the target's vocabulary (`model_path` is the target's checkpoint, for the check)."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
@@ -55,7 +55,8 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngr
     return load_eagle(heads_path or default_heads_path(method), target_config, target_params, k, impl, tree)
   if method == "qdraft":
     from spec_jax.proposers.draft import quantized_self_draft
-    return quantized_self_draft(target_config, target_params, model_path, dtype, draft_quantize, k, impl, tree)
+    return quantized_self_draft(target_config, target_params, model_path, dtype, draft_quantize, k, impl, tree,
+                                vocab_path=heads_path or None)
   from spec_jax.proposers.draft import early_exit_proposer, independent_draft, load_draft
   if draft_model:
     if draft_layers:
