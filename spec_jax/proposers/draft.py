@@ -173,7 +173,7 @@ def quantized_self_draft(target_config: ModelConfig, target_params: dict, model_
   rows of the output matrix instead of all V, and draws and computes q over N ids (vocab.py): 168 of the 270 MB
   an int8 draft step reads on Gemma 3 270M are the 262k-row head. Tokens outside the N can never be drafted
   (acceptance falls); the verifier still corrects them, so the output stays exact. On 2 CPU cores it bought
-  3-4 % and cost 11-13 % of τ (BENCHMARKS 11): there the int8 layer stack, not the head, is the draft's cost."""
+  3-4 % and cost 11-13 % of τ (BENCHMARKS 19): there the int8 layer stack, not the head, is the draft's cost."""
   from spec_jax import quant
   from spec_jax.checkpoints.load import load_params
   if mode not in ("int8", "int4"):

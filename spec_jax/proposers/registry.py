@@ -26,8 +26,9 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, ngr
   layers. Trees (SGLang's flags): k is the depth, `topk` the branching (1: chains), `num_draft_tokens` the
   node budget (root included; 0: 1 + k * topk). qdraft is the target drafting for itself through its own
   weights quantized to `draft_quantize` (loaded from `model_path` with `dtype`, cached like the target's), over
-  all V ids, or over the draft vocabulary `heads_path` names (a "vocab" checkpoint). draft with `draft_model` (a GGUF, an HF safetensors directory or a packaged model's name) is that independent
-  model, which must share the target's vocabulary (`model_path` is the target's checkpoint, for the check)."""
+  all V ids, or over the draft vocabulary `heads_path` names (a "vocab" checkpoint). draft with `draft_model`
+  (a GGUF, an HF safetensors directory or a packaged model's name) is that independent model, which must share
+  the target's vocabulary (`model_path` is the target's checkpoint, for the check)."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
   if method == "none":
