@@ -85,20 +85,35 @@ def run_transformers(prompts, max_new, lookup, gguf_path=GGUF, assistant=None, d
 
 
 def run_llama_cpp(prompts, max_new, gguf_path=GGUF):
+  """Greedy, one prompt at a time, streamed: end-to-end tok/s (prefill included, as benchmarks/specbench.py
+  counts it) and decode-only tok/s (tokens after the first over the time after the first), per category."""
   try:
     from llama_cpp import Llama
   except ImportError as e:
     print(f"llama.cpp peer skipped: {e}")
     return None
   llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=os.cpu_count() or 2, verbose=False)
-  n_tot, t_tot = 0, 0.0
-  for _, text in prompts:
+  list(llm(prompts[0][1], max_tokens=8, temperature=0.0, stream=True))  # warm-up
+  per_cat = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])  # tokens, seconds; after-first tokens, seconds
+  for cat, text in prompts:
     t0 = time.perf_counter()
-    out = llm(text, max_tokens=max_new, temperature=0.0)
-    t_tot += time.perf_counter() - t0
-    n_tot += out["usage"]["completion_tokens"]
-  print(f"llama.cpp greedy {n_tot / t_tot:.2f} tok/s")
-  return {"all_tok_s": n_tot / t_tot}
+    # The stream ends with an empty chunk that carries only the finish reason: not a token.
+    stamps = [time.perf_counter() for ch in llm(text, max_tokens=max_new, temperature=0.0, stream=True)
+              if ch["choices"][0]["text"] or ch["choices"][0]["finish_reason"] is None]
+    c = per_cat[cat]
+    c[0] += len(stamps)
+    c[1] += stamps[-1] - t0 if stamps else 0.0
+    c[2] += max(len(stamps) - 1, 0)
+    c[3] += stamps[-1] - stamps[0] if stamps else 0.0
+  tot = [sum(c[i] for c in per_cat.values()) for i in range(4)]
+  res = {"tok_s": {k: c[0] / c[1] for k, c in per_cat.items()},
+         "decode_tok_s": {k: c[2] / c[3] for k, c in per_cat.items() if c[3] > 0},
+         "all_tok_s": tot[0] / tot[1], "all_decode_tok_s": tot[2] / tot[3], "tokens": tot[0],
+         "version": __import__("llama_cpp").__version__}
+  print(f"llama.cpp greedy {res['all_tok_s']:.2f} tok/s end to end, {res['all_decode_tok_s']:.2f} decode only")
+  for k in res["tok_s"]:
+    print(f"  {k:16s} {res['tok_s'][k]:7.2f} {res['decode_tok_s'].get(k, float('nan')):7.2f}")
+  return res
 
 
 def main():
