@@ -44,7 +44,9 @@ def _cmd(model, prompts, out, *extra):
 
 
 def _env(devices):
-  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONUNBUFFERED="1")
+  # A tiny model: compiling is the cost, so LLVM's optimizations are off (as tests/test_multidevice.py does).
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+              "--xla_backend_optimization_level=0", PYTHONUNBUFFERED="1")
 
 
 def _pair(model, prompts, out, port, *extra, **kw):
