@@ -88,31 +88,36 @@ def run_llama_cpp(prompts, max_new, gguf_path=GGUF):
   """Greedy, one prompt at a time, streamed: end-to-end tok/s (prefill included, as benchmarks/specbench.py
   counts it) and decode-only tok/s (tokens after the first over the time after the first), per category."""
   try:
-    from llama_cpp import Llama
+    import llama_cpp
   except ImportError as e:
     print(f"llama.cpp peer skipped: {e}")
     return None
-  llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=os.cpu_count() or 2, verbose=False)
+  llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=4096, n_threads=os.cpu_count() or 2, verbose=False)
   list(llm(prompts[0][1], max_tokens=8, temperature=0.0, stream=True))  # warm-up
-  per_cat = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])  # tokens, seconds; after-first tokens, seconds
+  whole = collections.defaultdict(lambda: [0, 0.0])  # category -> tokens, seconds from the request
+  after = collections.defaultdict(lambda: [0, 0.0])  # category -> tokens, seconds after the first token
   for cat, text in prompts:
     t0 = time.perf_counter()
     # The stream ends with an empty chunk that carries only the finish reason: not a token.
     stamps = [time.perf_counter() for ch in llm(text, max_tokens=max_new, temperature=0.0, stream=True)
               if ch["choices"][0]["text"] or ch["choices"][0]["finish_reason"] is None]
-    c = per_cat[cat]
-    c[0] += len(stamps)
-    c[1] += stamps[-1] - t0 if stamps else 0.0
-    c[2] += max(len(stamps) - 1, 0)
-    c[3] += stamps[-1] - stamps[0] if stamps else 0.0
-  tot = [sum(c[i] for c in per_cat.values()) for i in range(4)]
-  res = {"tok_s": {k: c[0] / c[1] for k, c in per_cat.items()},
-         "decode_tok_s": {k: c[2] / c[3] for k, c in per_cat.items() if c[3] > 0},
-         "all_tok_s": tot[0] / tot[1], "all_decode_tok_s": tot[2] / tot[3], "tokens": tot[0],
-         "version": __import__("llama_cpp").__version__}
-  print(f"llama.cpp greedy {res['all_tok_s']:.2f} tok/s end to end, {res['all_decode_tok_s']:.2f} decode only")
-  for k in res["tok_s"]:
-    print(f"  {k:16s} {res['tok_s'][k]:7.2f} {res['decode_tok_s'].get(k, float('nan')):7.2f}")
+    if stamps:
+      whole[cat][0] += len(stamps)
+      whole[cat][1] += stamps[-1] - t0
+      after[cat][0] += len(stamps) - 1
+      after[cat][1] += stamps[-1] - stamps[0]
+
+  def rates(acc):
+    per = {k: n / t for k, (n, t) in acc.items() if t > 0}
+    n, t = sum(n for n, _ in acc.values()), sum(t for _, t in acc.values())
+    return per, (n / t if t > 0 else float("nan"))
+
+  (tok_s, all_tok_s), (decode_tok_s, all_decode_tok_s) = rates(whole), rates(after)
+  res = {"tok_s": tok_s, "decode_tok_s": decode_tok_s, "all_tok_s": all_tok_s, "all_decode_tok_s": all_decode_tok_s,
+         "tokens": sum(n for n, _ in whole.values()), "version": llama_cpp.__version__}
+  print(f"llama.cpp greedy {all_tok_s:.2f} tok/s end to end, {all_decode_tok_s:.2f} decode only")
+  for k in tok_s:
+    print(f"  {k:16s} {tok_s[k]:7.2f} {decode_tok_s.get(k, float('nan')):7.2f}")
   return res
 
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.conftest import TINY_MODEL_XLA_FLAGS
 from tests.serve.test_server import write_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,9 +45,8 @@ def _cmd(model, prompts, out, *extra):
 
 
 def _env(devices):
-  # A tiny model: compiling is the cost, so LLVM's optimizations are off (as tests/test_multidevice.py does).
-  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-              "--xla_backend_optimization_level=0", PYTHONUNBUFFERED="1")
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {TINY_MODEL_XLA_FLAGS}",
+              PYTHONUNBUFFERED="1")  # a tiny model
 
 
 def _pair(model, prompts, out, port, *extra, **kw):

@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
+from tests.conftest import TINY_MODEL_XLA_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_multidevice(*select, timeout=1500, tiny_models=True):
-  """tiny_models: the files run only tiny random models, whose cost is compiling the loop, not running it, so
-  LLVM's optimizations are turned off (the 8-device decode file: 266 -> 201 s, one run each, 2026-12-02)."""
-  flags = " --xla_force_host_platform_device_count=8" + (" --xla_backend_optimization_level=0" if tiny_models else "")
+  """tiny_models: the files run only tiny random models, so they compile with TINY_MODEL_XLA_FLAGS."""
+  flags = " --xla_force_host_platform_device_count=8" + (" " + TINY_MODEL_XLA_FLAGS if tiny_models else "")
   env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + flags).strip())
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *select]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
