@@ -5,6 +5,7 @@
   python benchmarks/specbench.py --methods=qdraft --draft_quantize=int8      # the target's own int8 weights draft
   python benchmarks/specbench.py --methods=eagle,eagle=/tmp/old/eagle_gemma3_270m --adaptive=off  # two checkpoints
   python benchmarks/specbench.py --quantize=int8 --methods=ngram             # an int8 target
+  python benchmarks/specbench.py --prompts=held-out --per_category=16 --methods=eagle  # the training held-out split
   python benchmarks/specbench.py --model=qwen2.5-coder-1.5b-instruct --draft_model=qwen2.5-coder-0.5b-instruct \
       --dtype=float32 --costs_file=configs/costs/qwen25_coder_cpu.json --per_category=1   # the Qwen pair
 
@@ -22,7 +23,7 @@ import os
 import time
 
 from serve.calibrate import load_costs, method_key
-from serve.prompts import load_prompts
+from serve.prompts import Prompt, load_prompts
 from serve.runner import Arm, category_table, format_table, run_arms
 from spec_jax import adaptive, backend
 from spec_jax.checkpoints.load import load_model
@@ -35,7 +36,8 @@ SPECBENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--prompts", default=SPECBENCH)
+  ap.add_argument("--prompts", default=SPECBENCH,
+                  help="a prompts file, or 'held-out': the training pipeline's held-out prompts (--per_category many)")
   ap.add_argument("--model", default="", help="the target: a checkpoint path or packaged name ('' = Gemma 3 270M)")
   ap.add_argument("--draft_model", default="", help="method draft: an independent draft model (same vocabulary)")
   ap.add_argument("--per_category", type=int, default=3)
@@ -58,7 +60,12 @@ def main():
   args = ap.parse_args()
 
   config, params, tok = load_model(args.model or None, args.dtype, args.quantize)
-  prompts = load_prompts(args.prompts, tok)
+  if args.prompts == "held-out":  # never trained on (train/data.py HELD_OUT); chat-templated as distillation was
+    from train.eval_acceptance import held_out_prompts
+    prompts = [Prompt(f"held-out-{i}", tok.apply_chat_template([t]), "held-out", True)
+               for i, t in enumerate(held_out_prompts(args.per_category, 0))]
+  else:
+    prompts = load_prompts(args.prompts, tok)
   seen = collections.Counter()
   chosen = []
   for p in prompts:
