@@ -13,11 +13,19 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# Two workers (pytest-xdist; each takes whole files, so a file's compiled programs and module fixtures stay in one
+# process) sharing JAX's compilation cache (tests/conftest.py). Two passes: the tests on tiny random models compile
+# with LLVM's optimizations off, since compiling, not running, is their cost; the real-model tests (marked slow)
+# run with them on, since they would run slower without.
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+TINY_XLA_FLAGS := --xla_backend_optimization_level=0
+
 test:
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=40 tests
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow" tests
+	$(PYTEST) --durations=20 -m slow tests
 
 test-fast:
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) -m "not slow" tests
 
 demo:
 	$(BIN)/python -m serve.generate --compare --method=ngram

@@ -2,11 +2,24 @@
 
 import os
 
-import jax
-import jax.numpy as jnp
-import pytest
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from spec_jax.config import ModelConfig
+# JAX's persistent compilation cache, shared by the xdist workers and every subprocess the tests start (servers,
+# the 8-device files, pod evaluation): compiling, not running, is most of this suite's time, and many programs
+# recur across files and processes. Entries are keyed by the program, JAX's version and the XLA flags, so a stale
+# one is never used; a new machine starts cold (BUILD.md gives both times). Set before JAX is imported: JAX reads
+# these at import, and subprocesses inherit them. JAX_COMPILATION_CACHE_DIR= (empty) turns it off.
+COMPILATION_CACHE_DIR = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                                              os.path.expanduser("~/.cache/spec_jax/xla_tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+COMPILATION_CACHE_BYTES = 4 << 30  # pruned to half of this, oldest first, when a run starts above it
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from spec_jax.config import ModelConfig  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -71,3 +84,40 @@ def _free_compiled_programs():
     jax.clear_caches()
     import gc
     gc.collect()
+
+
+def prune_compilation_cache(path: str, limit: int) -> None:
+  """Above `limit` bytes, delete the oldest-written entries down to limit / 2. JAX's own eviction
+  (jax_compilation_cache_max_size) rescans the whole folder under a lock on every write, which costs more than it
+  saves at thousands of entries; once per run is enough here."""
+  try:
+    entries = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(path) if e.is_file())
+  except FileNotFoundError:
+    return
+  total = sum(size for _, size, _ in entries)
+  if total <= limit:
+    return
+  for _, size, p in entries:
+    if total <= limit // 2:
+      break
+    try:
+      os.remove(p)
+    except FileNotFoundError:  # a concurrent run (the 8-device subprocess) pruned it first
+      pass
+    total -= size
+
+
+def pytest_configure(config):
+  if COMPILATION_CACHE_DIR and not hasattr(config, "workerinput"):  # the main process only, not each xdist worker
+    prune_compilation_cache(COMPILATION_CACHE_DIR, COMPILATION_CACHE_BYTES)
+
+
+# The files holding the suite's longest tests (whole loops compiled over 8 devices, process pairs, the Qwen pair,
+# many-proposer files) go first, so that neither xdist worker is left running one of them alone at the end.
+LONGEST_FIRST = ("test_multidevice.py", "test_evaluate_pod.py", "serve/test_loadtest_matrix.py", "e2e/test_qwen25.py",
+                 "test_tree_decode.py", "proposers/test_medusa_eagle.py", "test_slots.py", "test_quant.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {os.path.join(ROOT, "tests", f): i for i, f in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(str(item.path), len(rank)))  # stable: files stay whole, the rest in order
