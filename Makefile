@@ -13,11 +13,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Two workers (pytest-xdist; each takes whole files, so a file's compiled programs and module fixtures stay in one
-# process) sharing JAX's compilation cache (tests/conftest.py). Two passes: the tests on tiny random models compile
-# with LLVM's optimizations off, since compiling, not running, is their cost; the real-model tests (marked slow)
-# run with them on, since they would run slower without.
-PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+# Two workers (pytest-xdist), each taking whole files, so that a file's compiled programs and module fixtures stay
+# in one process; files go in tests/conftest.py's order, longest first. Both share JAX's compilation cache
+# (tests/conftest.py). Two passes: the tests on tiny random models compile with LLVM's optimizations off, since
+# compiling, not running, is their cost; the real-model tests (marked slow) keep them, since they would run
+# slower without.
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 TINY_XLA_FLAGS := --xla_backend_optimization_level=0
 
 test:

@@ -17,6 +17,7 @@ from tests.serve.test_server import write_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CATEGORIES = ("coding", "writing")
+pytestmark = pytest.mark.many_devices
 
 
 def _port() -> int:

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import TINY_MODEL_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.many_devices
 
 
 def run_multidevice(*select, timeout=1500, tiny_models=True):
