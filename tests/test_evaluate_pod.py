@@ -45,19 +45,18 @@ def _cmd(model, prompts, out, *extra):
           "--max_new_tokens=6", "--batch_size=16", "--costs_file=", "--progress=false", f"--output_dir={out}", *extra]
 
 
-def _env(devices, compilation_cache=True):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {TINY_MODEL_XLA_FLAGS}",
-             PYTHONUNBUFFERED="1")  # a tiny model
-  if not compilation_cache:
-    env["JAX_COMPILATION_CACHE_DIR"] = ""
-  return env
+def _env(devices):
+  # A tiny model; no persistent compilation cache: with a warm one, the two-process runs failed or hung (seen
+  # 2026-12-02 under xdist, not yet understood), and compiling is what keeps the killed-mid-run pair going past
+  # its kill.
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {TINY_MODEL_XLA_FLAGS}",
+              PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR="")
 
 
-def _pair(model, prompts, out, port, *extra, compilation_cache=True):
+def _pair(model, prompts, out, port, *extra):
   addr = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
-  return [subprocess.Popen(_cmd(model, prompts, out, *addr, f"--process_id={i}", *extra), cwd=ROOT,
-                           env=_env(4, compilation_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-          for i in range(2)]
+  return [subprocess.Popen(_cmd(model, prompts, out, *addr, f"--process_id={i}", *extra), cwd=ROOT, env=_env(4),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
 def _tokens_and_acceptance(summary):
@@ -112,10 +111,7 @@ def test_a_process_that_never_joins_is_named(files):
 
 def test_a_process_that_dies_mid_run_fails_the_run(files):
   model, prompts, d = files
-  # No compilation cache: the programs these processes compile after joining are what keeps the run going past
-  # the kill below; loaded from a warm cache, a tiny model's run can end first.
-  procs = _pair(model, prompts, d / "dead", _port(), "--heartbeat_timeout=5", "--max_new_tokens=40",
-                compilation_cache=False)
+  procs = _pair(model, prompts, d / "dead", _port(), "--heartbeat_timeout=5", "--max_new_tokens=40")
   try:
     deadline = time.time() + 300
     seen = ""
