@@ -21,12 +21,14 @@ $(BIN)/python:
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 TINY_XLA_FLAGS := --xla_backend_optimization_level=0
 
+# A last pass runs the tests whose checks rest on timings (marked alone) in one process, with nothing beside them.
 test:
-	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow" tests
-	$(PYTEST) --durations=20 -m slow tests
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow and not alone" tests
+	$(PYTEST) --durations=20 -m "slow and not alone" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone tests
 
 test-fast:
-	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) -m "not slow" tests
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) -m "not slow and not alone" tests
 
 demo:
 	$(BIN)/python -m serve.generate --compare --method=ngram

@@ -24,6 +24,9 @@ from serve.loadtest.pipeline import run
 from spec_jax.proposers.ngram import NgramProposer
 from tests.serve.test_server import MODEL, WORDS, free_port, write_tiny_model
 
+# Its verdicts come from timings: run alone, never beside an xdist worker (the Makefile's last pass).
+pytestmark = pytest.mark.alone
+
 SLOW_S = 0.05  # per proposer call; a tiny-model step takes a few ms
 REQUESTS = 16  # per load point: a tiny-model point lasts ~1 s, long enough that one pause does not decide it
 
