@@ -15,9 +15,9 @@ $(BIN)/python:
 
 # Two workers (pytest-xdist), each taking whole files, so that a file's compiled programs and module fixtures stay
 # in one process; files go in tests/conftest.py's order, longest first. Both share JAX's compilation cache
-# (tests/conftest.py). Two passes: the tests on tiny random models compile with LLVM's optimizations off, since
-# compiling, not running, is their cost; the real-model tests (marked slow) keep them, since they would run
-# slower without.
+# (tests/conftest.py). The first pass, the tests on tiny random models, compiles with LLVM's optimizations off
+# (TINY_MODEL_XLA_FLAGS in tests/conftest.py, which the tests' subprocesses use), since compiling, not running,
+# is their cost; the second, the real-model tests (marked slow), keeps them, since they would run slower without.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 TINY_XLA_FLAGS := --xla_backend_optimization_level=0
 

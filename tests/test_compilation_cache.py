@@ -1,5 +1,5 @@
 """The test suite's compilation-cache pruning (tests/conftest.py): the oldest entries go first, down to half the
-limit, and nothing goes below the limit."""
+limit, and nothing goes while the folder is under the limit."""
 
 import os
 

@@ -12,10 +12,9 @@ import time
 
 import pytest
 
-from tests.conftest import TINY_MODEL_XLA_FLAGS
+from tests.conftest import ROOT, TINY_MODEL_XLA_FLAGS
 from tests.serve.test_server import write_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CATEGORIES = ("coding", "writing")
 pytestmark = pytest.mark.many_devices
 

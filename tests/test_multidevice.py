@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
-from tests.conftest import TINY_MODEL_XLA_FLAGS
+from tests.conftest import ROOT, TINY_MODEL_XLA_FLAGS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.many_devices
 
 
