@@ -296,6 +296,7 @@ def adaptive_step(params, state: DecodeState, spec: LoopSpec) -> DecodeState:
   return switch_in_place(option, branches, state)
 
 
+@sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def decode_loop(params, state: DecodeState, spec: LoopSpec, max_steps=NO_LIMIT) -> DecodeState:
   """Steps until every row is done or `max_steps` (traced: no recompile per value) steps have run."""
@@ -404,9 +405,10 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None)
   make = lambda: KVCache.init(config, batch, capacity, dtype)
   if mesh is None:
     return make()
-  return jax.jit(make, out_shardings=sharding.state_shardings(jax.eval_shape(make), mesh))()
+  return sharding.settle(jax.jit(make, out_shardings=sharding.state_shardings(jax.eval_shape(make), mesh))())
 
 
+@sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec", "n_real", "capacity", "chunk"), donate_argnames=("cache",))
 def _start_batch(params, spec, prompt_tokens, prompt_lens, max_new, sampling, key, cache, hidden, every, costs,
                  n_real, capacity, chunk):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax import sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
@@ -40,7 +41,8 @@ def _chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, imp
   return cache, jnp.where(here[:, None], h, last_hidden), target_features(hidden, layers[0] if layers else None)
 
 
-prefill_chunk = jax.jit(_chunk, static_argnames=("config", "impl", "feature_layers"), donate_argnames=("cache",))
+prefill_chunk = sharding.settled(jax.jit(_chunk, static_argnames=("config", "impl", "feature_layers"),
+                                         donate_argnames=("cache",)))
 
 
 def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *, config: ModelConfig,

@@ -15,6 +15,7 @@ model still runs on any mesh. Batch rows (slots) split over `data`; callers pad 
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Optional, Sequence
 
@@ -175,7 +176,43 @@ def put(tree, shardings):
       return jax.device_put(x, s)  # one process, or already global: reshard
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
-  return jax.tree.map(one, tree, shardings)
+  return settle(jax.tree.map(one, tree, shardings))
+
+
+def on_cpu_mesh(x) -> bool:
+  """Whether x is a concrete array spread over several CPU devices (not a tracer inside jit)."""
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return False
+  devices = x.sharding.device_set
+  return len(devices) > 1 and next(iter(devices)).platform == "cpu"
+
+
+def settle(tree):
+  """Wait for `tree`'s arrays when they lie on several CPU devices; otherwise return at once.
+
+  Why: XLA:CPU (jaxlib 0.10) can deadlock when programs over several CPU devices are dispatched back to back
+  without waiting: one device's thread never reaches a collective's rendezvous, and after 60 s the process aborts
+  ("Expected 8 threads to join the rendezvous, but only 7 of them arrived"; tests/multidevice/test_mesh_dispatch.py).
+  With each program waited for, only one is ever in flight. GPU and TPU, and one device, keep asynchronous dispatch.
+  """
+  first = next(iter(jax.tree.leaves(tree)), None)
+  if on_cpu_mesh(first):
+    jax.block_until_ready(tree)
+  return tree
+
+
+class settled:
+  """A jitted program whose calls `settle` their outputs (see settle); attributes such as `.lower` pass through."""
+
+  def __init__(self, program):
+    self._program = program
+    functools.update_wrapper(self, program)
+
+  def __call__(self, *args, **kwargs):
+    return settle(self._program(*args, **kwargs))
+
+  def __getattr__(self, name):
+    return getattr(self._program, name)
 
 
 def shard_params(params, mesh: Optional[Mesh]):

@@ -89,6 +89,7 @@ def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None
                                                            costs, jnp.float32), jax.random.PRNGKey(seed))
 
 
+@sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec", "batch", "capacity"))
 def _empty(params, spec, batch, capacity, costs, key):
   # One dummy request of one token per row, prefilled and marked free: every leaf gets its real shape and dtype.
@@ -106,6 +107,7 @@ def _empty(params, spec, batch, capacity, costs, key):
   return sharding.constrain_state(state, spec.mesh)
 
 
+@sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> DecodeState:
   """Prefill `req` and write it into row `slot` (traced) of a running state; no other row changes."""
@@ -134,6 +136,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   return sharding.constrain_state(state, spec.mesh)
 
 
+@sharding.settled
 @functools.partial(jax.jit, donate_argnames=("state",))
 def release(state: DecodeState, slot) -> DecodeState:
   """Free slot `slot`: it stops running (a request still running there is aborted)."""
@@ -142,12 +145,14 @@ def release(state: DecodeState, slot) -> DecodeState:
                        finish=state.finish.at[slot].set(jnp.where(running, FINISH_ABORT, state.finish[slot])))
 
 
+@sharding.settled
 @functools.partial(jax.jit, donate_argnames=("state",))
 def set_speculation(state: DecodeState, enabled) -> DecodeState:
   """The global switch: off, every step drafts k = 0; requests in flight continue exactly."""
   return state.replace(spec_enabled=jnp.asarray(enabled, bool))
 
 
+@sharding.settled
 @jax.jit
 def snapshot(state: DecodeState) -> Snapshot:
   s = state.stats

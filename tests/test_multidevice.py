@@ -2,6 +2,7 @@
 starts, so those tests cannot share this process."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -13,18 +14,31 @@ pytestmark = pytest.mark.many_devices
 
 
 def run_multidevice(*select, timeout=1500, tiny_models=True):
-  """tiny_models: the files run only tiny random models, so they compile with TINY_MODEL_XLA_FLAGS."""
+  """tiny_models: the files run only tiny random models, so they compile with TINY_MODEL_XLA_FLAGS.
+
+  --capture=sys: XLA's own log lines (a collective that waits, a CHECK that fails) go to file descriptor 2, which
+  pytest's default capture would swallow along with the test when the process aborts; this way they reach the
+  assertion message below, where stdout and stderr each keep their own tail."""
   flags = " --xla_force_host_platform_device_count=8" + (" " + TINY_MODEL_XLA_FLAGS if tiny_models else "")
   env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + flags).strip())
-  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *select]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-  tail = (proc.stdout + proc.stderr)[-6000:]
-  assert proc.returncode == 0, tail
-  assert " passed" in tail and "skipped" not in tail.splitlines()[-1], tail
+  cmd = [sys.executable, "-m", "pytest", "-q", "--capture=sys", "-p", "no:cacheprovider", "-x", *select]
+  try:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired as e:  # a hang: show what it printed, XLA's "may be stuck" lines included
+    pytest.fail(f"no result in {timeout} s\n{_tails(e.stdout, e.stderr)}")
+  report = f"exit {proc.returncode}\n{_tails(proc.stdout, proc.stderr)}"
+  assert proc.returncode == 0, report
+  summary = [line for line in proc.stdout.splitlines() if re.match(r"^\d+ passed.* in [\d.]+s", line)]
+  assert summary and "skipped" not in summary[-1], report
+
+
+def _tails(out, err, n=4000):
+  text = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else b or "")[-n:]
+  return f"--- stdout (tail) ---\n{text(out)}\n--- stderr (tail) ---\n{text(err)}"
 
 
 def test_mesh_decode():
-  run_multidevice("tests/multidevice/test_mesh_decode.py")
+  run_multidevice("tests/multidevice/test_mesh_dispatch.py", "tests/multidevice/test_mesh_decode.py")
 
 
 def test_mesh_train():

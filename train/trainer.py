@@ -144,9 +144,10 @@ class Trainer:
     self.task, self.spec, self.mesh = task, spec, mesh
     self.tx, self.sched = make_optimizer(spec)
     self.log = log or (lambda s: print(s, file=sys.stderr))
-    self.train_step = jax.jit(functools.partial(_train_step, task, self.tx, self._constrain), donate_argnums=(0,))
-    self.eval_step = jax.jit(functools.partial(_eval_step, task))
-    self.features = jax.jit(task.features)
+    self.train_step = shd.settled(jax.jit(functools.partial(_train_step, task, self.tx, self._constrain),
+                                          donate_argnums=(0,)))
+    self.eval_step = shd.settled(jax.jit(functools.partial(_eval_step, task)))
+    self.features = shd.settled(jax.jit(task.features))
     os.makedirs(spec.workdir, exist_ok=True)
     opts = dict(enable_async_checkpointing=False)
     self.ckpt = ocp.CheckpointManager(os.path.join(os.path.abspath(spec.workdir), "ckpt"),
