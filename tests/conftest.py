@@ -132,10 +132,9 @@ MANY_DEVICES_LOCK = os.path.join(tempfile.gettempdir(), "spec_jax_tests_many_dev
 
 @pytest.fixture(autouse=True)
 def _one_many_device_run_at_a_time(request):
-  """Tests marked many_devices run processes that simulate 4-8 CPU devices. Two of them at once on 2 cores starve
-  XLA:CPU's in-process collectives: under xdist, the 8-device training file and the 8-device pod run overlapped
-  and both aborted ("Expected 8 threads to join the rendezvous, but only 4 of them arrived" within 40 s). So
-  they take turns, across the xdist workers."""
+  """Tests marked many_devices run processes that simulate 4-8 CPU devices; they take turns across the xdist
+  workers, since 8 simulated devices per process are already 4 per core. (Two that overlapped once both aborted
+  in a collective's rendezvous; the likelier cause was XLA:CPU's dispatch deadlock, see sharding.settle.)"""
   if request.node.get_closest_marker("many_devices") is None:
     yield
     return

@@ -46,8 +46,8 @@ def _cmd(model, prompts, out, *extra):
 
 def _env(devices):
   # A tiny model; no persistent compilation cache: with a warm one, the two-process runs failed or hung (seen
-  # 2026-12-02 under xdist, not yet understood), and compiling is what keeps the killed-mid-run pair going past
-  # its kill.
+  # 2026-12-02 under xdist, before sharding.settle; that deadlock is the likely cause, not yet verified), and
+  # compiling is what keeps the killed-mid-run pair going past its kill.
   return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {TINY_MODEL_XLA_FLAGS}",
               PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR="")
 
