@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast demo bench
+.PHONY: install test test-fast test-standalone demo bench
 
 install: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,qwen]'
@@ -26,6 +26,17 @@ test:
 	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow and not alone" tests
 	$(PYTEST) --durations=20 -m "slow and not alone" tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone tests
+	$(MAKE) test-standalone
+
+# The tests that read the project's data (its location, distillation, the trainer's data pipeline, the load
+# matrix's traffic), run from a copy of the working tree in an empty folder: nothing beside it can be read.
+STANDALONE_TESTS := tests/test_datasets.py tests/train/test_distill.py tests/train/test_distilled_training.py \
+	tests/serve/test_loadtest_units.py
+test-standalone:
+	@d=$$(mktemp -d) && mkdir $$d/spec_jax && \
+	git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C $$d/spec_jax && \
+	cd $$d/spec_jax && XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(CURDIR)/$(BIN)/python -m pytest -q \
+	  -p no:cacheprovider $(STANDALONE_TESTS); rc=$$?; rm -rf $$d; exit $$rc
 
 test-fast:
 	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) -m "not slow and not alone" tests

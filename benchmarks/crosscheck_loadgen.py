@@ -58,7 +58,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 # AIPerf 0.13 under HF_HUB_OFFLINE=1 looks every tokenizer up as a hub repo in the cache, so a local directory fails
 # ("Repo id must be in the form ..."). Without it, an absolute path is taken as local and nothing is fetched.
 AIPERF_ENV = {"HF_HUB_DISABLE_TELEMETRY": "1", "HF_DATASETS_OFFLINE": "1"}
-SPECBENCH = os.path.join("..", "shared", "data", "specbench", "spec_bench_question.jsonl")
+from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 
 # Run in AIPerf's venv: SentencePiece proto -> HF tokenizer directory, then compare ids with ours (no special tokens,
 # as AIPerf counts). argv: sentencepiece dir, out dir, check file.

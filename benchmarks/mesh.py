@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPECBENCH = os.path.join(ROOT, "..", "shared", "data", "specbench", "spec_bench_question.jsonl")
+from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 
 
 def devices(mesh: str) -> int:

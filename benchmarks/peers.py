@@ -17,8 +17,7 @@ import json
 import os
 import time
 
-SPECBENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "specbench",
-                         "spec_bench_question.jsonl")
+from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 GGUF = os.path.expanduser("~/.cache/spec_jax/gemma-3-270m-Q4_K_M.gguf")
 TEMPLATE = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 

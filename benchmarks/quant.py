@@ -38,8 +38,7 @@ from spec_jax.decode import generate
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.base import NoneProposer
 
-SPECBENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "specbench",
-                         "spec_bench_question.jsonl")
+from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 MODES = (("float32", "float32", "none"), ("bf16 layout", "bfloat16", "none"), ("int8", "float32", "int8"),
          ("int4", "float32", "int4"))
 

@@ -30,8 +30,7 @@ from spec_jax.checkpoints.load import load_model
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.registry import build_proposer
 
-SPECBENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "specbench",
-                         "spec_bench_question.jsonl")
+from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 
 
 def main():

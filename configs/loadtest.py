@@ -30,7 +30,7 @@ def get_config():
       {"name": "eagle_k2", "speculative_config": {"method": "eagle", "num_speculative_tokens": 2}},
   )
   # Traffic: identical for every arm.
-  c.prompts = "../shared/data/specbench/spec_bench_question.jsonl"
+  c.prompts = "data/specbench/spec_bench_question.jsonl"  # relative paths resolve from the repository root
   c.prompt_limit = 0
   c.categories = ()
   c.output_lengths = (32, 64)  # max_tokens; prompt i of the file gets output_lengths[i % 2] (the output segment)

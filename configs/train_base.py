@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from train.data import DISTILL_DIR  # the committed answers of `python -m train.distill`
+from spec_jax.datasets import DISTILL_DIR  # the committed answers of `python -m train.distill`
 
 
 def get_config(kind: str = "medusa"):

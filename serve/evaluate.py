@@ -3,7 +3,7 @@ prompt set on one device mesh, and process 0 writes the report.
 
   # one host, 8 devices (here simulated on CPU):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m serve.evaluate --mesh=data:8 \
-      --methods=none,ngram --prompts=../shared/data/specbench/spec_bench_question.jsonl --output_dir=/tmp/eval
+      --methods=none,ngram --prompts=data/specbench/spec_bench_question.jsonl --output_dir=/tmp/eval
   # two hosts (run on each, I = 0 and 1); TPU pods and SLURM/MPI jobs need no --coordinator_address flags:
   python -m serve.evaluate --coordinator_address=HOST0:1234 --num_processes=2 --process_id=I --mesh=data:8 ...
 

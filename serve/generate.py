@@ -1,7 +1,7 @@
 """Batch generation, optionally speculative, optionally A/B against the baseline in one warmed process.
 
   python -m serve.generate                                  # default demo prompts, Gemma 3 270M
-  python -m serve.generate --compare --method=ngram --prompts=../shared/data/specbench/spec_bench_question.jsonl
+  python -m serve.generate --compare --method=ngram --prompts=data/specbench/spec_bench_question.jsonl
   python -m serve.generate --config=configs/qwen25_coder_1p5b.py --compare  # Qwen2.5-Coder 1.5B, 0.5B draft
 """
 

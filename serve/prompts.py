@@ -6,8 +6,9 @@ Spec-Bench's question file reads as is (`question_id` is the id, `category` is k
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Optional
+
+from spec_jax.datasets import read_jsonl
 
 DEFAULT_PROMPTS = [
     {"id": "story", "category": "open", "prompt": "Once upon a time, in a small village by the sea,"},
@@ -61,20 +62,7 @@ def load_prompts(path: Optional[str], tokenizer, limit: int = 0) -> list[Prompt]
   if not path:
     records = [(f"default prompt {i}", r) for i, r in enumerate(DEFAULT_PROMPTS)]
   else:
-    records = []
-    try:
-      f = open(path, encoding="utf-8")
-    except FileNotFoundError:
-      raise FileNotFoundError(f"prompts file not found: {path}") from None
-    with f:
-      for n, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          rec = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        records.append((f"{path}:{n}", rec))
+    records = read_jsonl(path)
   prompts = [parse_record(rec, where, tokenizer) for where, rec in records]
   for i, p in enumerate(prompts):
     if not p.id:

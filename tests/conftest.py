@@ -15,6 +15,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 COMPILATION_CACHE_BYTES = 1 << 30  # a run that starts above this prunes to half, oldest first (one cold run: ~130 MB)
 
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import filelock  # noqa: E402
@@ -47,6 +48,42 @@ def tiny_llama_config(**kw) -> ModelConfig:
               max_seq_len=256, bos_id=2, eos_ids=(1,), pad_id=0, name="tiny-llama")
   base.update(kw)
   return ModelConfig(**base)
+
+
+def _outside_reads_guard():
+  """An audit hook that refuses, and records, any read of a sibling of the repository (the old layout read a
+  data folder beside the checkout, which a user's clone does not have). Only where the checkout's parent folder is its own: where
+  it also holds the home folder, the temp folder or Python (a clone in / or in ~), a sibling read cannot be told
+  from a system one, and `make test-standalone` (a copy in an empty folder) is the guard."""
+  parent = os.path.dirname(ROOT)
+  places = [os.path.expanduser("~"), tempfile.gettempdir(), sys.base_prefix, sys.prefix]
+  if parent == os.path.dirname(parent) or any(
+      os.path.abspath(p).startswith(parent + os.sep) and not os.path.abspath(p).startswith(ROOT + os.sep)
+      for p in places):
+    return []
+  seen = []
+
+  def hook(event, args):
+    if event not in ("open", "os.listdir", "os.scandir") or not args or args[0] is None or isinstance(args[0], int):
+      return
+    path = os.path.abspath(os.fsdecode(args[0]))
+    if path.startswith(parent + os.sep) and path != ROOT and not path.startswith(ROOT + os.sep):
+      seen.append(path)
+      raise PermissionError(f"the tests read outside the repository: {path}")
+
+  sys.addaudithook(hook)
+  return seen
+
+
+OUTSIDE_READS = _outside_reads_guard()
+
+
+@pytest.fixture(autouse=True)
+def _no_reads_outside_the_repository():
+  before = len(OUTSIDE_READS)
+  yield
+  if len(OUTSIDE_READS) > before:
+    pytest.fail(f"read outside the repository: {OUTSIDE_READS[before:]}")
 
 
 @pytest.fixture(scope="session")

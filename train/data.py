@@ -1,7 +1,7 @@
 """Deterministic training data for heads and drafts on a frozen target.
 
-Sources (never Spec-Bench), all from ../shared/data/train/*.jsonl (gsm8k, mbpp, self-instruct seed tasks) and the
-Python standard library:
+Sources (never Spec-Bench), all from the repository's data/train/*.jsonl (gsm8k, mbpp, self-instruct seed tasks)
+and the Python standard library:
 - self-distillation: prompts answered by the frozen target itself, either read from the committed shards of
   `python -m train.distill` (`distill_dir`: thousands of prompts, greedy and T 0.7, 256 new tokens) or generated
   here with the project's batched `spec_jax.decode.generate` at a mix of temperatures (`num_prompts`, cached);
@@ -28,12 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-# shared/ sits beside the repository (on developer machines and in CI alike).
-TRAIN_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
-                              "train")
-# The committed answers of `python -m train.distill` for Gemma 3 270M.
-DISTILL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "distill",
-                           "gemma3_270m")
+from spec_jax.datasets import DISTILL_DIR, TRAIN_DIR, jsonl_files, read_jsonl
 
 
 def _example(rec: dict) -> Optional[tuple]:
@@ -50,22 +45,22 @@ def _example(rec: dict) -> Optional[tuple]:
   return None
 
 
-def load_examples(data_dir: str = TRAIN_DATA_DIR) -> list:
+def load_examples(data_dir: str = TRAIN_DIR) -> list:
   """(prompt, reference answer) of every training jsonl record, in a fixed order (files sorted, lines in order)."""
   out = []
-  for path in sorted(glob.glob(os.path.join(data_dir, "*.jsonl"))):
+  for path in jsonl_files(data_dir):
     if "spec_bench" in os.path.basename(path).lower():
       continue
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        if line.strip():
-          ex = _example(json.loads(line))
-          if ex and ex[0]:
-            out.append(ex)
+    for _, rec in read_jsonl(path):
+      ex = _example(rec)
+      if ex and ex[0]:
+        out.append(ex)
+  if not out:
+    raise ValueError(f"no training examples in {data_dir}")
   return out
 
 
-def load_prompts(data_dir: str = TRAIN_DATA_DIR) -> list:
+def load_prompts(data_dir: str = TRAIN_DIR) -> list:
   return [p for p, _ in load_examples(data_dir)]
 
 
@@ -199,7 +194,7 @@ def _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, c
 
 def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_text: Callable,
           generate_fn: Callable, cache_dir: str, prompts: Optional[list] = None, texts: Optional[list] = None,
-          transcripts: Optional[list] = None, data_dir: str = TRAIN_DATA_DIR, log=print) -> Dataset:
+          transcripts: Optional[list] = None, data_dir: str = TRAIN_DIR, log=print) -> Dataset:
   """The full pipeline; the self-distilled sequences (the slow part) are cached as .npz. `encode_prompt(text)
   -> ids` (BOS and chat template included); `encode_text(text) -> ids` (BOS included) for plain-text chunks;
   `transcripts` are token lists (built from the reference answers when None)."""

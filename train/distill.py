@@ -3,7 +3,7 @@
   python -m train.distill                       # every training prompt but the held-out ones, into data/distill/
   python -m train.distill --batch=32 --limit=64 --out=/tmp/probe   # a short run (throughput probes, tests)
 
-Prompts are ../shared/data/train/*.jsonl (never Spec-Bench) in the data pipeline's seeded order
+Prompts are data/train/*.jsonl (never Spec-Bench) in the data pipeline's seeded order
 (`train.data.prompt_order`), less its last HELD_OUT entries, which `train.eval_acceptance` measures. Each prompt
 is answered once, in its chat template: greedy for two of every three prompts, temperature 0.7 for the third,
 up to --max_new_tokens or the end of the turn.
@@ -195,7 +195,7 @@ class Generator:
 
 def prompts_in_order(tokenizer, seed: int, limit: int = 0, data_dir=None):
   """-> [(position, example index, prompt text)] for the non-held-out prompts of the seeded order."""
-  examples = data_lib.load_examples(data_dir or data_lib.TRAIN_DATA_DIR)
+  examples = data_lib.load_examples(data_dir or data_lib.TRAIN_DIR)
   order = data_lib.prompt_order(len(examples), seed)[:len(examples) - data_lib.HELD_OUT]
   if limit:
     order = order[:limit]

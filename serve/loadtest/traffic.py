@@ -9,15 +9,11 @@ holds the same requests in every arm.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import random
 from typing import Optional
 
 from serve.prompts import DEFAULT_PROMPTS
-
-REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SPEC_BENCH = os.path.join("..", "shared", "data", "specbench", "spec_bench_question.jsonl")
+from spec_jax.datasets import REPO_ROOT as REPO, read_jsonl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +69,10 @@ class LoadPoint:
     return f"{self.sampling}/{lvl}"
 
 
-def resolve_path(path: str) -> str:
-  """Relative prompt paths resolve against the repository root first (as the configs write them), then the cwd."""
-  if not path or os.path.isabs(path):
-    return path
-  cand = os.path.join(REPO, path)
-  return cand if os.path.exists(cand) else path
-
-
 def load_prompts(path: Optional[str], limit: int = 0, categories=()) -> list[PromptRec]:
   """JSONL with 'prompt' or 'turns' (Spec-Bench reads as is); '' = serve.prompts' built-in demo prompts."""
   if path:
-    path = resolve_path(path)
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"prompts file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-      raw = [(f"{path}:{n}", json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
+    raw = read_jsonl(path)  # relative paths: the repository's own files first (configs write them so)
   else:
     raw = [(f"default prompt {i}", r) for i, r in enumerate(DEFAULT_PROMPTS)]
   out = []
