@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast test-standalone demo bench
+.PHONY: install install-aot test test-fast test-standalone test-aot demo
 
 install: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,qwen]'
@@ -12,6 +12,16 @@ install: $(BIN)/python
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+# The compilers for chips this host lacks (libtpu; jax's CUDA plugin and ptxas), in a virtual environment of their
+# own: beside the CPU jaxlib of .venv they would make every JAX process probe for a TPU or GPU.
+AOT_VENV := .venv-aot
+install-aot: $(AOT_VENV)/bin/python
+	$(AOT_VENV)/bin/pip install -q -e '.[test,tpu-aot,gpu-aot]'
+
+$(AOT_VENV)/bin/python:
+	$(PY) -m venv $(AOT_VENV)
+	$(AOT_VENV)/bin/pip install -q --upgrade pip
 
 # Two workers (pytest-xdist), each taking whole files, so that a file's compiled programs and module fixtures stay
 # in one process; files go in tests/conftest.py's order, longest first. Both share JAX's compilation cache
@@ -22,11 +32,17 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --
 TINY_XLA_FLAGS := --xla_backend_optimization_level=0
 
 # A last pass runs the tests whose checks rest on timings (marked alone) in one process, with nothing beside them.
-test:
-	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow and not alone" tests
-	$(PYTEST) --durations=20 -m "slow and not alone" tests
+test: install-aot
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow and not alone and not aot" tests
+	$(PYTEST) --durations=20 -m "slow and not alone and not aot" tests
+	$(MAKE) test-aot
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone tests
 	$(MAKE) test-standalone
+
+# Every program compiled for TPU (v5e) and an H200 from this CPU host (tests marked aot, serve.aot).
+test-aot: install-aot
+	SPEC_JAX_AOT=required JAX_PLATFORMS=cpu $(AOT_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 \
+	  --dist load --durations=20 -m aot tests
 
 # The tests that read the project's data (its location, distillation, the trainer's data pipeline, the load
 # matrix's traffic), run from a copy of the working tree in an empty folder: nothing beside it can be read.
@@ -39,7 +55,7 @@ test-standalone:
 	  -p no:cacheprovider $(STANDALONE_TESTS); rc=$$?; rm -rf $$d; exit $$rc
 
 test-fast:
-	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) -m "not slow and not alone" tests
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) -m "not slow and not alone and not aot" tests
 
 demo:
 	$(BIN)/python -m serve.generate --compare --method=ngram

@@ -16,8 +16,10 @@ from spec_jax.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-  """k, v [L, B, S, Hkv, D] in the activation dtype (L layers, B slots, S capacity); lengths int32[B] committed
-  entries per row (slot index == position)."""
+  """k, v [L, B, Hkv, S, D] in the activation dtype (L layers, B slots, S capacity); lengths int32[B] committed
+  entries per row (slot index == position). Heads before slots: on TPU the last two dims are the tiled ones, and
+  (S, D) tiles cleanly for any number of KV heads (with [S, Hkv, D] and one KV head, the (1, D) tiles forced a
+  re-layout copy of the whole cache in and out of every compiled loop)."""
 
   k: jax.Array
   v: jax.Array
@@ -25,12 +27,12 @@ class KVCache:
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
   def advance(self, n: jax.Array) -> "KVCache":
     """Commit n[B] more tokens per row."""

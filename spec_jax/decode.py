@@ -60,6 +60,12 @@ class LoopSpec:
     tree = self.proposer.tree
     return max(self.k_max, tree.lookahead if tree is not None and self.k_max else 0)
 
+  def __post_init__(self):
+    # A proposer that runs attention itself (the draft model, EAGLE) declares a `mesh` field: it runs on the
+    # loop's mesh, so its Pallas kernels run per shard as the target's do.
+    if any(f.name == "mesh" for f in dataclasses.fields(self.proposer)) and self.proposer.mesh != self.mesh:
+      object.__setattr__(self, "proposer", dataclasses.replace(self.proposer, mesh=self.mesh))
+
   def is_tree(self, k: int) -> bool:
     """Does drafting k tokens mean the proposer's tree? (Smaller k are chains.)"""
     return k > 0 and self.proposer.tree is not None and k == self.proposer.tree.depth
@@ -192,7 +198,8 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   feed = jnp.concatenate([last, jnp.maximum(draft_tokens, 0)], axis=1)  # no-draft slots feed a harmless 0
   positions = (state.lengths - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
   logits, hidden, cache, *layers = forward(params["target"], feed, positions, state.cache, config=spec.config,
-                                           impl=spec.impl, return_layers=feature_layers(spec.proposer))
+                                           impl=spec.impl, return_layers=feature_layers(spec.proposer),
+                                           mesh=spec.mesh)
   hidden = target_features(hidden, layers[0] if layers else None)
   out, n_acc = verify_chain(logits, draft_tokens, draft_probs, k_verify, state.sampling)
   tokens, lengths, n_emit, finish, done = _commit(state, spec, active, out, n_acc)
@@ -238,12 +245,13 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   positions = (state.lengths - 1)[:, None] + depths
   logits, hidden, cache, *layers = forward(params["target"], jnp.maximum(tree_tokens, 0), positions, state.cache,
                                            config=spec.config, impl=spec.impl, tree_mask=mask,
-                                           return_layers=feature_layers(spec.proposer))
+                                           return_layers=feature_layers(spec.proposer), mesh=spec.mesh)
   hidden = target_features(hidden, layers[0] if layers else None)
   out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
                                   max_children=shape.max_children)
   tokens, lengths, n_emit, finish, done = _commit(state, spec, active, out, n_acc)
-  ck, cv = tree.compact_accepted(cache.k, cache.v, state.cache.lengths, nodes, n_acc)
+  ck, cv = tree.compact_accepted(cache.k, cache.v, state.cache.lengths, nodes, n_acc,
+                                  num_nodes=tree_tokens.shape[1])
   cache = cache.replace(k=ck, v=cv, lengths=state.cache.lengths + n_emit)
   # [B, k + 1, D] as a chain's; entries past the accepted path (node -1) repeat the root's (finite, never read)
   path_hidden = jnp.take_along_axis(hidden, jnp.maximum(nodes, 0)[:, :, None], axis=1)
@@ -391,7 +399,7 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   buf, prompt_lens, max_new, sampling = sharding.rows((buf, prompt_lens, max_new, sampling), mesh)
   out = prefill(params_t, jnp.asarray(buf), jnp.asarray(prompt_lens), cache, config=config, impl=spec.impl,
                 chunk=chunk, return_all=spec.proposer.needs_prompt_hidden,
-                feature_layers=feature_layers(spec.proposer))
+                feature_layers=feature_layers(spec.proposer), mesh=mesh)
   cache, hidden = out[:2]
   every = out[2] if spec.proposer.needs_prompt_hidden else None
   costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)

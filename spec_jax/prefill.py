@@ -27,26 +27,27 @@ def bucket(max_prompt: int, chunk: int = DEFAULT_CHUNK) -> tuple[int, int]:
   return -(-max_prompt // chunk) * chunk, chunk
 
 
-def _chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, impl, feature_layers=()):
+def _chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, impl, feature_layers=(), mesh=None):
   """One chunk at positions start..start+C-1. Keeps each row's hidden state at its last prompt token; returns the
   chunk's target features too (target_features: the hidden states, or the feature layers' outputs)."""
   B, C = chunk.shape
   positions = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
   cache = cache.replace(lengths=jnp.full((B,), start, jnp.int32))
   _, hidden, cache, *layers = forward(params, chunk, positions, cache, config=config, impl=impl,
-                                      compute_logits=False, return_layers=feature_layers)
+                                      compute_logits=False, return_layers=feature_layers, mesh=mesh)
   idx = prompt_lens - 1 - start
   here = (idx >= 0) & (idx < C)
   h = jnp.take_along_axis(hidden, jnp.clip(idx, 0, C - 1)[:, None, None], axis=1)[:, 0]
   return cache, jnp.where(here[:, None], h, last_hidden), target_features(hidden, layers[0] if layers else None)
 
 
-prefill_chunk = sharding.settled(jax.jit(_chunk, static_argnames=("config", "impl", "feature_layers"),
+prefill_chunk = sharding.settled(jax.jit(_chunk, static_argnames=("config", "impl", "feature_layers", "mesh"),
                                          donate_argnames=("cache",)))
 
 
 def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *, config: ModelConfig,
-            impl: str = "xla", chunk: int = DEFAULT_CHUNK, return_all: bool = False, feature_layers: tuple = ()):
+            impl: str = "xla", chunk: int = DEFAULT_CHUNK, return_all: bool = False, feature_layers: tuple = (),
+            mesh=None):
   """Right-padded prompts [B, P] (P a multiple of `chunk`) -> (cache with lengths = prompt_lens, hidden[B, D]).
 
   With `return_all`, the target features of every prompt position [B, P, F] come back third (EAGLE reads them):
@@ -62,7 +63,8 @@ def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *
   for start in range(0, P, chunk):
     cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], np.int32(start), cache,
                                                prompt_lens, last_hidden, config=config, impl=impl,
-                                               feature_layers=tuple(feature_layers) if return_all else ())
+                                               feature_layers=tuple(feature_layers) if return_all else (),
+                                               mesh=mesh)
     if return_all:
       every.append(hidden)
   # A fresh buffer: callers donate the cache, and prompt_lens must survive that (astype may return it as is).

@@ -115,9 +115,29 @@ def quantize_matrix(w: np.ndarray, bits: int):
   return q[:, :h] | (q[:, h:] << 4), scale.reshape(-1, t, k // g), lo.reshape(-1, t, k // g)
 
 
+def _abstract_quantize(w, n_in: int, bits: int, stacked: bool, contract_last: bool) -> QTensor:
+  """quantize() of a jax.ShapeDtypeStruct: the QTensor's layout from shapes alone (serve.aot compiles qdraft
+  for models whose weights are not here)."""
+  lead = w.shape[:1] if stacked else ()
+  body = w.shape[len(lead):]
+  out_shape, in_shape = (body[:-n_in], body[-n_in:]) if contract_last else (body[n_in:], body[:n_in])
+  n, k = math.prod(out_shape), math.prod(in_shape)
+  t, g = _layout(n, k, bits)
+  tiles = -(-n // t)
+  sds = jax.ShapeDtypeStruct
+  if bits == 8:
+    return QTensor(sds(lead + (tiles, t, k), jnp.int8), sds(lead + (tiles, t, k // g), jnp.float32), None,
+                   out_shape, n_in, bits)
+  return QTensor(sds(lead + (tiles, t // 2, k), jnp.uint8), sds(lead + (tiles, t, k // g), jnp.float16),
+                 sds(lead + (tiles, t, k // g), jnp.float16), out_shape, n_in, bits)
+
+
 def quantize(w, n_in: int, bits: int, *, stacked: bool = False, contract_last: bool = False) -> QTensor:
   """A float weight -> QTensor. Its first `n_in` axes (after the stacked layer axis) are the inputs, or its
-  last `n_in` with contract_last (the tied embedding [V, D] read as a head)."""
+  last `n_in` with contract_last (the tied embedding [V, D] read as a head). A jax.ShapeDtypeStruct gives the
+  QTensor's abstract layout."""
+  if isinstance(w, jax.ShapeDtypeStruct):
+    return _abstract_quantize(w, n_in, bits, stacked, contract_last)
   w = np.asarray(w, np.float32)
   lead = w.shape[:1] if stacked else ()
   body = w.shape[len(lead):]

@@ -54,7 +54,7 @@ _NORM = re.compile(r"norm$")  # attn_norm, mlp_norm, final_norm, feat_norm, ...:
 
 # Decode-state fields that are not per row (shared by the whole batch): replicated.
 REPLICATED_STATE = {"key", "spec_enabled", "step", "adapt.costs", "adapt.since_probe", "adapt.uses"}
-CACHE_AXES = ("layers", "batch", "sequence", "kv_heads", "head_dim")  # KVCache.k / .v
+CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", "head_dim")  # KVCache.k / .v
 
 
 def parse_mesh(text: str) -> dict:

@@ -99,7 +99,7 @@ def _empty(params, spec, batch, capacity, costs, key):
   cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype)
   cache, hidden, every = prefill(params["target"], prompt, lens, cache, config=spec.config, impl=spec.impl,
                                  chunk=chunk, return_all=True,
-                                 feature_layers=feature_layers(spec.proposer))
+                                 feature_layers=feature_layers(spec.proposer), mesh=spec.mesh)
   state = start_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), bool), key,
                      cache, hidden, every if spec.proposer.needs_prompt_hidden else None, capacity, chunk)
   state = state.replace(done=jnp.ones((batch,), bool), finish=jnp.full((batch,), FINISH_ABORT, jnp.int32),
@@ -118,7 +118,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
   cache, hidden, every = prefill(params["target"], prompt, lens, cache, config=spec.config, impl=spec.impl,
                                  chunk=chunk, return_all=True,
-                                 feature_layers=feature_layers(spec.proposer))
+                                 feature_layers=feature_layers(spec.proposer), mesh=spec.mesh)
   row = start_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.speculate[None], req.key, cache,
                    hidden, every if spec.proposer.needs_prompt_hidden else None, S, chunk)
   put = functools.partial(write_row, slot=slot)

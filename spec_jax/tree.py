@@ -55,37 +55,47 @@ def tree_positions(base: jax.Array, parents: jax.Array) -> jax.Array:
 
 
 def compact_accepted(cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array, accepted_nodes: jax.Array,
-                     num_accepted: jax.Array) -> tuple[jax.Array, jax.Array]:
+                     num_accepted: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
   """Move the accepted path's K/V into consecutive cache slots, per row, on device.
 
-  cache_k, cache_v: [L, B, S, Hkv, Dh] (KVCache.k / .v) where the tree forward wrote node i of row b at slot
-  lengths[b] + i. accepted_nodes int32 [B, D+1] and num_accepted int32 [B] as verify_tree returns them: slot
-  lengths[b] + t receives node accepted_nodes[b, t] for t <= num_accepted[b] (t = 0 is the root, which stays).
-  Slots past lengths + num_accepted are stale and may hold anything afterwards (they are beyond the new length).
-  `lengths` is not advanced here: the caller advances the cache by the tokens it commits (<= num_accepted + 1).
+  cache_k, cache_v: [L, B, Hkv, S, Dh] (KVCache.k / .v) where the tree forward wrote node i < num_nodes of row b
+  at slot lengths[b] + i (clipped to S - 1). accepted_nodes int32 [B, D+1] and num_accepted int32 [B] as
+  verify_tree returns them: slot lengths[b] + t receives node accepted_nodes[b, t] for t <= num_accepted[b] (t = 0
+  is the root, which stays). Slots past lengths + num_accepted are stale and may hold anything afterwards (they are
+  beyond the new length). `lengths` is not advanced here: the caller advances the cache by the tokens it commits
+  (<= num_accepted + 1).
 
-  The D+1 source entries are gathered first (sources are never below their destinations: a node at depth t has
-  index >= t), then written back with one dynamic_update_slice per row and array, in place under donation. A
-  window that would run past S is shifted back (not clamped onto other slots) and fills its extra slots with their
-  own contents.
+  Each row reads only the num_nodes slots its tree was written to (one dynamic slice), picks the path's entries
+  from that small window, and writes them back with one dynamic_update_slice per row and array,
+  in place under donation. A gather over the whole cache instead made XLA:TPU re-lay out and copy the whole cache
+  on every step at one slot. A window that would run past S is shifted back (not clamped onto other slots) and
+  fills its extra slots with their own contents.
   """
-  _, b, s, _, _ = cache_k.shape
+  n_layers, b, hkv, s, dh = cache_k.shape
   w = accepted_nodes.shape[1]
-  if w > s:
-    raise ValueError(f"accepted_nodes has {w} columns, more than the cache's {s} slots")
+  n = max(int(num_nodes), w)
+  if n > s:
+    raise ValueError(f"a tree of {n} nodes (accepted_nodes has {w} columns) does not fit the cache's {s} slots")
   lengths = lengths.astype(jnp.int32)
-  start = jnp.clip(lengths, 0, s - w)  # [B]
+  start = jnp.clip(lengths, 0, s - w)  # [B] the first slot written
+  base = jnp.clip(lengths, 0, s - n)  # [B] the first slot of the window read: base <= start, start + w <= base + n
   dest = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w] the slots written
   t = dest - lengths[:, None]  # path index of each written slot
   moves = (t >= 0) & (t <= num_accepted.astype(jnp.int32)[:, None])
   node = jnp.take_along_axis(accepted_nodes.astype(jnp.int32), jnp.clip(t, 0, w - 1), axis=1)
-  src = jnp.clip(jnp.where(moves, lengths[:, None] + node, dest), 0, s - 1)  # [B, w]
-  idx = src[None, :, :, None, None]
+  src = jnp.clip(jnp.where(moves, lengths[:, None] + node, dest), 0, s - 1) - base[:, None]  # [B, w] in the window
 
   def move(cache):
-    block = jnp.take_along_axis(cache, idx, axis=2)  # [L, B, w, Hkv, Dh]
+    blocks = []
     for r in range(b):
-      cache = lax.dynamic_update_slice(cache, block[:, r:r + 1], (0, r, start[r], 0, 0))
+      window = lax.dynamic_slice(cache, (0, r, 0, base[r], 0), (n_layers, 1, hkv, n, dh))
+      blocks.append(jnp.take(window, src[r], axis=3))  # [L, 1, Hkv, w, Dh]
+    # Every row's block is read before any is written, and the barrier keeps the reads out of the writes' fusions:
+    # a fusion that also reads the cache cannot update it in place. (A fori_loop over rows, reading and writing
+    # each row's window in its body, made XLA:TPU copy the whole cache at 16 slots.)
+    blocks = lax.optimization_barrier(blocks)
+    for r in range(b):
+      cache = lax.dynamic_update_slice(cache, blocks[r], (0, r, 0, start[r], 0))
     return cache
 
   return move(cache_k), move(cache_v)

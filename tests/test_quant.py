@@ -496,3 +496,18 @@ def test_spec_config_qdraft_quantization():
   with pytest.raises(ValueError, match="quantization differs"):
     parse_speculative_config('{"method":"qdraft","per_concurrency":{"1":{"num_speculative_tokens":4,'
                              '"quantization":"int4"},"8":{"num_speculative_tokens":2,"quantization":"int8"}}}', {})
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape,n_in,stacked,contract_last", [
+    ((3, 64, 4, 16), 1, True, False), ((3, 4, 16, 64), 2, True, False), ((300, 64), 1, False, True),
+    ((64, 300), 1, False, False)])
+def test_abstract_quantize_has_the_layout_of_the_real_one(bits, shape, n_in, stacked, contract_last):
+  """serve.aot quantizes shapes (jax.ShapeDtypeStruct) for models whose weights are not here: the QTensor it gets
+  has exactly the leaves, shapes, dtypes and statics of quantizing real weights of that shape."""
+  w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+  real = quant.quantize(w, n_in, bits, stacked=stacked, contract_last=contract_last)
+  abstract = quant.quantize(jax.ShapeDtypeStruct(shape, jnp.float32), n_in, bits, stacked=stacked,
+                            contract_last=contract_last)
+  assert jax.tree.structure(real) == jax.tree.structure(abstract)
+  assert [(x.shape, x.dtype) for x in jax.tree.leaves(real)] == [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]

@@ -162,9 +162,9 @@ def test_a_row_without_room_finishes_with_a_capacity_error_not_a_clamped_write()
                                                                capacity=CAPACITY), spec)
   state = state.replace(max_new=state.max_new.at[0].set(10_000))  # misuse: a limit past the capacity
   n = int(state.cache.lengths[0])  # committed entries so far
-  cache_before = np.asarray(state.cache.k[:, 0, :n])
+  cache_before = np.asarray(state.cache.k[:, 0, :, :n])
   state = _run_to_end(both, state, spec, steps=50)
   assert int(state.finish[0]) == FINISH_CAPACITY
   assert int(state.lengths[0]) <= CAPACITY
-  np.testing.assert_array_equal(np.asarray(state.cache.k[:, 0, :n]), cache_before)
+  np.testing.assert_array_equal(np.asarray(state.cache.k[:, 0, :, :n]), cache_before)
   assert len(_out(state, 1)) == 10

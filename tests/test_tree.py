@@ -61,6 +61,7 @@ def test_chain_depth_is_index():
 
 
 def ref_compact(k, lengths, nodes, n_acc):
+  """k in slot-major order [L, B, S, H, D]: the reference moves whole slots."""
   out = k.copy()
   for r in range(k.shape[1]):
     for t in range(n_acc[r] + 1):
@@ -76,9 +77,11 @@ def test_compact_accepted_moves_path_keeps_prefix():
   lengths = np.array([0, 5, 9, 20], np.int32)  # row 3: lengths + D + 1 = 24 = S, the window touches the end
   nodes = np.array([[0, 2, 5, 7], [0, 1, 3, -1], [0, -1, -1, -1], [0, 1, 2, 3]], np.int32)
   n_acc = np.array([3, 2, 0, 3], np.int32)
-  fn = jax.jit(tree.compact_accepted, donate_argnums=(0, 1))
-  k2, v2 = fn(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc))
-  k2, v2 = np.asarray(k2), np.asarray(v2)
+  fn = jax.jit(tree.compact_accepted, donate_argnums=(0, 1), static_argnums=5)
+  # The cache is [L, B, H, S, D]; the test keeps the slot-major view [L, B, S, H, D] of the reference.
+  heads_first = lambda x: jnp.swapaxes(jnp.asarray(x), 2, 3)
+  k2, v2 = fn(heads_first(k), heads_first(v), jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc), 8)
+  k2, v2 = np.swapaxes(np.asarray(k2), 2, 3), np.swapaxes(np.asarray(v2), 2, 3)
   rk, rv = ref_compact(k, lengths, nodes, n_acc), ref_compact(v, lengths, nodes, n_acc)
   for r in range(b):
     keep = lengths[r] + n_acc[r] + 1  # the committed prefix after the step, including the moved entries
@@ -96,9 +99,9 @@ def test_compact_accepted_window_near_the_end_is_shifted_not_clamped():
   lengths = np.array([8, 7], np.int32)
   nodes = np.array([[0, 1, -1, -1, -1], [0, 2, -1, -1, -1]], np.int32)
   n_acc = np.array([1, 1], np.int32)
-  k2, _ = tree.compact_accepted(jnp.asarray(k), jnp.asarray(k), jnp.asarray(lengths), jnp.asarray(nodes),
-                                jnp.asarray(n_acc))
-  np.testing.assert_array_equal(np.asarray(k2), ref_compact(k, lengths, nodes, n_acc))
+  kh = jnp.swapaxes(jnp.asarray(k), 2, 3)
+  k2, _ = tree.compact_accepted(kh, kh, jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc), num_nodes=3)
+  np.testing.assert_array_equal(np.swapaxes(np.asarray(k2), 2, 3), ref_compact(k, lengths, nodes, n_acc))
 
 
 def test_compact_after_verify_tree_matches_path_tokens():
@@ -118,12 +121,12 @@ def test_compact_after_verify_tree_matches_path_tokens():
   tokens, n_acc, nodes = np.asarray(tokens), np.asarray(n_acc), np.asarray(nodes)
   assert n_acc.max() >= 2
   lengths = rng.integers(0, s - n, size=b).astype(np.int32)
-  cache = np.full((1, b, s, 1, 1), -5.0, np.float32)
+  cache = np.full((1, b, 1, s, 1), -5.0, np.float32)  # [L, B, H, S, D]
   for r in range(b):
-    cache[0, r, lengths[r]:lengths[r] + n, 0, 0] = toks[r]
+    cache[0, r, 0, lengths[r]:lengths[r] + n, 0] = toks[r]
   k2, _ = tree.compact_accepted(jnp.asarray(cache), jnp.asarray(cache), jnp.asarray(lengths), jnp.asarray(nodes),
-                                jnp.asarray(n_acc))
-  k2 = np.asarray(k2)[0, :, :, 0, 0]
+                                jnp.asarray(n_acc), num_nodes=n)
+  k2 = np.asarray(k2)[0, :, 0, :, 0]
   for r in range(b):
     m = n_acc[r]
     np.testing.assert_array_equal(k2[r, lengths[r]:lengths[r] + m + 1], np.r_[toks[r, 0], tokens[r, :m]])

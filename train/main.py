@@ -22,6 +22,8 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from train.tasks import build_task  # noqa: F401  (tests and benchmarks import it from here too)
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections training config.", lock_config=True)
 flags.DEFINE_integer("stop_after", None, "Stop (without finishing) after this global step: for tests.")
 flags.DEFINE_string("mesh", "", "Device mesh 'data:N,model:M' (N*M = the device count): the batch splits over "
@@ -70,66 +72,6 @@ def build_data(cfg, config, params, tokenizer, log):
   return data_lib.build(spec, target_name=config.name, encode_prompt=encode_prompt,
                         encode_text=lambda t: tokenizer.encode(t, parse_special=False),
                         generate_fn=generate_fn, cache_dir=cfg.cache_dir, log=log)
-
-
-def build_task(cfg, config, params, d2t):
-  """-> (Task, initial trainable params, frozen pytree, export meta)."""
-  import jax
-  import jax.numpy as jnp
-  from spec_jax.checkpoints import heads as head_ckpt
-  from spec_jax.proposers import eagle, medusa, vocab
-  from spec_jax.proposers.draft import early_exit_params
-  from train import losses
-  from train.trainer import Task
-  key = jax.random.PRNGKey(cfg.train.seed)
-  layers = tuple(cfg.feature_layers) if cfg.kind == "eagle" else ()
-  if layers:
-    eagle.check_feature_layers(layers, config, "config.feature_layers")
-  # The feature pass computes [final hidden; cached layers] and the loss reads the first (1 + len(layers)) D
-  # columns, so runs of every kind share one cache (an EAGLE-1 or Medusa run reads an EAGLE-3 run's features).
-  cached = tuple(cfg.cached_feature_layers) or layers
-  if cached:
-    eagle.check_feature_layers(cached, config, "config.cached_feature_layers")
-  if cached[:len(layers)] != layers:
-    raise ValueError(f"config.feature_layers {list(layers)} must begin config.cached_feature_layers "
-                     f"{list(cached)}: the loss reads a column prefix of the cached features")
-  width = config.d_model * (1 + len(layers))
-  features = lambda frozen, toks: losses.target_features(frozen["target"], config, toks, cached)
-  # What the features are: the target's final-normed hidden states (and EAGLE-3's layers), of this target in
-  # this dtype.
-  features_id = (f"target_features:{config.name}:{cfg.model}:{cfg.dtype}:{cfg.tiny_seed}" +
-                 (f":layers{list(cached)}" if cached else ""))
-
-  def task_of(name, loss):  # loss(params, frozen, features, tokens, mask, key) on its own columns
-    return Task(name, features, lambda p, fz, f, t, m, k: loss(p, fz, f[..., :width], t, m, k), features_id)
-  rows = vocab.output_rows(params, None if d2t is None else jnp.asarray(d2t))
-  if cfg.kind == "medusa":
-    frozen = {"target": params, "rows": rows}
-    if d2t is not None:
-      frozen["t2d"] = jnp.asarray(head_ckpt.t2d(d2t, config.vocab_size))
-    init = medusa.init_params(key, config.d_model, cfg.num_heads, jnp.float32)
-    task = task_of("medusa", lambda p, fz, f, t, m, k: losses.medusa_loss(p, fz, f, t, m))
-    return task, init, frozen, {"num_heads": cfg.num_heads}
-  if cfg.kind == "eagle":
-    ecfg = eagle.layer_config(config, cfg.mlp_dim or None)
-    frozen = {"target": params, "embed": params["embed"], "rows": rows}
-    init = eagle.init_params(key, ecfg, jnp.float32, target_params=params, num_feature_layers=len(layers))
-    loss = functools.partial(losses.eagle_loss, cfg=ecfg, noise=cfg.noise, reg_weight=cfg.reg_weight,
-                             ce_weight=cfg.ce_weight, passes=cfg.ttt_passes)
-    task = task_of("eagle", lambda p, fz, f, t, m, k: loss(p, fz, f, t, m, key=k))
-    return task, init, frozen, {"mlp_dim": ecfg.mlp_dim, "ttt_passes": cfg.ttt_passes,
-                                "feature_layers": list(layers)}
-  if cfg.kind == "draft":
-    if not 1 <= cfg.draft_layers < config.num_layers:
-      raise ValueError(f"draft_layers must be in [1, {config.num_layers}), got {cfg.draft_layers}")
-    dcfg = config.replace(num_layers=cfg.draft_layers, name=f"{config.name}-distill{cfg.draft_layers}")
-    start = early_exit_params(params, cfg.draft_layers)  # starts as the early-exit self-draft
-    init = {"layers": start["layers"], "final_norm": start["final_norm"]}
-    frozen = {"target": params, "embed": params["embed"], "rows": rows}
-    loss = functools.partial(losses.draft_kl_loss, cfg=dcfg)
-    task = task_of("draft", lambda p, fz, f, t, m, k: loss(p, fz, f, t, m))
-    return task, init, frozen, {"num_layers": cfg.draft_layers}
-  raise ValueError(f"unknown kind {cfg.kind!r}: medusa, eagle or draft")
 
 
 # Settings a resumed run may change: they do not change what is trained. (data_parallel: an old config key,

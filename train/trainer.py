@@ -148,15 +148,23 @@ class Trainer:
                                           donate_argnums=(0,)))
     self.eval_step = shd.settled(jax.jit(functools.partial(_eval_step, task)))
     self.features = shd.settled(jax.jit(task.features))
-    os.makedirs(spec.workdir, exist_ok=True)
-    opts = dict(enable_async_checkpointing=False)
-    self.ckpt = ocp.CheckpointManager(os.path.join(os.path.abspath(spec.workdir), "ckpt"),
-                                      options=ocp.CheckpointManagerOptions(max_to_keep=spec.keep, **opts))
-    self.best = ocp.CheckpointManager(
-        os.path.join(os.path.abspath(spec.workdir), "best"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=1, best_fn=lambda m: m["eval_loss"], best_mode="min",
-                                             **opts))
     self.metrics_path = os.path.join(spec.workdir, "metrics.jsonl")
+
+  # Checkpoint managers on first use: the step programs alone (serve.aot compiles them) need no workdir.
+  @functools.cached_property
+  def ckpt(self) -> ocp.CheckpointManager:
+    os.makedirs(self.spec.workdir, exist_ok=True)
+    return ocp.CheckpointManager(os.path.join(os.path.abspath(self.spec.workdir), "ckpt"),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=self.spec.keep,
+                                                                      enable_async_checkpointing=False))
+
+  @functools.cached_property
+  def best(self) -> ocp.CheckpointManager:
+    os.makedirs(self.spec.workdir, exist_ok=True)
+    return ocp.CheckpointManager(
+        os.path.join(os.path.abspath(self.spec.workdir), "best"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, best_fn=lambda m: m["eval_loss"], best_mode="min",
+                                             enable_async_checkpointing=False))
 
   # ------------------------------------------------------------------------------------------- placement
   def _put_batch(self, x):
@@ -295,6 +303,7 @@ class Trainer:
   def _write(self, rec: dict):
     if jax.process_index() != 0:
       return
+    os.makedirs(self.spec.workdir, exist_ok=True)
     with open(self.metrics_path, "a") as f:
       f.write(json.dumps(rec) + "\n")
 

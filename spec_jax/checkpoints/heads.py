@@ -174,8 +174,7 @@ def make_d2t(token_counts, n: int) -> np.ndarray:
   return np.sort(order).astype(np.int32)
 
 
-def t2d(d2t, vocab_size: int) -> np.ndarray:
-  """Target id -> draft id, -1 for ids outside the draft vocabulary."""
-  out = np.full((vocab_size,), -1, np.int32)
-  out[np.asarray(d2t)] = np.arange(len(d2t), dtype=np.int32)
-  return out
+def t2d(d2t, vocab_size: int) -> jax.Array:
+  """Target id -> draft id, -1 for ids outside the draft vocabulary (traceable: serve.aot builds it from shapes)."""
+  d2t = jnp.asarray(d2t, jnp.int32)
+  return jnp.full((vocab_size,), -1, jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))

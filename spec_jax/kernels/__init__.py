@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import jax
-import numpy as np
+import functools
 
-from spec_jax.kernels.reference import attention_mask, attention_xla, attention_xla_split
+from spec_jax.kernels.common import target_platform
+from spec_jax.kernels.reference import attention_xla, visibility
 
 IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 INTERPRET = ":interpret"  # "pallas_gpu:interpret" runs the kernel in Pallas interpret mode (CPU tests)
@@ -17,74 +17,70 @@ def resolve_impl(impl: str) -> str:
                      f"{INTERPRET!r})")
   if impl != "auto":
     return impl
-  backend = jax.default_backend()
-  return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
+  return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(target_platform(), "xla")
 
 
-def check_attention_args(q, k_cache, v_cache, q_positions, kv_lengths, window, tree_mask, k_new=None, v_new=None):
+def check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer):
   """Shape checks at trace time, with errors that say which argument disagrees."""
-  if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
-    raise ValueError(f"q, k_cache, v_cache must be 4-D, got {q.shape}, {k_cache.shape}, {v_cache.shape}")
+  if q.ndim != 4 or k_new.ndim != 4 or v_new.ndim != 4:
+    raise ValueError(f"q, k_new, v_new must be 4-D, got {q.shape}, {k_new.shape}, {v_new.shape}")
   B, T, Hq, D = q.shape
+  want_dims = 4 if layer is None else 5
+  if k_cache.ndim != want_dims or v_cache.ndim != want_dims:
+    raise ValueError(f"k_cache and v_cache must be [B, Hkv, S, D]" + (" (one layer)" if layer is None else
+                     " stacked as [L, B, Hkv, S, D] with a layer index") + f", got {k_cache.shape}, {v_cache.shape}")
   if k_cache.shape != v_cache.shape:
     raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} disagree")
-  Bk, S, Hkv, Dk = k_cache.shape
+  Bk, Hkv, S, Dk = k_cache.shape[-4:]
   if Bk != B or Dk != D:
     raise ValueError(f"q {q.shape} and k_cache {k_cache.shape} disagree on batch or head_dim")
   if Hq % Hkv:
     raise ValueError(f"query heads {Hq} are not a multiple of kv heads {Hkv}")
+  if k_new.shape != (B, T, Hkv, D) or v_new.shape != (B, T, Hkv, D):
+    raise ValueError(f"k_new and v_new must be [B, T, Hkv, D] = {(B, T, Hkv, D)}, got {k_new.shape}, {v_new.shape}")
   if q_positions.shape != (B, T):
     raise ValueError(f"q_positions must be [B, T] = {(B, T)}, got {q_positions.shape}")
-  if kv_lengths.shape != (B,):
-    raise ValueError(f"kv_lengths must be [B] = {(B,)}, got {kv_lengths.shape}")
+  if lengths.shape != (B,):
+    raise ValueError(f"lengths must be [B] = {(B,)}, got {lengths.shape}")
   if tree_mask is not None and tuple(tree_mask.shape) not in ((T, T), (B, T, T)):
     raise ValueError(f"tree_mask must be [T, T] = {(T, T)} or per row [B, T, T] = {(B, T, T)}, got "
                      f"{tuple(tree_mask.shape)}")
-  if (k_new is None) != (v_new is None):
-    raise ValueError("k_new and v_new come together: pass both or neither")
-  if k_new is not None:
-    # Split form: the new tokens sit beside the cache (S may be 0) and are masked by their own positions.
-    if k_new.shape != (B, T, Hkv, D) or v_new.shape != (B, T, Hkv, D):
-      raise ValueError(f"k_new and v_new must be [B, T, Hkv, D] = {(B, T, Hkv, D)}, got {k_new.shape}, "
-                       f"{v_new.shape}")
-    return
-  if T > S:
-    raise ValueError(f"T={T} new tokens do not fit in a cache of {S} slots")
   # numpy ints count as static too (configs loaded from .npz/json often hold them); bools are not windows.
-  if isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window > 0 and T > window:
-    raise ValueError(f"T={T} new tokens exceed the sliding window {window}")
+  if isinstance(window, bool):
+    raise ValueError("window must be an int, a traced int32 scalar or None, not a bool")
 
 
-def attention(q, k_cache, v_cache, q_positions, kv_lengths, *, scale, window=None, tree_mask=None, k_new=None,
-              v_new=None, impl: str = "auto", interpret: bool = False):
-  """q[B,T,Hq,D] against k/v_cache[B,S,Hkv,D] -> [B,T,Hq,D].
+def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale, window=None, tree_mask=None,
+              layer=None, impl: str = "auto", interpret: bool = False, mesh=None):
+  """q[B,T,Hq,D] of the T new tokens, their keys and values k_new/v_new[B,T,Hkv,D], against the committed
+  cache -> [B,T,Hq,D].
 
-  `window` is None, an int, or a traced int32 scalar (per scanned layer); a value <= 0 means no window.
-  `tree_mask` bool [T, T] or per row [B, T, T]: new token t sees new token t' iff tree_mask[(b,) t, t'] (the
-  ancestors-or-self of a tree node; its q_position is then the root's position + its depth).
-  Contract form: the T new tokens are already in the cache, at slots kv_lengths[b]-T ... Split form, with
-  k_new/v_new [B,T,Hkv,D]: they are passed beside the cache instead, whose committed slots are < kv_lengths[b]-T
-  (see reference.attention_xla_split); only the XLA implementation has it.
+  k_cache/v_cache: [B, Hkv, S, D] (one layer) or the whole stack [L, B, Hkv, S, D] with `layer` (a traced int32)
+  picking one: the kernels read the stack in place. Row b's committed slots are j < lengths[b] (slot index ==
+  position); q_positions [B, T] are the new tokens' positions. New token t sees the committed slots and the new
+  tokens t' <= t, or those with tree_mask[(b,) t, t'] (bool [T, T] or per row [B, T, T]: a token tree, whose
+  positions are the root's + depth). `window` is None, an int, or a traced int32 scalar (per scanned layer); a
+  value <= 0 means none. With a `mesh`, a Pallas kernel runs per shard (`shard_map`): Mosaic and Triton calls
+  cannot be partitioned automatically.
   """
-  check_attention_args(q, k_cache, v_cache, q_positions, kv_lengths, window, tree_mask, k_new, v_new)
+  check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer)
   impl = resolve_impl(impl)
   if impl.endswith(INTERPRET):
     impl, interpret = impl.removesuffix(INTERPRET), True
-  if k_new is not None:
-    if impl != "xla":
-      raise ValueError(f"the split form (k_new/v_new) has only the 'xla' implementation, not {impl!r}")
-    return attention_xla_split(q, k_cache, v_cache, k_new, v_new, q_positions, kv_lengths, scale=scale,
-                               window=window, tree_mask=tree_mask)
   if impl == "xla":
-    return attention_xla(q, k_cache, v_cache, q_positions, kv_lengths, scale=scale, window=window,
-                         tree_mask=tree_mask)
+    return attention_xla(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, scale=scale, window=window,
+                         tree_mask=tree_mask, layer=layer)
   if impl == "pallas_gpu":
-    from spec_jax.kernels.pallas_gpu import attention_pallas_gpu
-    return attention_pallas_gpu(q, k_cache, v_cache, q_positions, kv_lengths, scale=scale, window=window,
-                                tree_mask=tree_mask, interpret=interpret)
-  from spec_jax.kernels.pallas_tpu import attention_pallas_tpu
-  return attention_pallas_tpu(q, k_cache, v_cache, q_positions, kv_lengths, scale=scale, window=window,
-                              tree_mask=tree_mask, interpret=interpret)
+    from spec_jax.kernels.pallas_gpu import attention_pallas_gpu as kernel
+  else:
+    from spec_jax.kernels.pallas_tpu import attention_pallas_tpu as kernel
+  kernel = functools.partial(kernel, scale=scale, interpret=interpret)
+  if mesh is not None:
+    from spec_jax.kernels.sharded import per_shard
+    return per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask,
+                     layer)
+  return kernel(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window=window, tree_mask=tree_mask,
+                layer=layer)
 
 
-__all__ = ["attention", "attention_xla", "attention_mask", "resolve_impl", "IMPLS"]
+__all__ = ["attention", "attention_xla", "visibility", "resolve_impl", "IMPLS"]

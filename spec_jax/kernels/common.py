@@ -1,17 +1,19 @@
 """What the GPU (Triton) and TPU (Mosaic) attention kernels share: the query-row layout, slot visibility, the KV
-block bounds and the backend check. Plain JAX: importing it pulls in neither Triton nor Mosaic.
+block bounds, the cost estimate and the target-platform check. Plain JAX: importing it pulls in neither Triton nor
+Mosaic.
 
 Row r of the query tile is token t = r // G, query head g = r % G of one kv head. Verify and decode fit all T*G
 rows in one row block, so each K/V block is read once; prefill-sized T is cut into row blocks.
 
-Slot visibility, as in reference.attention_mask, with key position = slot index for committed slots:
-  chain: new slot j holds position j too (q_positions[b, t] = kv_lengths[b] - T + t), so query row r sees
-         exactly j <= lim[r] (its own slot) and pos[r] - j < window;
-  tree:  committed slots as above, new slot t' when bit t' of row r's mask words is set; the words already
-         fold in the window between the two tokens' own positions (tree positions are depths, not slots).
+Visibility, as in reference.visibility: committed slot j (position j) when j < length and pos[r] - j < window;
+new token t' when t' <= t (chain) or bit t' of row r's mask words is set (tree; the words already fold in the
+window between the two tokens' positions), and pos[r] - new_pos[t'] < window.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -53,38 +55,29 @@ def tree_bits(tree_mask, q_positions, win):
   return jnp.sum(vis * weights, axis=-1, dtype=jnp.int32)
 
 
-def row_inputs(q_positions, kv_lengths, tree_mask, win, G: int, R: int):
-  """Per-row inputs for R (padded) rows: pos [B,R], and lim [B,R] (chain) or mask words [B,R,W] (tree).
-
-  Padding rows repeat the last token's position (so block bounds stay those of real rows) and see no slot.
-  """
+def row_inputs(q_positions, tree_mask, win, G: int, R: int):
+  """Per-row inputs for R (padded) rows: pos [B,R], and the token index [B,R] (chain; -1 on padding rows) or the
+  new-token mask words [B,R,W] (tree; 0 on padding rows). Padding rows repeat the last token's position, so the
+  block bounds stay those of real rows; they read nothing new."""
   B, T = q_positions.shape
   r = jnp.arange(R, dtype=jnp.int32)
   real = r < T * G
   t = jnp.minimum(r // G, T - 1)
   pos = q_positions.astype(jnp.int32)[:, t]
   if tree_mask is None:
-    start = kv_lengths.astype(jnp.int32)[:, None] - T
-    lim = jnp.where(real[None, :], start + t[None, :], -1)
-    return pos, lim
+    return pos, jnp.broadcast_to(jnp.where(real, t, -1)[None, :], (B, R))
   bits = tree_bits(tree_mask, q_positions, win)[:, t, :]
   return pos, jnp.where(real[None, :, None], bits, 0)
 
 
-def block_bounds(pos, lim, kv_lengths, T: int, S: int, block_rows: int, block_k: int, win, tree: bool):
-  """Flat int32[B*NR] first and end KV block per (row, row block) that can hold a visible slot."""
+def block_bounds(pos, lengths, S: int, block_rows: int, block_k: int, win):
+  """Flat int32[B*NR] first and end committed KV block per (row, row block) that can hold a visible slot: slots
+  below the length, and within the window of the block's earliest query."""
   B, R = pos.shape
   nr = R // block_rows
-  lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, S)
+  end = jnp.broadcast_to(jnp.clip(lengths.astype(jnp.int32), 0, S)[:, None], (B, nr))
   first = jnp.min(pos.reshape(B, nr, block_rows), axis=2) - win + 1
-  if tree:
-    # New slots are not ordered by position, so every one of them stays in range.
-    end = jnp.broadcast_to(lengths[:, None], (B, nr))
-    first = jnp.clip(first, 0, jnp.maximum(lengths - T, 0)[:, None])
-  else:
-    # Causal: nothing past the block's last own slot (padding rows have lim -1).
-    end = jnp.minimum(lengths[:, None], jnp.max(lim.reshape(B, nr, block_rows), axis=2) + 1)
-    first = jnp.clip(first, 0, jnp.maximum(end, 0))
+  first = jnp.clip(first, 0, end)
   lo = first // block_k
   hi = jnp.maximum((end + block_k - 1) // block_k, lo)
   return lo.reshape(-1).astype(jnp.int32), hi.reshape(-1).astype(jnp.int32)
@@ -98,6 +91,12 @@ def to_rows(q, Hkv: int, R: int, Dp: int):
   return jnp.pad(x, ((0, 0), (0, 0), (0, R - T * G), (0, Dp - D)))
 
 
+def new_tokens(k_new, Tp: int, Dp: int):
+  """k_new[B,T,Hkv,D] -> [B,Hkv,Tp,Dp], zero padded: the new tokens of each kv head, one tile."""
+  B, T, Hkv, D = k_new.shape
+  return jnp.pad(k_new.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, Tp - T), (0, Dp - D)))
+
+
 def from_rows(o, T: int, Hq: int, D: int):
   B, Hkv = o.shape[:2]
   G = Hq // Hkv
@@ -105,29 +104,69 @@ def from_rows(o, T: int, Hq: int, D: int):
   return o.reshape(B, T, Hq, D)
 
 
-def visible(j, pos, aux, length, win, T: int, tree: bool):
-  """bool mask of cache slots j (int32, broadcastable against the [rows, 1] row inputs).
+def committed_visible(j, pos, length, win):
+  """bool mask of committed cache slots j (int32, broadcastable against the [rows, 1] positions)."""
+  return (j < length) & (pos - j < win)
 
-  pos is [rows, 1]; aux is lim [rows, 1] (chain) or the list of mask words, each [rows, 1] (tree); length
-  and win are scalars. Slots past length, including the padding past S, are never visible.
-  """
+
+def new_visible(tn, pos, new_pos, aux, win, tree: bool):
+  """bool mask of new tokens tn ([1, n] lane indices, positions new_pos [1, n]) for rows at pos [rows, 1].
+
+  aux is the token index [rows, 1] (chain) or the list of mask words, each [rows, 1] (tree)."""
   if not tree:
-    return (j <= aux) & (pos - j < win)
-  start = length - T
-  committed = (j < start) & (pos - j < win)
-  new_idx = jnp.clip(j - start, 0, T - 1)
+    return (tn <= aux) & (pos - new_pos < win)
   word = aux[0]
   for i in range(1, len(aux)):
-    word = jnp.where(jnp.right_shift(new_idx, 5) == i, aux[i], word)
-  bit = jnp.right_shift(word, new_idx & 31) & 1
-  return committed | ((j >= start) & (j < length) & (bit != 0))
+    word = jnp.where(jnp.right_shift(tn, 5) == i, aux[i], word)
+  # Lanes past the last word (a padded tile) would wrap around to its bits.
+  return (jnp.right_shift(word, tn & 31) & 1 != 0) & (tn < 32 * len(aux))
+
+
+def cost_estimate(q, k_new, layer_cache_shape, cache_dtype):
+  """(flops, transcendentals, bytes accessed) of one call, as if every slot up to the capacity were read: the
+  compiler's estimate of a program holding the kernel is then a bound for a full cache (BENCHMARKS.md says so
+  where the AOT report's numbers are used)."""
+  B, T, Hq, D = q.shape
+  _, Hkv, S, _ = layer_cache_shape
+  keys = S + T
+  flops = 4 * B * Hq * T * keys * D
+  transcendentals = B * Hq * T * keys
+  itemsize = jnp.dtype(cache_dtype).itemsize
+  bytes_accessed = (2 * B * Hkv * S * D * itemsize + 2 * k_new.size * k_new.dtype.itemsize
+                    + 2 * q.size * q.dtype.itemsize)
+  return int(flops), int(transcendentals), int(bytes_accessed)
+
+
+_LOWERING_FOR = contextvars.ContextVar("spec_jax_lowering_for", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+  """Build programs for `platform` ("gpu" or "tpu") whatever this host runs: `jax.export` to CUDA from a CPU host
+  lowers the Pallas kernels without a GPU (serve.aot, the export tests)."""
+  token = _LOWERING_FOR.set(platform)
+  try:
+    yield
+  finally:
+    _LOWERING_FOR.reset(token)
+
+
+def target_platform() -> str:
+  """The platform programs are built for: `lowering_for`'s, else the default device's (`with
+  jax.default_device(d)`, as an AOT compile for a TPU topology sets it on a CPU host), else the default backend."""
+  if _LOWERING_FOR.get() is not None:
+    return _LOWERING_FOR.get()
+  device = jax.config.jax_default_device
+  if device is not None and not isinstance(device, str):
+    return device.platform
+  return jax.default_backend()
 
 
 def require_backend(name: str, platform: str, interpret) -> None:
   if interpret:
     return
-  backend = jax.default_backend()
+  backend = target_platform()
   if backend != platform:
     raise RuntimeError(
-        f"{name} needs a {platform.upper()} backend (jax.default_backend() is {backend!r}); "
+        f"{name} needs a {platform.upper()} backend (the target platform is {backend!r}); "
         f"pass interpret=True to run it in the Pallas interpreter, or use impl='xla'")

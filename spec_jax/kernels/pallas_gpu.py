@@ -1,12 +1,15 @@
-"""Verify/decode attention as a Pallas kernel for GPUs (Triton lowering).
+"""Prefill/decode/verify attention as a Pallas kernel for GPUs (Triton lowering).
 
 One program handles one (batch row, kv head, row block, kv split). All T tokens times the G query heads that
 share the kv head form the rows of one tile (a prefill-sized T is cut into row blocks), so every K/V block is
-loaded once and used by all of them. The program walks only the KV blocks that can hold visible slots (bounds
-from kv_lengths, causality and the window), with an online softmax in float32. When the grid has too few
-programs to fill the GPU (small-batch decode), each row's block range is split across programs and the
-partial results are merged in XLA (flash-decoding). The row layout and visibility helpers are in common.py,
-shared with the TPU kernel.
+loaded once and used by all of them. The program reads the whole stacked cache [L, B, Hkv, S, D] in place, at
+the layer given as a scalar input (a layer slice handed to a custom call would be copied), walks only the
+committed KV blocks that can hold visible slots (bounds from the lengths and the window), then the new tokens'
+K/V, which come beside the cache, with an online softmax in float32. Head sizes that are not a power of two are
+loaded masked (the cache is never padded). When the grid has too few programs to fill the GPU (small-batch
+decode), each row's block range is split across programs and the partial results are merged in XLA
+(flash-decoding); the last split also reads the new tokens. The row layout and visibility helpers are in
+common.py, shared with the TPU kernel.
 """
 
 from __future__ import annotations
@@ -19,23 +22,29 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from spec_jax.kernels.common import (NEG_INF, block_bounds, effective_window, from_rows, next_pow2, require_backend,
-                                     round_up, row_inputs, to_rows, visible)
+from spec_jax.kernels.common import (NEG_INF, block_bounds, committed_visible, cost_estimate, effective_window,
+                                     from_rows, new_tokens, new_visible, next_pow2, require_backend, round_up,
+                                     row_inputs, to_rows)
 
 
-def _kernel(lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, q_ref, k_ref, v_ref, *out_refs,
-            scale: float, T: int, S: int, block_k: int, num_row_blocks: int, num_splits: int, tree: bool):
+def _kernel(layer_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos_ref, q_ref, k_ref, v_ref, kn_ref,
+            vn_ref, *out_refs, scale: float, S: int, T: int, G: int, D: int, block_k: int, num_row_blocks: int,
+            num_splits: int, tree: bool):
   b = pl.program_id(0)
+  h = pl.program_id(1)
   cell = b * num_row_blocks + pl.program_id(2)
+  layer = layer_ref[0]
   length = lens_ref[b]
   win = win_ref[0]
   lo = lo_ref[cell]
   hi = hi_ref[cell]
+  last_split = True
   if num_splits > 1:
     # Split this row's own block range, so short rows do not leave splits idle while long ones queue.
     chunk = lax.div(hi - lo + (num_splits - 1), num_splits)
     lo = lo + pl.program_id(3) * chunk
     hi = jnp.minimum(hi, lo + chunk)
+    last_split = pl.program_id(3) == num_splits - 1
 
   q = q_ref[...]
   R, Dp = q.shape
@@ -45,36 +54,55 @@ def _kernel(lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, q_ref, k_ref, v
   else:
     aux = aux_ref[...][:, None]
   offs = jnp.arange(block_k, dtype=jnp.int32)
-  ragged = S % block_k != 0
+  d_ok = (jnp.arange(Dp, dtype=jnp.int32) < D)[None, :]
 
-  def body(blk, carry):
+  def update(carry, s, mask, v):
     acc, m, l = carry
-    j0 = blk * block_k
-    kv_slice = pl.ds(j0, block_k)
-    if ragged:
-      # The last block runs past S: masked loads keep it in bounds, and zero V keeps p*V finite.
-      in_bounds = ((j0 + offs) < S)[:, None]
-      k = plgpu.load(k_ref.at[kv_slice, :], mask=in_bounds, other=0)
-      v = plgpu.load(v_ref.at[kv_slice, :], mask=in_bounds, other=0)
-    else:
-      k = k_ref[kv_slice, :]
-      v = v_ref[kv_slice, :]
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-    mask = visible((j0 + offs)[None, :], pos, aux, length, win, T, tree)
     s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     # Masked slots get exactly 0 even while m_new is still NEG_INF (nothing visible yet).
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
     l = alpha * l + jnp.sum(p, axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l
+
+  def scores(k):
+    return lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+
+  def body(blk, carry):
+    j = blk * block_k + offs
+    # Masked loads: slots past the length (stale, or past S) and head-dim padding read as 0.
+    ok = (j < length)[:, None] & d_ok
+    at = (layer, b, h, pl.ds(blk * block_k, block_k), pl.ds(0, Dp))
+    k = plgpu.load(k_ref.at[at], mask=ok, other=0)
+    v = plgpu.load(v_ref.at[at], mask=ok, other=0)
+    return update(carry, scores(k), committed_visible(j[None, :], pos, length, win), v)
 
   init = (jnp.zeros((R, Dp), jnp.float32), jnp.full((R,), NEG_INF, jnp.float32),
           jnp.zeros((R,), jnp.float32))
-  acc, m, l = lax.fori_loop(lo, hi, body, init)
+  carry = lax.fori_loop(lo, hi, body, init)
+
+  # The new tokens, block_k at a time (one tile of a prefill chunk's 512 would not fit in shared memory); a
+  # chain's row block never sees tokens past its own last one.
+  block_rows = R
+  last = jnp.minimum((pl.program_id(2) + 1) * block_rows - 1, T * G - 1) // G
+  new_blocks = kn_ref.shape[0] // block_k if tree else last // block_k + 1
+
+  def new_body(j, carry):
+    at = pl.ds(j * block_k, block_k)
+    kn, vn = kn_ref[at, :], vn_ref[at, :]
+    tn = j * block_k + offs[None, :]
+    return update(carry, scores(kn), new_visible(tn, pos, npos_ref[at][None, :], aux, win, tree), vn)
+
+  def with_new(carry):
+    return lax.fori_loop(0, new_blocks, new_body, carry)
+
+  if num_splits > 1:
+    carry = lax.cond(last_split, with_new, lambda c: c, carry)
+  else:
+    carry = with_new(carry)
+  acc, m, l = carry
 
   if num_splits > 1:
     o_ref, m_ref, l_ref = out_refs
@@ -88,8 +116,13 @@ def _kernel(lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, q_ref, k_ref, v
 
 
 def _default_splits(programs: int, num_blocks: int) -> int:
+  # The device the program is built for: the default device when one is set (an AOT compile for a GPU target
+  # from a CPU host sets it), else the first device.
+  device = jax.config.jax_default_device
   try:
-    cores = int(getattr(jax.devices()[0], "core_count", 0)) or 108
+    if device is None or isinstance(device, str):
+      device = jax.devices()[0]
+    cores = int(getattr(device, "core_count", 0)) or 108
   except Exception:  # no device info: any sane guess works, splitting only changes speed
     cores = 108
   # Aim for ~2 programs per SM, but keep >= 4 blocks per split so the merge stays cheap.
@@ -97,8 +130,8 @@ def _default_splits(programs: int, num_blocks: int) -> int:
   return max(1, min(want, num_blocks // 4))
 
 
-def attention_pallas_gpu(q, k_cache, v_cache, q_positions, kv_lengths, *, scale, window=None, tree_mask=None,
-                         interpret=False, block_k: int = 64, max_rows: int | None = None,
+def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale, window=None,
+                         tree_mask=None, layer=None, interpret=False, block_k: int = 64, max_rows: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2):
   """Same contract as spec_jax.kernels.attention (see reference.attention_xla).
 
@@ -107,8 +140,10 @@ def attention_pallas_gpu(q, k_cache, v_cache, q_positions, kv_lengths, *, scale,
   to fill the GPU).
   """
   require_backend("attention_pallas_gpu", "gpu", interpret)
+  if layer is None:  # one layer's cache: a stack of one (a free reshape)
+    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
   B, T, Hq, D = q.shape
-  S, Hkv = k_cache.shape[1], k_cache.shape[2]
+  _, _, Hkv, S, _ = k_cache.shape
   G = Hq // Hkv
   # Triton tiles must be powers of two, and tl.dot wants >= 16 per side.
   Dp = max(16, next_pow2(D))
@@ -119,25 +154,23 @@ def attention_pallas_gpu(q, k_cache, v_cache, q_positions, kv_lengths, *, scale,
   R = round_up(T * G, block_rows)
   num_row_blocks = R // block_rows
   block_k = max(16, next_pow2(min(block_k, max(S, 16))))
-  if Dp != D:
-    # Rare head sizes (e.g. 80, 96): padding copies the cache, but keeps the kernel simple.
-    pad = ((0, 0), (0, 0), (0, 0), (0, Dp - D))
-    k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+  Tp = round_up(T, block_k)
   num_blocks = -(-S // block_k)
   if num_splits is None:
     num_splits = _default_splits(B * Hkv * num_row_blocks, num_blocks)
-  num_splits = max(1, min(int(num_splits), num_blocks))
+  num_splits = max(1, min(int(num_splits), max(num_blocks, 1)))
   if num_warps is None:
     num_warps = 4 if block_rows * Dp <= 64 * 128 else 8
 
   tree = tree_mask is not None
   win = effective_window(window)
-  pos, aux = row_inputs(q_positions, kv_lengths, tree_mask, win, G, R)
-  lo, hi = block_bounds(pos, None if tree else aux, kv_lengths, T, S, block_rows, block_k, win, tree)
-  lengths = kv_lengths.astype(jnp.int32)
+  pos, aux = row_inputs(q_positions, tree_mask, win, G, R)
+  lo, hi = block_bounds(pos, lengths, S, block_rows, block_k, win)
   q_rows = to_rows(q, Hkv, R, Dp)
+  npos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, Tp - T)))
+  kn, vn = new_tokens(k_new.astype(k_cache.dtype), Tp, Dp), new_tokens(v_new.astype(v_cache.dtype), Tp, Dp)
 
-  kernel = functools.partial(_kernel, scale=float(scale), T=T, S=S, block_k=block_k,
+  kernel = functools.partial(_kernel, scale=float(scale), S=S, T=T, G=G, D=D, block_k=block_k,
                              num_row_blocks=num_row_blocks, num_splits=num_splits, tree=tree)
   whole = lambda shape: pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
   if tree:
@@ -145,12 +178,15 @@ def attention_pallas_gpu(q, k_cache, v_cache, q_positions, kv_lengths, *, scale,
   else:
     aux_spec = pl.BlockSpec((None, block_rows), lambda b, h, r, s: (b, r))
   in_specs = [
-      whole((B,)), whole(lo.shape), whole(hi.shape), whole((1,)),
+      whole((1,)), whole((B,)), whole(lo.shape), whole(hi.shape), whole((1,)),
       pl.BlockSpec((None, block_rows), lambda b, h, r, s: (b, r)),
       aux_spec,
+      pl.BlockSpec((None, Tp), lambda b, h, r, s: (b, 0)),
       pl.BlockSpec((None, None, block_rows, Dp), lambda b, h, r, s: (b, h, r, 0)),
-      pl.BlockSpec((None, S, None, Dp), lambda b, h, r, s: (b, 0, h, 0)),
-      pl.BlockSpec((None, S, None, Dp), lambda b, h, r, s: (b, 0, h, 0)),
+      whole(k_cache.shape),  # the whole stacked cache: the kernel indexes layer, row and head itself
+      whole(v_cache.shape),
+      pl.BlockSpec((None, None, Tp, Dp), lambda b, h, r, s: (b, h, 0, 0)),
+      pl.BlockSpec((None, None, Tp, Dp), lambda b, h, r, s: (b, h, 0, 0)),
   ]
   if num_splits > 1:
     out_shape = (jax.ShapeDtypeStruct((B, Hkv, num_splits, R, Dp), jnp.float32),
@@ -163,6 +199,7 @@ def attention_pallas_gpu(q, k_cache, v_cache, q_positions, kv_lengths, *, scale,
     out_shape = jax.ShapeDtypeStruct((B, Hkv, R, Dp), q.dtype)
     out_specs = pl.BlockSpec((None, None, block_rows, Dp), lambda b, h, r, s: (b, h, r, 0))
 
+  flops, transcendentals, bytes_accessed = cost_estimate(q, k_new, k_cache.shape[1:], k_cache.dtype)
   out = pl.pallas_call(
       kernel,
       grid=(B, Hkv, num_row_blocks, num_splits),
@@ -170,9 +207,11 @@ def attention_pallas_gpu(q, k_cache, v_cache, q_positions, kv_lengths, *, scale,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed),
       interpret=interpret,
       name="spec_attention_gpu",
-  )(lengths, lo, hi, win.reshape(1), pos, aux, q_rows, k_cache, v_cache)
+  )(jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), lo, hi, win.reshape(1), pos, aux, npos,
+    q_rows, k_cache, v_cache, kn, vn)
 
   if num_splits > 1:
     acc, m, l = out

@@ -130,46 +130,44 @@ def layer_finish(c: ModelConfig, x, attn, p):
   return x + m
 
 
-def decoder_layer(config: ModelConfig, x, p, k_layer, v_layer, window, base, positions, lengths, *,
-                  impl: str = "xla", tree_mask=None):
+def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, base, positions, lengths, *,
+                  impl: str = "xla", tree_mask=None, mesh=None):
   """One decoder layer over x [B, T, D] at positions [B, T] -> (x, k_new, v_new [B, T, K, d]).
 
-  It reads this layer's cache k_layer/v_layer [B, S, K, d], whose committed slots are < lengths[b], and does not
-  write it: the caller writes k_new/v_new at slots lengths[b] .. (write_rows). With k_layer = v_layer = None it
-  attends over the T tokens only (causal, windowed by position), as training's cache-free forward does.
-  `tree_mask` bool [B, T, T] (or [T, T]) replaces the causal mask among the T new tokens (a token tree).
+  It reads the committed slots (< lengths[b]) of layer `layer` of the stacked cache k_cache/v_cache
+  [L, B, K, S, d], and does not write it: the caller writes k_new/v_new at slots lengths[b] .. (write_rows).
+  With k_cache = v_cache = None it attends over the T tokens only (causal, windowed by position), as training's
+  cache-free forward does. `tree_mask` bool [B, T, T] (or [T, T]) replaces the causal mask among the T new tokens
+  (a token tree). `mesh`: the device mesh a Pallas kernel runs per shard on (kernels.attention).
   """
   c = config
   B, T = positions.shape
   q, k, v = layer_qkv(c, x, p, positions, base)
-  if k_layer is None:
+  if k_cache is None:
     # An empty cache beside the new tokens; always the XLA form, the one training differentiates (the Pallas
     # kernels have no backward pass).
-    k_layer = v_layer = jnp.zeros((B, 0) + k.shape[2:], k.dtype)
-    impl = "xla"
-  k, v = k.astype(k_layer.dtype), v.astype(v_layer.dtype)
-  if impl == "xla":  # the new tokens beside the cache: a cache write inside the layer scan made XLA:CPU copy it
-    attn = kernels.attention(q, k_layer, v_layer, positions, lengths + T, scale=c.attn_scale, window=window,
-                             tree_mask=tree_mask, k_new=k, v_new=v, impl=impl)
-  else:  # the kernels read the new tokens from the cache, as their contract says
-    k_all = write_rows(k_layer[None], k[None], lengths)[0]
-    v_all = write_rows(v_layer[None], v[None], lengths)[0]
-    attn = kernels.attention(q, k_all, v_all, positions, lengths + T, scale=c.attn_scale, window=window,
-                             tree_mask=tree_mask, impl=impl)
+    k_cache = v_cache = jnp.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype)
+    impl, layer = "xla", None
+  attn = kernels.attention(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, positions,
+                           lengths, scale=c.attn_scale, window=window, tree_mask=tree_mask, layer=layer, impl=impl,
+                           mesh=mesh)
   return layer_finish(c, x, attn, p), k, v
 
 
 def write_rows(buf, new, lengths):
-  """buf[L, B, S, K, d] with new[L, B, T, K, d] written at slots lengths[b] .. lengths[b]+T-1 of each row.
+  """buf[L, B, K, S, d] with new[L, B, T, K, d] written at slots lengths[b] .. lengths[b]+T-1 of each row.
 
-  A loop of one dynamic_update_slice per row updates in place (XLA:CPU copies the whole buffer for a
-  scatter). Callers size buffers so that lengths[b] + T fits: dynamic_update_slice clamps an overflow.
+  A loop of one dynamic_update_slice per row updates in place (XLA:CPU copies the whole buffer for a scatter). Each
+  row is brought to the cache's head-major layout inside the loop: swapping the whole `new` before the loop makes
+  XLA:TPU (libtpu 0.0.42) fail a RET_CHECK for T >= 2 ("The shape doesn't match when replacing ... while"), and
+  unrolling the rows instead makes programs grow with the slot count. Callers size buffers so that lengths[b] + T
+  fits: dynamic_update_slice clamps an overflow.
   """
   new = new.astype(buf.dtype)
 
   def one_row(b, buf):
-    row = jax.lax.dynamic_slice_in_dim(new, b, 1, axis=1)
-    return jax.lax.dynamic_update_slice(buf, row, (0, b, lengths[b], 0, 0))
+    row = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(new, b, 1, axis=1), 2, 3)  # [L, 1, K, T, d]
+    return jax.lax.dynamic_update_slice(buf, row, (0, b, 0, lengths[b], 0))
 
   return jax.lax.fori_loop(0, new.shape[1], one_row, buf)
 
@@ -216,7 +214,7 @@ def lm_head(params, hidden):
 
 def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, *, config: ModelConfig,
             impl: str = "xla", compute_logits: bool = True, return_layers: Sequence[int] = (),
-            tree_mask=None):
+            tree_mask=None, mesh=None):
   """tokens/positions [B, T] -> (logits [B, T, V] float32 | None, hidden [B, T, D], cache | None[, layer hiddens]).
 
   With a cache, the new K/V land at slots cache.lengths[b] + t; `cache.lengths` is not advanced (the caller
@@ -227,7 +225,7 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
   `tree_mask` bool [B, T, T]: the T tokens are a token tree (spec_jax/tree.py): token t attends to the committed
   cache and to the new tokens t' with tree_mask[b, t, t'] (its ancestors and itself) instead of t' <= t; pass
   positions = the root's position + each node's depth. The K/V still land at slots lengths[b] + t (node order);
-  tree.compact_accepted moves the accepted path together afterwards.
+  tree.compact_accepted moves the accepted path together afterwards. `mesh`: where a Pallas kernel runs per shard.
   """
   c = config
   impl = kernels.resolve_impl(impl)
@@ -241,15 +239,16 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
   collect = bool(return_layers)
 
   def body(x, xs):
-    p, window, base, *kv = xs
-    k_layer, v_layer = kv or (None, None)
-    x, k_new, v_new = decoder_layer(c, x, p, k_layer, v_layer, window, base, positions, lengths, impl=impl,
-                                    tree_mask=tree_mask)
-    return x, ((k_new, v_new) if kv else None, x if collect else None)
+    p, window, base, layer = xs
+    x, k_new, v_new = decoder_layer(c, x, p, None if cache is None else cache.k, None if cache is None else cache.v,
+                                    layer, window, base, positions, lengths, impl=impl, tree_mask=tree_mask,
+                                    mesh=mesh)
+    return x, ((k_new, v_new) if cache is not None else None, x if collect else None)
 
-  # The cache is read-only inside the scan; all layers' new entries are written after it, in place.
-  kv = () if cache is None else (cache.k, cache.v)
-  x, (new_kv, per_layer) = jax.lax.scan(body, x, (params["layers"], windows, bases) + kv)
+  # The cache is read in place inside the scan (each layer attends to its own slice of the stack); all layers'
+  # new entries are written after it, in place.
+  layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+  x, (new_kv, per_layer) = jax.lax.scan(body, x, (params["layers"], windows, bases, layer_ids))
   new_cache = None
   if cache is not None:
     new_cache = cache.replace(k=write_rows(cache.k, new_kv[0], lengths), v=write_rows(cache.v, new_kv[1], lengths))

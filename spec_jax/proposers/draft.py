@@ -16,7 +16,7 @@ also keeps XLA:CPU off its slow single-row bfloat16 path.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ CATCH_UP = 16  # tokens per catch-up forward after steps that drafted nothing
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer:
-  """State: the draft's KVCache (k, v [L', B, S, Hkv, D]; lengths int32[B], the slots valid for committed
+  """State: the draft's KVCache (k, v [L', B, Hkv, S, D]; lengths int32[B], the slots valid for committed
   tokens)."""
 
   config: ModelConfig  # the draft's config (same vocabulary as the target)
@@ -47,6 +47,7 @@ class DraftModelProposer:
   impl: str = "xla"
   name: str = "draft"
   tree: Optional[DynamicTree] = None  # top-k token trees grown as EAGLE-2's (k = tree.depth); None: chains
+  mesh: Any = None  # set by the loop (LoopSpec): where a Pallas kernel runs per shard
   needs_prompt_hidden: ClassVar[bool] = False
 
   def __post_init__(self):
@@ -57,7 +58,7 @@ class DraftModelProposer:
     """Fill the draft cache with the prompts (the same padded chunks as the target's prefill)."""
     cache = KVCache.init(self.config, prefill.tokens.shape[0], capacity, params["final_norm"].dtype)
     cache, _ = prefill_fn(params, prefill.prompt_tokens, prefill.prompt_lens, cache, config=self.config,
-                          impl=self.impl, chunk=prefill.chunk)
+                          impl=self.impl, chunk=prefill.chunk, mesh=self.mesh)
     return cache
 
   def insert(self, state: KVCache, slot, row_state: KVCache) -> KVCache:
@@ -76,7 +77,8 @@ class DraftModelProposer:
       s = jnp.minimum(jnp.minimum(c.lengths, upto), S - width)
       feed = jnp.take_along_axis(tokens, s[:, None] + iota, axis=1)
       _, _, c = forward(params, feed, s[:, None] + iota, c.replace(lengths=s), config=self.config,
-                        impl=self.impl, compute_logits=False)
+                        impl=self.impl, compute_logits=False,
+                        mesh=self.mesh)
       return c.replace(lengths=jnp.maximum(jnp.minimum(s + width, upto), old))
 
     return jax.lax.while_loop(lambda c: jnp.any(c.lengths < upto), body, cache)
@@ -90,7 +92,7 @@ class DraftModelProposer:
 
     def run(params, toks, pos, cache):
       """-> (logits over the draft's vocabulary, hidden, cache)."""
-      logits, hidden, cache = forward(params, toks, pos, cache, config=self.config, impl=self.impl,
+      logits, hidden, cache = forward(params, toks, pos, cache, config=self.config, impl=self.impl, mesh=self.mesh,
                                       compute_logits=not reduced)
       return (vocab.project(hidden, params["rows"]) if reduced else logits), hidden, cache
 
@@ -122,7 +124,7 @@ class DraftModelProposer:
     reduced = "rows" in params
 
     def run(toks, pos, cache, mask=None):
-      logits, hidden, cache = forward(params, toks, pos, cache, config=self.config, impl=self.impl,
+      logits, hidden, cache = forward(params, toks, pos, cache, config=self.config, impl=self.impl, mesh=self.mesh,
                                       compute_logits=not reduced, tree_mask=mask)
       return jax.nn.log_softmax(vocab.project(hidden, params["rows"]) if reduced else logits, axis=-1), cache
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -108,15 +108,16 @@ def layer_input(params: dict, cfg: ModelConfig, feats, toks):
   return tfm.dot("btd,de->bte", jnp.concatenate([f, e], axis=-1), params["fc"])
 
 
-def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache: KVCache, impl: str = "xla"):
+def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache: KVCache, impl: str = "xla",
+                  mesh=None):
   """feats [B, T, D], toks [B, T] at positions [B, T], written at cache.lengths .. ->
   (predicted features [B, T, D] (final-normed, in the target's feature space), cache with the new K/V).
 
   params needs "embed" (the target's frozen token embedding) beside the EAGLE weights.
   """
   x = layer_input(params, cfg, feats, toks)
-  x, k_new, v_new = tfm.decoder_layer(cfg, x, params["layer"], cache.k[0], cache.v[0], jnp.int32(0),
-                                      jnp.float32(cfg.rope_base), positions, cache.lengths, impl=impl)
+  x, k_new, v_new = tfm.decoder_layer(cfg, x, params["layer"], cache.k, cache.v, jnp.int32(0), jnp.int32(0),
+                                      jnp.float32(cfg.rope_base), positions, cache.lengths, impl=impl, mesh=mesh)
   cache = cache.replace(k=tfm.write_rows(cache.k, k_new[None], cache.lengths),
                         v=tfm.write_rows(cache.v, v_new[None], cache.lengths))
   return tfm.rms_norm(x, params["out_norm"], cfg.norm_eps), cache
@@ -142,6 +143,7 @@ class EagleProposer:
   name: str = "eagle"
   tree: Optional[DynamicTree] = None  # EAGLE-2 dynamic trees (k = tree.depth); None: chains
   feature_layers: tuple = ()  # EAGLE-3: the target layers it reads, fused; () = the final-normed hidden
+  mesh: Any = None  # set by the loop (LoopSpec): where a Pallas kernel runs per shard
   needs_prompt_hidden: ClassVar[bool] = True
 
   def __post_init__(self):
@@ -157,7 +159,7 @@ class EagleProposer:
     cache = KVCache.init(self.config, B, capacity, dtype)
     nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    _, cache = eagle_forward(params, self.config, hidden, nxt, pos, cache, impl=self.impl)
+    _, cache = eagle_forward(params, self.config, hidden, nxt, pos, cache, impl=self.impl, mesh=self.mesh)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     first = jnp.take_along_axis(prefill.tokens, (prefill.lengths - 1)[:, None], axis=1)[:, 0]
     return EagleState(cache=cache.replace(lengths=(lens - 1).astype(jnp.int32)), pend_feat=last.astype(dtype),
@@ -170,7 +172,7 @@ class EagleProposer:
 
   def propose(self, params, state: EagleState, ctx, k, key):
     d2t = params.get("d2t")
-    run = functools.partial(eagle_forward, params, self.config, impl=self.impl)
+    run = functools.partial(eagle_forward, params, self.config, impl=self.impl, mesh=self.mesh)
     cache = state.cache.replace(lengths=ctx.lengths - 2)
     # The pending pair, read from ctx (identical to the state's after update).
     tok0 = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
@@ -196,15 +198,15 @@ class EagleProposer:
     cache = state.cache.replace(lengths=ctx.lengths - 2)
     tok0 = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
     feat, cache = eagle_forward(params, self.config, ctx.last_hidden[:, None], tok0, cache.lengths[:, None], cache,
-                                impl=self.impl)
+                                impl=self.impl, mesh=self.mesh)
     cache = cache.replace(lengths=ctx.lengths - 1)
     logp = lambda f: jax.nn.log_softmax(vocab.project(f, params["rows"]), axis=-1)
 
     def score(tokens, parent_feat, depths, mask):
       x = layer_input(params, self.config, parent_feat, tokens)
-      x, _, _ = tfm.decoder_layer(self.config, x, params["layer"], cache.k[0], cache.v[0], jnp.int32(0),
+      x, _, _ = tfm.decoder_layer(self.config, x, params["layer"], cache.k, cache.v, jnp.int32(0), jnp.int32(0),
                                   jnp.float32(self.config.rope_base), (ctx.lengths - 2)[:, None] + depths,
-                                  cache.lengths, impl=self.impl, tree_mask=mask)
+                                  cache.lengths, impl=self.impl, tree_mask=mask, mesh=self.mesh)
       out = tfm.rms_norm(x, params["out_norm"], self.config.norm_eps)
       return logp(out), out
 
@@ -219,7 +221,7 @@ class EagleProposer:
     toks = jnp.concatenate([state.pend_tok[:, None], result.tokens], axis=1)
     pos = (L - 2)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     _, cache = eagle_forward(params, self.config, feats, toks, pos, state.cache.replace(lengths=L - 2),
-                             impl=self.impl)
+                             impl=self.impl, mesh=self.mesh)
     last = jnp.clip(e - 1, 0, T - 2)
     new_feat = jnp.take_along_axis(result.hidden, last[:, None, None], axis=1)[:, 0]
     new_tok = jnp.take_along_axis(result.tokens, last[:, None], axis=1)[:, 0]

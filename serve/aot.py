@@ -1,0 +1,408 @@
+"""Compile every program spec_jax runs for a TPU topology, on a CPU host with no TPU and no weights.
+
+  pip install -e '.[tpu-aot]'        # libtpu: the real XLA:TPU compiler, Mosaic included
+  python -m serve.aot --topology=v5e:2x2 --model_shape=gemma3-270m --output=/tmp/aot_gemma
+  python -m serve.aot --topology=v5e:2x4 --model_shape=llama3-8b --mesh=model:8 --max_num_seqs=16 \\
+      --max_model_len=4096 --output=/tmp/aot_llama
+  python -m serve.aot --topology=v5e:4x4 --model_shape=llama3-8b --mesh=data:4,model:4 --output=/tmp/aot_pod
+
+Per program (serve_programs: the decode loop of every method, chains and trees, slot insert at each prompt
+bucket, release, snapshot, the batch start's prefill chunk; train_programs: the trainer's step per head kind),
+report.json and report.md give: compiled or the compiler's error; HBM per chip (arguments, outputs,
+temporaries) against the chip's capacity, and whether it fits; the compiler's flops, bytes accessed and
+optimal_seconds (its roofline time); the Mosaic kernels inside; any host callback (there must be none). The
+exit status is non-zero when a program fails to compile or does not fit.
+
+Settings are the accelerator's: bfloat16 layers and caches, the Pallas TPU attention. Abstract parameters
+(jax.ShapeDtypeStruct) stand in for weights, so any shape of spec_jax.models.shapes (or a JSON config) compiles,
+not only the ones whose weights are here. A multi-host topology (v5e:4x4 is 16 chips on 4 hosts) compiles from
+this one process, as the pod evaluation job's programs.
+"""
+
+from __future__ import annotations
+
+import os
+
+# libtpu reads these when it loads: without them it looks for a TPU VM's metadata and logs errors.
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs on CPU; the topology's devices are abstract
+# libtpu locks /tmp/libtpu_lockfile so that one process owns a host's chips; compiling owns no chip, and the
+# tests' two workers (or a report beside a cost table) each load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+# Per-chip HBM, from the vendor's published specifications (device_kind as libtpu reports it).
+CHIP_HBM_BYTES = {"TPU v4": 32 * 2**30, "TPU v5 lite": 16 * 2**30, "TPU v5": 95 * 2**30, "TPU v5p": 95 * 2**30,
+                  "TPU v6 lite": 32 * 2**30, "TPU7x": 192 * 2**30}
+# Host callbacks: a program that calls back into Python on every step would round-trip to the host.
+_CALLBACK = re.compile(r'custom_call_target="[^"]*(callback|Callback)[^"]*"|is_host_transfer=true')
+_KERNEL_CALL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
+_KERNEL_NAME = re.compile(r'op_name="[^"]*?([\w-]+)/pallas_call"')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([A-Za-z_][\w-]*?)(?:\.\d+)* = ')
+
+
+GPU_TARGETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "gpu_targets")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The chips compiled for: a TPU topology, or a GPU from its published target spec (deviceless XLA:GPU)."""
+  name: str
+  platform: str  # "tpu" or "gpu"
+  devices: tuple
+  chip: str
+  capacity_bytes: int
+
+  @property
+  def attention_impl(self) -> str:
+    return "pallas_tpu" if self.platform == "tpu" else "pallas_gpu"
+
+
+def target(name: str) -> Target:
+  """'v5e:2x2' (a TPU topology: jax.experimental.topologies) or 'h200' (configs/gpu_targets/h200.txtpb)."""
+  from jax.experimental import topologies
+  spec = os.path.join(GPU_TARGETS, name.split(":")[0] + ".txtpb")
+  if os.path.isfile(spec):
+    with open(spec, encoding="utf-8") as f:
+      text = f.read()
+    shape = name.split(":")[1] if ":" in name else "1x1x1"
+    try:
+      topo = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=text)
+    except Exception as e:  # the CUDA plugin missing, or a shape it does not take
+      raise RuntimeError(f"cannot describe GPU target {name!r}: {e}. Deviceless XLA:GPU comes with "
+                         "pip install -e '.[gpu-aot]' (jax's CUDA plugin and ptxas)") from e
+    memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+    return Target(name, "gpu", tuple(topo.devices), topo.devices[0].device_kind, memory)
+  try:
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+  except Exception as e:  # libtpu missing, or a name it does not know
+    raise RuntimeError(f"cannot describe TPU topology {name!r}: {e}. The TPU compiler comes with "
+                       "pip install -e '.[tpu-aot]' (libtpu); names look like v5e:2x2, v5e:2x4, v5p:2x2x1; GPU "
+                       f"targets: {sorted(n.removesuffix('.txtpb') for n in os.listdir(GPU_TARGETS))}") from e
+  chip = topo.devices[0].device_kind
+  return Target(name, "tpu", tuple(topo.devices), chip, CHIP_HBM_BYTES.get(chip, 0))
+
+
+def mesh_of(devices, text: str):
+  """A ('data', 'model') mesh over the topology's devices; '' = one chip (no mesh)."""
+  from spec_jax import sharding
+  sizes = sharding.parse_mesh(text)
+  n = sizes["data"] * sizes["model"]
+  if n == 1:
+    return None
+  if n != len(devices):
+    raise ValueError(f"--mesh {text} needs {n} chips; the topology has {len(devices)}")
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return jax.sharding.Mesh(np.array(devices).reshape(sizes["data"], sizes["model"]), sharding.MESH_AXES)
+
+
+def analyse(compiled, capacity: int) -> dict:
+  """Memory, cost, kernels and host callbacks of one compiled program."""
+  m = compiled.memory_analysis()
+  mem = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
+         "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+         "code_bytes": int(m.generated_code_size_in_bytes)}
+  # Donated arguments alias their outputs: count those bytes once.
+  mem["total_bytes"] = (mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
+                        + mem["code_bytes"])
+  cost = compiled.cost_analysis()  # None on XLA:GPU without a device
+  if isinstance(cost, list):  # older jaxlibs: one dict per partition
+    cost = cost[0] if cost else None
+  cost = cost or {}
+  text = compiled.as_text()
+  kernels = {}  # Pallas kernels (Mosaic or Triton custom calls), by the name the kernel was given
+  for line in text.splitlines():
+    if _KERNEL_CALL.search(line):
+      m = _KERNEL_NAME.search(line) or _INSTRUCTION.search(line)
+      name = m.group(1) if m else "?"
+      kernels[name] = kernels.get(name, 0) + 1
+  known = lambda key: float(cost[key]) if key in cost else None
+  return dict(memory=mem, capacity_bytes=capacity, fits=capacity <= 0 or mem["total_bytes"] <= capacity,
+              flops=known("flops"), bytes_accessed=known("bytes accessed"),
+              optimal_seconds=known("optimal_seconds"), kernels=kernels,
+              host_callbacks=sorted(set(m.group(0) for m in _CALLBACK.finditer(text))))
+
+
+# XLA:TPU's sliced prefetch of weights into VMEM emits `ConcatBitcast` custom calls that its cost model gives no
+# cost (-1 s each, which turns optimal_seconds negative). With one slice per prefetch there are none.
+UNSLICED = {"xla_tpu_sliced_prefetch_max_slices": 1}
+
+
+def compiler_version(platform: str) -> str:
+  from importlib.metadata import PackageNotFoundError, version
+  name = "libtpu" if platform == "tpu" else "jax-cuda12-plugin"
+  try:
+    return f"{name} {version(name)}"
+  except PackageNotFoundError:
+    return f"{name} ?"
+
+
+# Deviceless XLA:GPU cannot autotune (it would run candidate kernels): level 0 takes its default tilings, and
+# without Triton GEMM fusions dots go to cuBLAS (with neither, a training step's f32[4088,640] dot found no
+# tiling: "Couldn't find output tile sizes").
+GPU_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+
+
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(.*):$")
+_VALUE = re.compile(r"^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+
+
+def temporaries(dump_dir: str, top: int = 5) -> list:
+  """The largest temporary buffers in device memory (HBM) of a compiled program, from XLA's buffer-assignment dump:
+  [(bytes, instruction, shape)], biggest first. Parameters, outputs, constants, thread-local scratch and buffers of
+  other memory spaces are not."""
+  names = [n for n in os.listdir(dump_dir) if n.endswith("after_optimizations-buffer-assignment.txt")]
+  if not names:
+    return []
+  values, keep = [], False
+  with open(os.path.join(dump_dir, sorted(names)[-1]), encoding="utf-8") as f:
+    for line in f:
+      a = _ALLOCATION.match(line)
+      if a:
+        kind = a.group(2)
+        # "color N": another memory space (TPU VMEM, where XLA prefetches buffers), not HBM.
+        keep = not any(w in kind for w in ("parameter", "constant", "maybe-live-out", "thread-local", "output",
+                                           "color"))
+        continue
+      v = _VALUE.match(line) if keep else None
+      if v:
+        values.append((int(v.group(2)), v.group(1), v.group(3).split("{")[0]))
+  values.sort(reverse=True)
+  return [{"bytes": b, "instruction": n, "shape": sh} for b, n, sh in values[:top]]
+
+
+def cache_sized(temps: list, layer: tuple, itemsize: int) -> list:
+  """Temporaries that copy the KV cache (a layer of it, or more): `layer` = (slots, kv heads, capacity, head dim)
+  of one layer's K. A copy has the capacity and head-dim dimensions, the slots' too (unless there is one slot),
+  and at least half a layer's bytes. Logits, sampling and attention-score buffers are big too, but lack one of
+  those; slot insert's one-row prefill cache has one row, not the slots."""
+  rows, _, capacity, head_dim = layer
+  half = int(np.prod(layer)) * itemsize // 2
+  out = []
+  for t in temps:
+    dims = [int(d) for d in re.findall(r"\d+", t["shape"].split("[", 1)[-1])]
+    if capacity in dims and head_dim in dims and (rows == 1 or rows in dims) and t["bytes"] >= half:
+      out.append(t)
+  return out
+
+
+def compile_program(prog, device, capacity: int) -> dict:
+  t0 = time.perf_counter()
+  rec = {"name": prog.name, "note": prog.note}
+  options = dict(GPU_OPTIONS) if device.platform == "gpu" else {}
+  with tempfile.TemporaryDirectory() as dump:
+    options.update(xla_dump_to=dump, xla_dump_hlo_pass_re="^$")  # the buffer assignment only, no pass dumps
+    try:
+      with jax.default_device(device):
+        lowered = prog.fn.trace(*prog.args, **prog.kwargs).lower()
+        compiled = lowered.compile(compiler_options=options)
+    except Exception as e:  # the compiler's own message is the finding
+      rec.update(compiled=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+    else:
+      temps = temporaries(dump)
+      rec.update(compiled=True, **analyse(compiled, capacity), cost_source="the program as compiled",
+                 temporaries=temps, cache_copies=cache_sized(temps, prog.cache_layer, prog.cache_itemsize)
+                 if prog.cache_layer else [])
+  if rec["compiled"] and (rec["optimal_seconds"] or 0) < 0 and "ConcatBitcast" in compiled.as_text():
+    with jax.default_device(device):
+      cost = analyse(lowered.compile(compiler_options=UNSLICED), capacity)
+    rec.update({k: cost[k] for k in ("flops", "bytes_accessed", "optimal_seconds")},
+               cost_source="recompiled without sliced prefetch (its ConcatBitcast calls have no cost)")
+  rec["compile_seconds"] = round(time.perf_counter() - t0, 1)
+  return rec
+
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def export_cuda(prog) -> dict:
+  """jax.export of one program for CUDA from this host (no GPU, no CUDA plugin): the lowering, Pallas' Triton
+  kernels included. Only the export's check that the module uses no custom calls outside its stable list is
+  lifted, for the Triton call (a serialized Triton kernel is tied to the jaxlib that made it)."""
+  from jax import export
+  from spec_jax.kernels.common import lowering_for
+  fn = getattr(prog.fn, "_program", prog.fn)  # the jitted function under sharding.settled
+  rec = {"name": prog.name}
+  try:
+    with lowering_for("gpu"):
+      exp = export.export(fn, platforms=["cuda"],
+                          disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*prog.args,
+                                                                                           **prog.kwargs)
+    text = exp.mlir_module()
+  except Exception as e:  # the lowering's own message is the finding
+    rec.update(exported=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+  else:
+    rec.update(exported=True, triton_calls=text.count(TRITON), platforms=list(exp.platforms))
+  return rec
+
+
+def ok(rec: dict) -> bool:
+  """Compiled, fits, no host callback, no copy of the cache, and a positive cost estimate where the compiler
+  gives one (deviceless XLA:GPU gives none)."""
+  return (rec["compiled"] and rec["fits"] and not rec["host_callbacks"] and not rec["cache_copies"]
+          and (rec["optimal_seconds"] is None or rec["optimal_seconds"] > 0))
+
+
+def num(x, scale: float, digits: int) -> str:
+  return "n/a" if x is None else f"{x * scale:.{digits}f}"
+
+
+def report_md(run: dict, records: list) -> str:
+  gib = lambda b: f"{b / 2**30:.2f}"
+  lines = [f"# AOT report: {run['model_shape']} on {run['topology']} ({run['chip']}, {run['chips']} chips, "
+           f"{run['hosts']} hosts)", "",
+           f"- mesh: {run['mesh'] or 'one chip'}; {run['max_num_seqs']} slots x {run['max_model_len']} tokens; "
+           f"k = {run['k']}, trees: topk {run['topk']}, {run['nodes'] or 'default'} nodes; {run['dtype']} layers, "
+           f"attention {run['attention_impl']}",
+           f"- HBM per chip: {gib(run['capacity_bytes'])} GiB; jax {run['jax']}, {run['compiler']}; "
+           f"{run['date']}", "",
+           "| program | compiled | HBM GiB (args / out / temp / total) | fits | largest temporary | cache copies | "
+           "GFLOP | GB accessed | optimal ms | kernels | host callbacks | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in records:
+    if not r["compiled"]:
+      lines.append(f"| {r['name']} | **no**: {r['error'][:160].replace('|', '/')} | | | | | | | | | | "
+                   f"{r['compile_seconds']} |")
+      continue
+    m = r["memory"]
+    kern = ", ".join(f"{k} x{n}" for k, n in sorted(r["kernels"].items())) or "none"
+    top = r["temporaries"][0] if r["temporaries"] else None
+    largest = f"{top['bytes'] / 2**20:.1f} MiB `{top['shape']}`" if top else "none"
+    copies = ", ".join(f"**{c['shape']}**" for c in r["cache_copies"]) or "none"
+    lines.append(
+        f"| {r['name']} | yes | {gib(m['argument_bytes'])} / {gib(m['output_bytes'])} / {gib(m['temp_bytes'])} / "
+        f"{gib(m['total_bytes'])} | {'yes' if r['fits'] else '**no**'} | {largest} | {copies} | "
+        f"{num(r['flops'], 1e-9, 1)} | "
+        f"{num(r['bytes_accessed'], 1e-9, 2)} | {num(r['optimal_seconds'], 1e3, 3)} | {kern} | "
+        f"{', '.join(r['host_callbacks']) or 'none'} | {r['compile_seconds']} |")
+  bad = [r["name"] for r in records if not ok(r)]
+  lines += ["", f"**{len(records) - len(bad)} of {len(records)} programs compiled and fit, with no copy of the KV "
+            "cache, no host callback and a positive cost estimate**" +
+            (f"; failed or over capacity: {', '.join(bad)}" if bad else "."),
+            "", "A cache copy is a temporary with the cache's capacity and head-dim dimensions (and its slots', "
+            "unless there is one) and at least half a layer's K, from XLA's buffer-assignment dump. "
+            "optimal ms is the compiler's roofline estimate (XLA:TPU `optimal_seconds`), not a measurement; "
+            "the attention kernels declare their cost for a cache read up to its capacity. Where the program as "
+            "compiled held XLA:TPU's sliced-prefetch `ConcatBitcast` calls, which its cost model leaves without a "
+            "cost, the cost columns come from a second compile with one slice per prefetch "
+            "(`xla_tpu_sliced_prefetch_max_slices=1`): " +
+            (", ".join(r["name"] for r in records if r.get("cost_source", "").startswith("recompiled")) or "none") +
+            "."]
+  return "\n".join(lines) + "\n"
+
+
+def run(flags_cfg: dict, log=print) -> tuple[dict, list]:
+  from serve import aot_programs as progs
+  from spec_jax.models.shapes import model_shape
+  tgt = target(flags_cfg["topology"])
+  devices, chip, capacity = list(tgt.devices), tgt.chip, tgt.capacity_bytes
+  mesh = mesh_of(devices, flags_cfg["mesh"])
+  impl = flags_cfg["attention_impl"] or tgt.attention_impl
+  place = progs.Placement(devices[0], mesh)
+  config = model_shape(flags_cfg["model_shape"])
+  draft_config = model_shape(flags_cfg["draft_model_shape"]) if flags_cfg["draft_model_shape"] else None
+  dtype = jnp.dtype(flags_cfg["dtype"])
+  S = int(flags_cfg["max_model_len"])
+  buckets = [int(b) for b in flags_cfg["insert_buckets"]] or [16, 512]
+  programs = progs.serving_programs(
+      config, place, methods=flags_cfg["methods"], k=flags_cfg["num_speculative_tokens"], topk=flags_cfg["eagle_topk"],
+      nodes=flags_cfg["num_draft_tokens"], max_num_seqs=flags_cfg["max_num_seqs"], max_model_len=S, dtype=dtype,
+      impl=impl, insert_buckets=[b for b in buckets if b < S], draft_config=draft_config)
+  if flags_cfg["train_kinds"]:
+    programs += progs.train_programs(config, place, kinds=flags_cfg["train_kinds"], batch=flags_cfg["train_batch"],
+                                     seq_len=flags_cfg["train_seq_len"])
+  records = []
+  for prog in programs:
+    rec = compile_program(prog, devices[0], capacity)
+    records.append(rec)
+    log(f"{'ok  ' if ok(rec) else 'FAIL'} {rec['name']}: " + (
+        rec.get("error", "")[:300] if not rec["compiled"] else
+        f"{rec['memory']['total_bytes'] / 2**30:.2f} GiB, {num(rec['optimal_seconds'], 1e3, 3)} ms, "
+        f"kernels {rec['kernels'] or 'none'}, {rec['compile_seconds']} s"))
+  compiler = compiler_version(tgt.platform)
+  run_info = dict(topology=flags_cfg["topology"], chip=chip, chips=len(devices),
+                  hosts=len({d.process_index for d in devices}), capacity_bytes=capacity, mesh=flags_cfg["mesh"],
+                  model_shape=flags_cfg["model_shape"], max_num_seqs=flags_cfg["max_num_seqs"], max_model_len=S,
+                  k=flags_cfg["num_speculative_tokens"], topk=flags_cfg["eagle_topk"], nodes=flags_cfg["num_draft_tokens"],
+                  dtype=flags_cfg["dtype"], attention_impl=impl, platform=tgt.platform, jax=jax.__version__,
+                  compiler=compiler, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+  return run_info, records
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  F = flags.FLAGS
+  cfg = dict(topology=F.topology, model_shape=F.model_shape, draft_model_shape=F.draft_model_shape, mesh=F.mesh,
+             methods=F.methods, num_speculative_tokens=F.num_speculative_tokens, eagle_topk=F.eagle_topk,
+             num_draft_tokens=F.num_draft_tokens, max_num_seqs=F.max_num_seqs, max_model_len=F.max_model_len,
+             dtype=F.dtype, attention_impl=F.attention_impl, insert_buckets=F.insert_buckets,
+             train_kinds=F.train_kinds, train_batch=F.train_batch, train_seq_len=F.train_seq_len)
+  from serve.aot_programs import METHODS
+  unknown = sorted(set(cfg["methods"]) - set(METHODS))
+  if unknown:
+    raise SystemExit(f"unknown --methods {unknown}")
+  if F.cost_table:
+    cfg.update(cost_batches=[int(b) for b in F.cost_batches], cost_ks=F.cost_ks,
+               cost_trees=[int(n) for n in F.cost_trees], cost_tree_method=F.cost_tree_method,
+               cost_tree_depth=F.cost_tree_depth)
+    from serve.aot_costs import cost_table, plot_costs
+    table = cost_table(cfg, log=lambda s: print(s, flush=True))
+    os.makedirs(os.path.dirname(os.path.abspath(F.cost_table)), exist_ok=True)
+    with open(F.cost_table, "w", encoding="utf-8") as f:
+      json.dump(table, f, indent=1, sort_keys=True)
+    plot_costs(table, os.path.splitext(F.cost_table)[0] + ".png")
+    print(f"cost table: {F.cost_table} (plot beside it); {len(table['failures'])} programs without an estimate")
+    sys.exit(1 if table["failures"] else 0)
+  run_info, records = run(cfg, log=lambda s: print(s, flush=True))
+  os.makedirs(F.output, exist_ok=True)
+  with open(os.path.join(F.output, "report.json"), "w", encoding="utf-8") as f:
+    json.dump({"run": run_info, "programs": records}, f, indent=1)
+  with open(os.path.join(F.output, "report.md"), "w", encoding="utf-8") as f:
+    f.write(report_md(run_info, records))
+  bad = [r["name"] for r in records if not ok(r)]
+  print(f"{len(records) - len(bad)} of {len(records)} programs compiled and fit; report in {F.output}")
+  sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  flags.DEFINE_string("topology", "v5e:2x2", "A TPU topology (jax.experimental.topologies: v5e:2x4, v5p:2x2x1) or "
+                      "a GPU target of configs/gpu_targets (h200).")
+  flags.DEFINE_string("model_shape", "gemma3-270m", "A name of spec_jax/models/shapes.py, or a JSON ModelConfig.")
+  flags.DEFINE_string("draft_model_shape", "", "method=draft: an independent draft's shape ('' = the 2-layer "
+                      "distilled draft this project trains).")
+  flags.DEFINE_string("mesh", "", "'data:N,model:M' over the topology's chips ('' = one chip).")
+  flags.DEFINE_list("methods", ["none", "ngram", "medusa", "eagle", "eagle3", "draft", "qdraft"], "Methods.")
+  flags.DEFINE_integer("num_speculative_tokens", 4, "k (tree depth for trees).")
+  flags.DEFINE_integer("eagle_topk", 4, "Tree branching (1: chains only).")
+  flags.DEFINE_integer("num_draft_tokens", 16, "Tree nodes, root included (0: 1 + k * topk).")
+  flags.DEFINE_integer("max_num_seqs", 16, "Decode slots.")
+  flags.DEFINE_integer("max_model_len", 4096, "Tokens per slot.")
+  flags.DEFINE_string("dtype", "bfloat16", "Layer and cache dtype.")
+  flags.DEFINE_string("attention_impl", "", "Attention: '' = the target's Pallas kernel (pallas_tpu, pallas_gpu), "
+                      "or xla.")
+  flags.DEFINE_list("insert_buckets", ["16", "512"], "Prompt buckets to compile slot insert at.")
+  flags.DEFINE_list("train_kinds", ["medusa", "eagle", "eagle3", "draft"], "Trainer steps to compile ('' = none).")
+  flags.DEFINE_integer("train_batch", 8, "Trainer batch.")
+  flags.DEFINE_integer("train_seq_len", 512, "Trainer sequence length.")
+  flags.DEFINE_string("output", "aot_report", "Directory for report.json and report.md.")
+  flags.DEFINE_string("cost_table", "", "Instead of the programs: write the compiler-estimated verify-cost table "
+                      "here (the adaptive controller's format; a plot beside it).")
+  flags.DEFINE_list("cost_batches", ["1", "4", "16", "64"], "Batch sizes of the cost table.")
+  flags.DEFINE_list("cost_ks", [str(k) for k in range(9)], "Chain draft lengths (0, plain decoding, always).")
+  flags.DEFINE_list("cost_trees", ["8", "16", "32"], "Tree sizes (nodes, root included).")
+  flags.DEFINE_string("cost_tree_method", "eagle", "The tree proposer of the cost table.")
+  flags.DEFINE_integer("cost_tree_depth", 4, "Its trees' depth.")
+  app.run(main)

@@ -1,0 +1,282 @@
+"""The programs spec_jax runs, built from shapes alone: what `serve.aot` compiles for a TPU topology or exports
+for CUDA without the chips or the weights.
+
+A Program is a jitted function and the abstract arguments (jax.ShapeDtypeStruct with their shardings) it is
+traced with. Every program here is the one the library runs, not a copy: `slots.insert`, `decode_loop`,
+`prefill_chunk`, the trainer's step. Parameters come from each proposer's own shape functions and runtime-params
+assembly, traced under `jax.eval_shape`, so nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from spec_jax import sharding
+from spec_jax.cache import KVCache
+from spec_jax.config import ModelConfig, SamplingParams
+
+SDS = jax.ShapeDtypeStruct
+METHODS = ("none", "ngram", "medusa", "eagle", "eagle3", "draft", "qdraft")
+TREE_METHODS = ("medusa", "eagle", "eagle3", "draft")
+DRAFT_VOCAB = 32000  # EAGLE-3's published heads draft over 32k ids
+
+
+@dataclasses.dataclass
+class Program:
+  name: str
+  fn: Any  # a jitted function (with .trace)
+  args: tuple
+  kwargs: dict = dataclasses.field(default_factory=dict)
+  note: str = ""
+  cache_layer: tuple = ()  # one layer's K (or V) of the target's cache, (slots, kv heads, capacity, head dim)
+  cache_itemsize: int = 2
+
+
+def cache_of(config: ModelConfig, slots: int, capacity: int, dtype) -> dict:
+  return dict(cache_layer=(slots, config.num_kv_heads, capacity, config.head_dim),
+              cache_itemsize=jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where the programs run: one device (mesh None), a ('data', 'model') mesh of the target's devices, or no
+  device at all (device None: plain abstract arrays, for jax.export)."""
+  device: Any = None
+  mesh: Optional[jax.sharding.Mesh] = None
+  lowering: Optional[str] = None  # without a device: the platform the kernels lower for ("gpu", "tpu")
+
+  def _place(self, tree, on_mesh):
+    if self.device is None:
+      return tree
+    if self.mesh is None:
+      return _with(tree, lambda _: SingleDeviceSharding(self.device))
+    return _with(tree, on_mesh)
+
+  def params(self, tree):
+    return self._place(tree, sharding.param_shardings(tree, self.mesh) if self.mesh is not None else None)
+
+  def state(self, tree):
+    return self._place(tree, sharding.state_shardings(tree, self.mesh) if self.mesh is not None else None)
+
+  def rows(self, tree):
+    def one(x):
+      split = x.shape and x.shape[0] % self.mesh.shape["data"] == 0
+      return NamedSharding(self.mesh, P(*(("data",) + (None,) * (len(x.shape) - 1))) if split else P())
+    return self._place(tree, one)
+
+  def replicated(self, tree):
+    return self._place(tree, lambda _: NamedSharding(self.mesh, P()))
+
+  def context(self):
+    """The context programs are traced in: the target device as the default one (the kernels read their platform
+    from it), or, without a device (export), the platform to lower for."""
+    from spec_jax.kernels.common import lowering_for
+    if self.device is not None:
+      return jax.default_device(self.device)
+    return lowering_for(self.lowering) if self.lowering else contextlib.nullcontext()
+
+
+def _with(tree, shardings):
+  """Abstract arrays with the given shardings (a pytree of them, or a function of each leaf)."""
+  if callable(shardings):
+    return jax.tree.map(lambda x: SDS(x.shape, x.dtype, sharding=shardings(x)), tree)
+  return jax.tree.map(lambda x, s: SDS(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract(shapes: dict, dtype) -> dict:
+  return jax.tree.map(lambda s: SDS(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def target_params(config: ModelConfig, dtype) -> dict:
+  from spec_jax.models.transformer import param_shapes
+  return abstract(param_shapes(config), dtype)
+
+
+def proposer_for(method: str, config: ModelConfig, target: dict, *, k: int, topk: int, nodes: int, impl: str,
+                 draft_config: Optional[ModelConfig] = None):
+  """-> (proposer, abstract params) for a method, with the shapes of the heads this project trains (or
+  publishes in: EAGLE-3 over a 32k draft vocabulary). topk > 1: a token tree of `nodes` nodes, depth k."""
+  from spec_jax.proposers import draft, eagle, medusa
+  from spec_jax.proposers.base import NoneProposer
+  from spec_jax.proposers.ngram import NgramProposer
+  from spec_jax.proposers.tree_expand import DynamicTree
+  from spec_jax.tree import StaticTree
+  dtype = target["final_norm"].dtype
+  nodes = nodes or 1 + k * topk
+  tree = DynamicTree(topk=topk, depth=k, nodes=nodes) if topk > 1 else None
+  if method == "none":
+    return NoneProposer(), {}
+  if method == "ngram":
+    return NgramProposer(k=k), {}
+  if method == "medusa":
+    heads = abstract(medusa.param_shapes(config.d_model, k), dtype)
+    static = None
+    if topk > 1:  # Medusa's construction from per-rank accuracies; a geometric fall-off stands in for measured ones
+      static = StaticTree.best([[0.6 * 0.5 ** r for r in range(topk)] for _ in range(k)], nodes)
+    prop = medusa.MedusaProposer(vocab_size=config.vocab_size, num_heads=k, k=k if static is None else static.depth,
+                                 tree=static)
+    return prop, jax.eval_shape(medusa.runtime_params, heads, target)
+  if method in ("eagle", "eagle3"):
+    layers = eagle3_layers(config) if method == "eagle3" else ()
+    cfg = eagle.layer_config(config)
+    weights = abstract(eagle.param_shapes(cfg, len(layers)), dtype)
+    d2t = SDS((min(DRAFT_VOCAB, config.vocab_size),), jnp.int32) if method == "eagle3" else None
+    prop = eagle.EagleProposer(config=cfg, vocab_size=config.vocab_size, k=k, reduced=d2t is not None, impl=impl,
+                               tree=tree, feature_layers=layers, name=method)
+    return prop, jax.eval_shape(eagle.runtime_params, weights, target, d2t)
+  if method == "draft":
+    if draft_config is None:  # the distilled draft this project trains: the target's first two layers' shapes
+      weights = abstract(draft.param_shapes(config, 2), dtype)
+      cfg = config.replace(num_layers=2, name=f"{config.name}-distill2")
+      return (draft.DraftModelProposer(config=cfg, k=k, impl=impl, tree=tree),
+              jax.eval_shape(draft.runtime_params, weights, target))
+    if draft_config.vocab_size != config.vocab_size:
+      raise ValueError(f"the draft shape has {draft_config.vocab_size} ids, the target {config.vocab_size}")
+    return draft.DraftModelProposer(config=draft_config, k=k, impl=impl, tree=tree), target_params(draft_config,
+                                                                                                    dtype)
+  if method == "qdraft":
+    from spec_jax import quant
+    qparams = quant.quantize_params(target, "int8")  # abstract in, abstract out
+    cfg = config.replace(name=f"{config.name}-int8")
+    return draft.DraftModelProposer(config=cfg, k=k, impl=impl, name="qdraft", tree=tree), qparams
+  raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def eagle3_layers(config: ModelConfig) -> tuple:
+  """EAGLE-3's fused target layers, the convention of its published heads: low, middle and high."""
+  L = config.num_layers
+  return (1, L // 2 - 1, L - 4)
+
+
+def empty_state(params, spec, batch: int, capacity: int):
+  """The abstract DecodeState of `batch` free slots (slots.empty_state's own program, traced)."""
+  from spec_jax import slots
+  costs = SDS((len(spec.ks),), jnp.float32)
+  return jax.eval_shape(functools.partial(slots._empty, spec=spec, batch=batch, capacity=capacity), params,
+                        costs=costs, key=SDS((2,), jnp.uint32))
+
+
+def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, topk: int, nodes: int,
+                     max_num_seqs: int, max_model_len: int, dtype, impl: str, insert_buckets=(),
+                     prefill_rows: int = 0, draft_config=None, adaptive: bool = True) -> list:
+  """Every program the server and serve.generate run, per method: the decode loop (chain, and tree where the
+  method drafts trees), slot insert at each prompt bucket, release, snapshot, and the batch start's prefill chunk.
+  The loops hold k = 0 among their options, as the server's do (the switches act without recompiling);
+  adaptive=False compiles the drafting option alone (one branch: a quicker compile of the same step)."""
+  from spec_jax import adaptive as adaptive_lib, slots
+  from spec_jax.decode import LoopSpec, decode_loop
+  from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill_chunk
+  target = target_params(config, dtype)
+  out = []
+  shared_done = False
+  for method in methods:
+    for tree_k in ((1, topk) if method in TREE_METHODS and topk > 1 else (1,)):
+      proposer, pparams = proposer_for(method, config, target, k=k, topk=tree_k, nodes=nodes if tree_k > 1 else 0,
+                                       impl=impl, draft_config=draft_config)
+      ks = adaptive_lib.option_set(proposer.k if method != "none" else 0, adaptive, proposer.tree)
+      spec = LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=tuple(config.eos_ids), impl=impl,
+                      mesh=place.mesh)
+      params = place.params({"target": target, "proposer": pparams})
+      B = sharding.pad_rows(max_num_seqs, place.mesh)
+      with place.context():
+        state = place.state(empty_state(params, spec, B, max_model_len))
+      label = method + (f" tree{proposer.tree.nodes}" if proposer.tree is not None else "")
+      cache_info = cache_of(config, B, max_model_len, dtype)
+      steps = place.replicated(SDS((), jnp.int32))
+      out.append(Program(f"decode_loop[{label}]", decode_loop, (params, state, spec, steps),
+                         note=f"{B} slots x {max_model_len} tokens, options k in {list(ks)}", **cache_info))
+      if tree_k > 1:
+        continue
+      # A request inserted into a running state: the prefill of one prompt plus a write of its row.
+      for P_ in sorted(set(insert_buckets)):
+        req = slots.Request(tokens=SDS((P_,), jnp.int32), prompt_len=SDS((), jnp.int32),
+                            max_new=SDS((), jnp.int32),
+                            sampling=jax.eval_shape(lambda: SamplingParams.make(1)),
+                            speculate=SDS((), jnp.bool_), key=SDS((2,), jnp.uint32))
+        out.append(Program(f"insert[{label}, prompt {P_}]", slots.insert,
+                           (params, state, place.replicated(SDS((), jnp.int32)), place.replicated(req), spec),
+                           **cache_info))
+      if shared_done:
+        continue
+      shared_done = True
+      out.append(Program("release", slots.release, (state, place.replicated(SDS((), jnp.int32))), **cache_info))
+      out.append(Program("snapshot", slots.snapshot, (state,), **cache_info))
+      # serve.generate's batch start: prefill chunks of DEFAULT_CHUNK tokens over every row.
+      rows = prefill_rows or B
+      cache = place.state(jax.eval_shape(lambda: KVCache.init(config, rows, max_model_len, dtype)))
+      chunk = min(DEFAULT_CHUNK, bucket(max_model_len // 2)[1])
+      out.append(Program(f"prefill_chunk[{chunk} tokens x {rows} rows]", prefill_chunk,
+                         (params["target"], place.rows(SDS((rows, chunk), jnp.int32)),
+                          place.replicated(SDS((), jnp.int32)), cache, place.rows(SDS((rows,), jnp.int32)),
+                          place.rows(SDS((rows, config.d_model), dtype))),
+                         dict(config=config, impl=impl, mesh=place.mesh), **cache_info))
+  return out
+
+
+def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, seq_len: int) -> list:
+  """The trainer's step for each head kind (the target frozen, its features computed inside the step), with the
+  reduced draft vocabulary this project's training configs use (configs/train_base.py draft_vocab)."""
+  from configs.train_base import get_config
+  from train.tasks import build_task
+  from train.trainer import Trainer, TrainSpec, TrainState
+  target = target_params(config, jnp.float32)  # training keeps float32 params, as train.main does
+  mesh = place.mesh
+  if mesh is None and place.device is not None:  # one chip: a 1 x 1 mesh over it (the trainer's table needs one)
+    mesh = jax.sharding.Mesh(np.array([place.device]).reshape(1, 1), sharding.MESH_AXES)
+  out = []
+  for kind in kinds:
+    cfg = get_config("eagle" if kind == "eagle3" else kind)
+    cfg.mlp_dim = 0
+    cfg.draft_layers = 2
+    cfg.feature_layers = eagle3_layers(config) if kind == "eagle3" else ()
+    d2t = SDS((min(cfg.draft_vocab, config.vocab_size),), jnp.int32) if cfg.draft_vocab else None
+    holder = {}
+
+    def build(params, d2t):
+      task, init, frozen, _ = build_task(cfg, config, params, d2t)
+      holder["task"] = task
+      return init, frozen
+
+    with place.context():
+      init, frozen = jax.eval_shape(build, target, d2t)
+      trainer = Trainer(holder["task"], TrainSpec(batch_size=batch), mesh)  # its step only: nothing is written
+      state = jax.eval_shape(lambda p: TrainState(p, trainer.tx.init(p), jnp.zeros((), jnp.int32),
+                                                  jax.random.PRNGKey(0)), init)
+    tokens, mask = SDS((batch, seq_len), jnp.int32), SDS((batch, seq_len), jnp.bool_)
+    if mesh is not None:
+      state = _with(state, trainer.state_shardings(state))
+      frozen = _with(frozen, sharding.param_shardings(frozen, mesh))
+      rows = NamedSharding(mesh, P("data") if batch % mesh.shape["data"] == 0 else P())
+      tokens, mask = _with((tokens, mask), lambda _: rows)
+    out.append(Program(f"train_step[{kind}]", trainer.train_step, (state, frozen, tokens, mask),
+                       note=f"batch {batch} x {seq_len} tokens, float32, draft vocabulary "
+                            f"{d2t.shape[0] if d2t is not None else config.vocab_size}"))
+  return out
+
+
+def step_program(config: ModelConfig, place: Placement, *, method: str, k: int, topk: int, nodes: int, batch: int,
+                 max_model_len: int, dtype, impl: str) -> Program:
+  """The decode loop with one option, drafting k tokens (k = 0: plain decoding), its state donated as the server's
+  is. A while loop's estimate is one trip of its body: one step, the verify-cost table's entry."""
+  from spec_jax.decode import LoopSpec, decode_loop
+  target = target_params(config, dtype)
+  proposer, pparams = proposer_for(method if k else "none", config, target, k=max(k, 1), topk=topk, nodes=nodes,
+                                   impl=impl)
+  spec = LoopSpec(config=config, proposer=proposer, ks=(k,), stop_ids=tuple(config.eos_ids), impl=impl,
+                  mesh=place.mesh)
+  params = place.params({"target": target, "proposer": pparams})
+  B = sharding.pad_rows(batch, place.mesh)
+  with place.context():
+    state = place.state(empty_state(params, spec, B, max_model_len))
+  label = "plain" if not k else (f"{method} tree{proposer.tree.nodes}" if proposer.tree is not None else
+                                 f"{method} k={k}")
+  return Program(f"step[{label}, batch {batch}]", decode_loop,
+                 (params, state, spec, place.replicated(SDS((), jnp.int32))), **cache_of(config, B, max_model_len, dtype))

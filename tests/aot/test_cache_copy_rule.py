@@ -1,0 +1,24 @@
+"""serve.aot's rule for what counts as a copy of the KV cache among a compiled program's temporaries."""
+
+from serve.aot import cache_sized
+
+
+def _t(shape, nbytes):
+  return {"bytes": nbytes, "instruction": "x", "shape": shape}
+
+
+def test_one_slot_cache_copy_is_found_and_scores_are_not():
+  layer = (1, 1, 4096, 256)  # one slot: the slot dimension cannot tell a copy apart
+  temps = [_t("bf16[18,1,1,4096,256]", 18 * 4096 * 256 * 2),  # the stacked cache
+           _t("f32[1,4,64,4096]", 4 * 64 * 4096 * 4),  # attention scores: capacity, no head dim
+           _t("f32[8,262144]", 8 * 262144 * 4)]  # sampling
+  assert [t["shape"] for t in cache_sized(temps, layer, 2)] == ["bf16[18,1,1,4096,256]"]
+
+
+def test_many_slots_need_the_slot_dimension_and_half_a_layer():
+  layer = (16, 8, 4096, 128)
+  half = 16 * 8 * 4096 * 128 * 2 // 2
+  temps = [_t("bf16[16,8,4096,128]", 2 * half),  # one layer of K
+           _t("bf16[1,8,4096,128]", 2 * half // 16),  # insert's one-row prefill cache
+           _t("bf16[4,8,4096,128]", half // 2)]  # a quarter layer: too small to be a copy
+  assert [t["shape"] for t in cache_sized(temps, layer, 2)] == ["bf16[16,8,4096,128]"]
