@@ -287,12 +287,18 @@ def report_md(run: dict, records: list) -> str:
         f"{num(r['bytes_accessed'], 1e-9, 2)} | {num(r['optimal_seconds'], 1e3, 3)} | {kern} | "
         f"{', '.join(r['host_callbacks']) or 'none'} | {r['compile_seconds']} |")
   bad = [r["name"] for r in records if not ok(r)]
+  planned = run.get("programs_planned", len(records))
   lines += ["", f"**{len(records) - len(bad)} of {len(records)} programs compiled and fit, with no copy of the KV "
             "cache, no host callback and a positive cost estimate**" +
+            (f" (the run stopped after {len(records)} of the {planned} programs planned)" if planned > len(records)
+             else "") +
             (f"; failed or over capacity: {', '.join(bad)}" if bad else "."),
             "", "A cache copy is a temporary with the cache's capacity and head-dim dimensions (and its slots', "
             "unless there is one) and at least half a layer's K, from XLA's buffer-assignment dump. "
-            "optimal ms is the compiler's roofline estimate (XLA:TPU `optimal_seconds`), not a measurement; "
+            "optimal ms is the compiler's roofline estimate (XLA:TPU `optimal_seconds`), not a measurement, and XLA's "
+            "cost analysis counts a loop's body once: for these programs, with the layers in a scan, it covers one "
+            "layer and what is outside the scan (the LM head, sampling), and one step of the decode loop "
+            "(`--cost_table` unrolls the layers); "
             "the attention kernels declare their cost for a cache read up to its capacity. Where the program as "
             "compiled held XLA:TPU's sliced-prefetch `ConcatBitcast` calls, which its cost model leaves without a "
             "cost, the cost columns come from a second compile with one slice per prefetch "
@@ -302,7 +308,8 @@ def report_md(run: dict, records: list) -> str:
   return "\n".join(lines) + "\n"
 
 
-def run(flags_cfg: dict, log=print) -> tuple[dict, list]:
+def run(flags_cfg: dict, log=print, on_record=None) -> tuple[dict, list]:
+  """Compile every program; on_record(run_info, records) after each (the report so far)."""
   from serve import aot_programs as progs
   from spec_jax.models.shapes import model_shape
   tgt = target(flags_cfg["topology"])
@@ -322,6 +329,14 @@ def run(flags_cfg: dict, log=print) -> tuple[dict, list]:
   if flags_cfg["train_kinds"]:
     programs += progs.train_programs(config, place, kinds=flags_cfg["train_kinds"], batch=flags_cfg["train_batch"],
                                      seq_len=flags_cfg["train_seq_len"])
+  compiler = compiler_version(tgt.platform)
+  run_info = dict(topology=flags_cfg["topology"], chip=chip, chips=len(devices),
+                  hosts=len({d.process_index for d in devices}), capacity_bytes=capacity, mesh=flags_cfg["mesh"],
+                  model_shape=flags_cfg["model_shape"], max_num_seqs=flags_cfg["max_num_seqs"], max_model_len=S,
+                  k=flags_cfg["num_speculative_tokens"], topk=flags_cfg["eagle_topk"], nodes=flags_cfg["num_draft_tokens"],
+                  dtype=flags_cfg["dtype"], attention_impl=impl, platform=tgt.platform, jax=jax.__version__,
+                  compiler=compiler, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  programs_planned=len(programs))
   records = []
   for prog in programs:
     rec = compile_program(prog, devices[0], capacity)
@@ -330,13 +345,8 @@ def run(flags_cfg: dict, log=print) -> tuple[dict, list]:
         rec.get("error", "")[:300] if not rec["compiled"] else
         f"{rec['memory']['total_bytes'] / 2**30:.2f} GiB, {num(rec['optimal_seconds'], 1e3, 3)} ms, "
         f"kernels {rec['kernels'] or 'none'}, {rec['compile_seconds']} s"))
-  compiler = compiler_version(tgt.platform)
-  run_info = dict(topology=flags_cfg["topology"], chip=chip, chips=len(devices),
-                  hosts=len({d.process_index for d in devices}), capacity_bytes=capacity, mesh=flags_cfg["mesh"],
-                  model_shape=flags_cfg["model_shape"], max_num_seqs=flags_cfg["max_num_seqs"], max_model_len=S,
-                  k=flags_cfg["num_speculative_tokens"], topk=flags_cfg["eagle_topk"], nodes=flags_cfg["num_draft_tokens"],
-                  dtype=flags_cfg["dtype"], attention_impl=impl, platform=tgt.platform, jax=jax.__version__,
-                  compiler=compiler, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if on_record is not None:
+      on_record(run_info, records)
   return run_info, records
 
 
@@ -358,19 +368,27 @@ def main(argv):
                cost_trees=[int(n) for n in F.cost_trees], cost_tree_method=F.cost_tree_method,
                cost_tree_depth=F.cost_tree_depth)
     from serve.aot_costs import cost_table, plot_costs
-    table = cost_table(cfg, log=lambda s: print(s, flush=True))
     os.makedirs(os.path.dirname(os.path.abspath(F.cost_table)), exist_ok=True)
-    with open(F.cost_table, "w", encoding="utf-8") as f:
-      json.dump(table, f, indent=1, sort_keys=True)
-    plot_costs(table, os.path.splitext(F.cost_table)[0] + ".png")
+
+    def write(table):
+      with open(F.cost_table, "w", encoding="utf-8") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+      plot_costs(table, os.path.splitext(F.cost_table)[0] + ".png")
+
+    table = cost_table(cfg, log=lambda s: print(s, flush=True), on_update=write)
+    write(table)
     print(f"cost table: {F.cost_table} (plot beside it); {len(table['failures'])} programs without an estimate")
     sys.exit(1 if table["failures"] else 0)
-  run_info, records = run(cfg, log=lambda s: print(s, flush=True))
   os.makedirs(F.output, exist_ok=True)
-  with open(os.path.join(F.output, "report.json"), "w", encoding="utf-8") as f:
-    json.dump({"run": run_info, "programs": records}, f, indent=1)
-  with open(os.path.join(F.output, "report.md"), "w", encoding="utf-8") as f:
-    f.write(report_md(run_info, records))
+
+  def write(run_info, records):  # after every program: a long run that is stopped keeps what it compiled
+    with open(os.path.join(F.output, "report.json"), "w", encoding="utf-8") as f:
+      json.dump({"run": run_info, "programs": records}, f, indent=1)
+    with open(os.path.join(F.output, "report.md"), "w", encoding="utf-8") as f:
+      f.write(report_md(run_info, records))
+
+  run_info, records = run(cfg, log=lambda s: print(s, flush=True), on_record=write)
+  write(run_info, records)
   bad = [r["name"] for r in records if not ok(r)]
   print(f"{len(records) - len(bad)} of {len(records)} programs compiled and fit; report in {F.output}")
   sys.exit(1 if bad else 0)

@@ -1,7 +1,8 @@
 """The verify-cost table from the compiler: `python -m serve.aot --cost_table=PATH` (see serve/aot.py).
 
-One loop step drafting k tokens, compiled for the target chip at each batch size; XLA's `optimal_seconds` of it
-over that of a plain step is the cost the adaptive controller reads (configs/costs/, serve.calibrate's format),
+One loop step drafting k tokens, compiled for the target chip at each batch size with the layer scan unrolled (XLA's
+cost analysis counts a loop's body once: a scanned model's estimate holds one layer); its `optimal_seconds` over
+that of a plain step is the cost the adaptive controller reads (configs/costs/, serve.calibrate's format),
 labelled as an estimate, not a measurement.
 """
 
@@ -15,16 +16,15 @@ import jax.numpy as jnp
 from serve import aot
 
 
-def cost_table(flags_cfg: dict, log=print) -> dict:
+def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   """The compiler's estimate of one loop step drafting k tokens (k in cost_ks, a chain of n-gram drafts: the
   target's verify, nearly nothing else) and of each tree size (EAGLE-2 trees, its head's drafting included), at
   each batch size, with the cache read to the capacity. Written in the adaptive controller's format (serve.calibrate:
   per k_max, costs over a plain step, the same at every occupancy since all rows compute), labelled as an estimate,
   with the seconds behind it."""
   from serve import aot_programs as progs
-  from serve.calibrate import entry_key
-  from spec_jax import adaptive
   from spec_jax.models.shapes import model_shape
+  from spec_jax.models.transformer import layers_unrolled
   tgt = aot.target(flags_cfg["topology"])
   mesh = aot.mesh_of(list(tgt.devices), flags_cfg["mesh"])
   place = progs.Placement(tgt.devices[0], mesh)
@@ -40,9 +40,10 @@ def cost_table(flags_cfg: dict, log=print) -> dict:
   for b in flags_cfg["cost_batches"]:
     row = {}
     for method, k, topk, nodes in kinds:
-      prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=int(b),
-                                max_model_len=S, dtype=dtype, impl=impl)
-      rec = aot.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)
+      with layers_unrolled():  # XLA's cost analysis counts a loop body once: the layer scan's too
+        prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=int(b),
+                                  max_model_len=S, dtype=dtype, impl=impl)
+        rec = aot.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)
       if not aot.ok(rec) or not rec["optimal_seconds"] or rec["optimal_seconds"] <= 0:
         failures.append({"program": prog.name, **{k: rec.get(k) for k in ("error", "cache_copies", "fits",
                                                                              "optimal_seconds")}})
@@ -50,12 +51,21 @@ def cost_table(flags_cfg: dict, log=print) -> dict:
         continue
       key = str(k) if not nodes else f"{method}_tree{nodes}"
       row[key] = rec["optimal_seconds"]
+      seconds[str(b)] = row
+      if on_update is not None:  # the table so far: a long run that is stopped keeps what it compiled
+        on_update(_assemble(flags_cfg, tgt, chain_ks, seconds, failures))
       log(f"batch {b} {key}: {rec['optimal_seconds'] * 1e3:.3f} ms ({rec['compile_seconds']} s to compile)")
     seconds[str(b)] = row
-  out = {"source": f"compiler estimate: XLA:{tgt.platform.upper()} optimal_seconds of one loop step (python -m "
-                   "serve.aot --cost_table), not a measurement",
+  return _assemble(flags_cfg, tgt, chain_ks, seconds, failures)
+
+
+def _assemble(flags_cfg, tgt, chain_ks, seconds, failures) -> dict:
+  from serve.calibrate import entry_key
+  from spec_jax import adaptive
+  out = {"source": f"compiler estimate: XLA:{tgt.platform.upper()} optimal_seconds of one loop step, its layers "
+                   "unrolled (python -m serve.aot --cost_table), not a measurement",
          "topology": flags_cfg["topology"], "chip": tgt.chip, "mesh": flags_cfg["mesh"] or "one chip",
-         "model_shape": flags_cfg["model_shape"], "context_tokens": S, "dtype": flags_cfg["dtype"],
+         "model_shape": flags_cfg["model_shape"], "context_tokens": int(flags_cfg["max_model_len"]), "dtype": flags_cfg["dtype"],
          "compiler": aot.compiler_version(tgt.platform), "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
          "failures": failures}
   for b, row in seconds.items():

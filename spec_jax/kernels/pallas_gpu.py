@@ -29,7 +29,7 @@ from spec_jax.kernels.common import (NEG_INF, block_bounds, committed_visible, c
 
 def _kernel(layer_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos_ref, q_ref, k_ref, v_ref, kn_ref,
             vn_ref, *out_refs, scale: float, S: int, T: int, G: int, D: int, block_k: int, num_row_blocks: int,
-            num_splits: int, tree: bool):
+            num_splits: int, tree: bool, precision):
   b = pl.program_id(0)
   h = pl.program_id(1)
   cell = b * num_row_blocks + pl.program_id(2)
@@ -64,11 +64,13 @@ def _kernel(layer_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos
     # Masked slots get exactly 0 even while m_new is still NEG_INF (nothing visible yet).
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
     l = alpha * l + jnp.sum(p, axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_new, l
 
   def scores(k):
-    return lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+    return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32) * scale
 
   def body(blk, carry):
     j = blk * block_k + offs
@@ -171,7 +173,9 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   kn, vn = new_tokens(k_new.astype(k_cache.dtype), Tp, Dp), new_tokens(v_new.astype(v_cache.dtype), Tp, Dp)
 
   kernel = functools.partial(_kernel, scale=float(scale), S=S, T=T, G=G, D=D, block_k=block_k,
-                             num_row_blocks=num_row_blocks, num_splits=num_splits, tree=tree)
+                             num_row_blocks=num_row_blocks, num_splits=num_splits, tree=tree,
+                             # explicit: not jax_default_matmul_precision's (see pallas_tpu)
+                             precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
   whole = lambda shape: pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
   if tree:
     aux_spec = pl.BlockSpec((None, block_rows, aux.shape[2]), lambda b, h, r, s: (b, r, 0))

@@ -149,7 +149,9 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   kernel = functools.partial(
       _kernel, scale=float(scale), num_row_blocks=num_row_blocks, num_committed=num_committed,
       num_steps=num_steps, last_token=last_token, tree=tree,
-      precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+      # Explicit for bfloat16 too: left to jax_default_matmul_precision ("highest" in this project's tests, or a
+      # user's setting), a bfloat16 dot asks Mosaic for float32 passes and fails ("Bad lhs type").
+      precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=5,
       grid=(B, Hkv, num_row_blocks, num_steps),

@@ -16,6 +16,8 @@ Norm weights are plain multipliers (Gemma's 1 + w is folded in at load time).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Sequence
 
@@ -154,6 +156,20 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
   return layer_finish(c, x, attn, p), k, v
 
 
+_UNROLL_LAYERS = contextvars.ContextVar("unroll_layers", default=False)
+
+
+@contextlib.contextmanager
+def layers_unrolled():
+  """Trace the layer scan unrolled. XLA's cost analysis counts a loop's body once, so a compiled program's
+  estimate covers every layer only when they are unrolled (serve.aot --cost_table); serving keeps the scan."""
+  token = _UNROLL_LAYERS.set(True)
+  try:
+    yield
+  finally:
+    _UNROLL_LAYERS.reset(token)
+
+
 def write_rows(buf, new, lengths):
   """buf[L, B, K, S, d] with new[L, B, T, K, d] written at slots lengths[b] .. lengths[b]+T-1 of each row.
 
@@ -248,7 +264,8 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
   # The cache is read in place inside the scan (each layer attends to its own slice of the stack); all layers'
   # new entries are written after it, in place.
   layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-  x, (new_kv, per_layer) = jax.lax.scan(body, x, (params["layers"], windows, bases, layer_ids))
+  x, (new_kv, per_layer) = jax.lax.scan(body, x, (params["layers"], windows, bases, layer_ids),
+                                        unroll=True if _UNROLL_LAYERS.get() else 1)
   new_cache = None
   if cache is not None:
     new_cache = cache.replace(k=write_rows(cache.k, new_kv[0], lengths), v=write_rows(cache.v, new_kv[1], lengths))
