@@ -184,15 +184,16 @@ def temporaries(dump_dir: str, top: int = 5) -> list:
 
 def cache_sized(temps: list, layer: tuple, itemsize: int) -> list:
   """Temporaries that copy the KV cache (a layer of it, or more): `layer` = (slots, kv heads, capacity, head dim)
-  of one layer's K. A copy has the capacity and head-dim dimensions, the slots' too (unless there is one slot),
-  and at least half a layer's bytes. Logits, sampling and attention-score buffers are big too, but lack one of
+  of one layer's K. A copy ends in the cache's (capacity, head dim) dimensions, has the slots' too (unless there
+  is one slot), and at least half a layer's bytes (a weight re-laid out as [L, d_model, heads, head dim] can
+  have the same numbers in other places). Logits, sampling and attention-score buffers are big too, but lack one of
   those; slot insert's one-row prefill cache has one row, not the slots."""
   rows, _, capacity, head_dim = layer
   half = int(np.prod(layer)) * itemsize // 2
   out = []
   for t in temps:
     dims = [int(d) for d in re.findall(r"\d+", t["shape"].split("[", 1)[-1])]
-    if capacity in dims and head_dim in dims and (rows == 1 or rows in dims) and t["bytes"] >= half:
+    if dims[-2:] == [capacity, head_dim] and (rows == 1 or rows in dims) and t["bytes"] >= half:
       out.append(t)
   return out
 
@@ -293,8 +294,8 @@ def report_md(run: dict, records: list) -> str:
             (f" (the run stopped after {len(records)} of the {planned} programs planned)" if planned > len(records)
              else "") +
             (f"; failed or over capacity: {', '.join(bad)}" if bad else "."),
-            "", "A cache copy is a temporary with the cache's capacity and head-dim dimensions (and its slots', "
-            "unless there is one) and at least half a layer's K, from XLA's buffer-assignment dump. "
+            "", "A cache copy is a temporary ending in the cache's (capacity, head dim) dimensions, with its slots' "
+            "(unless there is one), and at least half a layer's K, from XLA's buffer-assignment dump. "
             "optimal ms is the compiler's roofline estimate (XLA:TPU `optimal_seconds`), not a measurement, and XLA's "
             "cost analysis counts a loop's body once: for these programs, with the layers in a scan, it covers one "
             "layer and what is outside the scan (the LM head, sampling), and one step of the decode loop "

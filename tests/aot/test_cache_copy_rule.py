@@ -22,3 +22,11 @@ def test_many_slots_need_the_slot_dimension_and_half_a_layer():
            _t("bf16[1,8,4096,128]", 2 * half // 16),  # insert's one-row prefill cache
            _t("bf16[4,8,4096,128]", half // 2)]  # a quarter layer: too small to be a copy
   assert [t["shape"] for t in cache_sized(temps, layer, 2)] == ["bf16[16,8,4096,128]"]
+
+
+def test_a_weight_with_the_same_numbers_is_not_a_cache_copy():
+  """Llama-8B's Q projection re-laid out per shard, [L, d_model, heads, head dim] = [32, 4096, 8, 128], beside a
+  cache of 8 slots x 4096 tokens x 128: the same numbers, not the cache's trailing (capacity, head dim)."""
+  layer = (8, 2, 4096, 128)
+  temps = [_t("bf16[32,4096,8,128]", 32 * 4096 * 8 * 128 * 2), _t("bf16[32,8,2,4096,128]", 32 * 8 * 2 * 4096 * 256)]
+  assert [t["shape"] for t in cache_sized(temps, layer, 2)] == ["bf16[32,8,2,4096,128]"]
