@@ -210,6 +210,8 @@ def compile_program(prog, device, capacity: int) -> dict:
         compiled = lowered.compile(compiler_options=options)
     except Exception as e:  # the compiler's own message is the finding
       rec.update(compiled=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+      if "Ran out of memory" in str(e):  # XLA:TPU refuses a program over the chip's HBM: it does not fit
+        rec["fits"] = False
     else:
       temps = temporaries(dump)
       rec.update(compiled=True, **analyse(compiled, capacity), cost_source="the program as compiled",

@@ -163,7 +163,9 @@ def test_the_command_reports_and_fails_on_what_does_not_fit(tmp_path):
   assert big.returncode == 1, big.stdout[-2000:] + big.stderr[-2000:]
   report = json.loads((tmp_path / "llama" / "report.json").read_text())
   loop = next(r for r in report["programs"] if r["name"] == "decode_loop[none]")
-  assert loop["compiled"] and not loop["fits"] and loop["memory"]["argument_bytes"] > 100e9
+  assert loop["fits"] is False
+  # Compiled with its 140 GB of arguments counted, or refused by XLA:TPU itself for running out of HBM.
+  assert (loop["memory"]["argument_bytes"] > 100e9 if loop["compiled"] else "Ran out of memory" in loop["error"])
 
 
 def test_the_cost_table_is_written_in_the_controllers_format(tmp_path):
