@@ -91,16 +91,11 @@ def _lower(fn, *args) -> dict:
 
 
 def random_tree(rng, T):
-  parent = [-1] + [int(rng.integers(0, t)) for t in range(1, T)]
-  mask = np.zeros((T, T), bool)
-  depth = np.zeros(T, np.int32)
-  for t in range(T):
-    a = t
-    while a >= 0:
-      mask[t, a] = True
-      a = parent[a]
-    depth[t] = 0 if t == 0 else depth[parent[t]] + 1
-  return mask, depth
+  """A random tree's ancestor-or-self mask and depths (spec_jax.tree's, as the decode loop builds them)."""
+  from spec_jax import tree
+  parents = jnp.asarray([[-1] + [int(rng.integers(0, t)) for t in range(1, T)]], jnp.int32)
+  mask = tree.ancestor_mask(parents)
+  return np.asarray(mask[0]), np.asarray(tree.mask_depths(mask)[0])
 
 
 def kernel_checks(dry: bool, runs: int, copy_bw: float) -> list:
