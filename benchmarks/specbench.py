@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-from serve.calibrate import load_costs, method_key
+from serve.step_costs import load_costs, method_key
 from serve.prompts import Prompt, load_prompts
 from serve.runner import Arm, category_table, format_table, run_arms
 from spec_jax import adaptive, backend

@@ -37,10 +37,10 @@ def coverage_curve(train_answers: np.ndarray, test_answers: np.ndarray, sizes, v
 
 def main(argv):
   del argv
-  from train import distill
+  from train import distill, distill_shards
   out = FLAGS.shards or distill.DEFAULT_OUT
-  recs = distill.load_shards(out)
-  size = distill.read_manifest(out)["settings"]["shard_size"]
+  recs = distill_shards.load_shards(out)
+  size = distill_shards.read_manifest(out)["settings"]["shard_size"]
   last_shard = max(r["position"] // size for r in recs)
   ans = lambda rs: np.concatenate([r["ids"][r["prompt_len"]:] for r in rs]) if rs else np.zeros(0, np.int64)
   train = [r for r in recs if r["position"] // size < last_shard]

@@ -60,7 +60,7 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
 
 
 def _assemble(flags_cfg, tgt, chain_ks, seconds, failures) -> dict:
-  from serve.calibrate import entry_key
+  from serve.step_costs import entry_key
   from spec_jax import adaptive
   out = {"source": f"compiler estimate: XLA:{tgt.platform.upper()} optimal_seconds of one loop step, its layers "
                    "unrolled (python -m serve.aot --cost_table), not a measurement",

@@ -4,7 +4,7 @@
 
 A cost is the wall time of one loop step drafting k tokens over that of a k = 0 step, at a given number of busy
 slots. The library never reads a clock (a seeded run is reproducible); the serving harness and the server load
-these tables. Timing is round-robin over the options with the best of `reps` kept, so a burst of other load hits
+these tables (the file's format: serve/step_costs.py). Timing is round-robin over the options with the best of `reps` kept, so a burst of other load hits
 every option alike. A drafting step also runs everything a k = 0 step runs, so a measured cost below 1 is noise:
 costs are clipped to be non-decreasing in k.
 """
@@ -19,15 +19,7 @@ import time
 import jax
 import numpy as np
 
-
-def entry_key(method: str, dtype: str, k: int, batch: int) -> str:
-  """Costs depend on the state's row count (every row rides along in the forward), not only on the busy ones."""
-  return f"{method}/{dtype}/k{k}/b{batch}"
-
-
-def method_key(proposer) -> str:
-  """The method part of a cost entry: a token tree costs more than a chain of its depth, so it has its own."""
-  return proposer.name + (f"_tree{proposer.tree.nodes}" if proposer.tree is not None else "")
+from serve.step_costs import entry_key, method_key
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "option"))
@@ -60,32 +52,6 @@ def measure_costs(params, spec, prompts, *, batch: int, occupancies=None, reps: 
     costs = np.maximum.accumulate(np.asarray(times) / times[0])
     table.append([round(float(c), 4) for c in costs])
   return {"ks": list(spec.ks), "batch": batch, "occupancies": occupancies, "costs": table}
-
-
-def table_for(entry: dict, ks, batch: int) -> np.ndarray:
-  """An entry's costs as the controller's [batch, len(ks)] table (linear between measured occupancies)."""
-  if list(entry["ks"]) != list(ks):
-    raise ValueError(f"the calibration was measured for draft lengths {entry['ks']}, this run uses {list(ks)}")
-  occ = np.asarray(entry["occupancies"], float)
-  costs = np.asarray(entry["costs"], float)
-  a = np.arange(1, batch + 1, dtype=float)
-  return np.stack([np.interp(a, occ, costs[:, j]) for j in range(costs.shape[1])], axis=1).astype(np.float32)
-
-
-def load_costs(path: str, method: str, dtype: str, ks, batch: int):
-  """The cost table for a state of `batch` rows from a calibration file, or None (the default model) when the file
-  has no entry for it. A missing file is an error: a config that names one expects it."""
-  if not path or method == "none" or len(ks) < 2:  # one option: nothing to choose, no costs needed
-    return None
-  repo_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", path)
-  if not os.path.isabs(path) and not os.path.isfile(path) and os.path.isfile(repo_path):
-    path = repo_path  # configs name files relative to the repository
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"costs file {path!r} not found (write it with python -m serve.calibrate)")
-  with open(path, encoding="utf-8") as f:
-    entries = json.load(f)
-  entry = entries.get(entry_key(method, dtype, max(ks), batch))
-  return None if entry is None else table_for(entry, ks, batch)
 
 
 def main(argv):

@@ -26,6 +26,7 @@ import time
 from absl import app, flags
 
 from serve import generate  # defines serve.generate's run flags, which this job takes too
+from spec_jax.proposers.registry import METHODS
 
 flags.DEFINE_list("methods", ["none", "ngram"], "Arms: 'none' (the baseline, always run) and methods of --method.")
 flags.DEFINE_string("output_dir", None, "Where process 0 writes report.md, summary.json and outputs.jsonl.")
@@ -36,7 +37,6 @@ flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for every p
 flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat after which a process counts as dead "
                      "and the run fails.")
 FLAGS = flags.FLAGS
-METHODS = ("none", "ngram", "draft", "medusa", "eagle")
 
 
 class RunFailed(RuntimeError):

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 
 import numpy as np
 
 from absl import app, flags
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_270m.py"),
-    "ml_collections config file: model, proposer and run settings.")
+from serve import run_flags
+
+run_flags.define()  # --config, the model, sampling and speculation flags (shared with the server)
 flags.DEFINE_string("prompts", None, "JSONL prompts: 'prompt' or 'turns', optional 'id' and 'category'.")
 flags.DEFINE_string("output", None, "JSONL output, one line per prompt.")
 flags.DEFINE_string("summary_json", None, "Write aggregate metrics here.")
@@ -28,50 +26,13 @@ flags.DEFINE_list("categories", [], "Keep only prompts of these categories.")
 flags.DEFINE_bool("compare", False, "Run the baseline and the method on the same prompts, interleaved batch by batch.")
 flags.DEFINE_integer("repeats", 1, "Run everything this many times (interleaved) and report the spread.")
 flags.DEFINE_bool("progress", True, "Progress bar on stderr.")
-# Run settings: when given, they override the config file.
-flags.DEFINE_string("model", None, "A .gguf file or HF safetensors directory ('' = packaged Gemma 3 270M).")
-flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weights and activations dtype.")
-flags.DEFINE_enum("attention_impl", None, ["auto", "xla", "pallas_gpu", "pallas_tpu"], "Attention kernel.")
-flags.DEFINE_integer("max_new_tokens", None, "New tokens per prompt.")
-flags.DEFINE_float("temperature", None, "0 is greedy.")
-flags.DEFINE_integer("top_k", None, "0 is off.")
-flags.DEFINE_float("top_p", None, "1 is off.")
-flags.DEFINE_integer("seed", None, "Sampling seed.")
-flags.DEFINE_integer("batch_size", None, "Prompts per batch.")
-flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle", "qdraft"],
-                  "Draft source (qdraft: the target's own weights quantized to --draft_quantize).")
-flags.DEFINE_enum("quantize", None, ["none", "int8", "int4"], "Target weights: int8 per output channel, int4 per "
-                  "32 inputs (spec_jax/quant.py); cached beside the checkpoint.")
-flags.DEFINE_enum("draft_quantize", None, ["int8", "int4"], "method=qdraft: the draft's weights.")
-flags.DEFINE_string("heads", None, "Medusa/EAGLE/draft checkpoint (path stem); '' = the one in heads/.")
-flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
-flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
-flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
-flags.DEFINE_integer("draft_layers", None, "method=draft: 0 = the distilled draft checkpoint (--heads); N > 0 = "
-                     "the early-exit self-draft of the target's first N layers.")
-flags.DEFINE_string("draft_model", None, "method=draft: an independent draft model with the target's vocabulary "
-                    "(a .gguf, an HF safetensors directory or a packaged model's name); '' = none.")
-flags.DEFINE_integer("eagle_topk", None, "Token trees: candidates per node (1 = chains; medusa).")
-flags.DEFINE_integer("num_draft_tokens", None, "Token trees: node budget, root included (0 = 1 + depth * topk).")
-flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
-flags.DEFINE_string("mesh", None, "Device mesh 'data:N,model:M' (spec_jax/sharding.py): rows split over data, "
-                    "heads/MLP/vocabulary over model. Default: one device.")
-flags.DEFINE_string("costs_file", None, "Step costs for the adaptive controller (python -m serve.calibrate); "
-                    "'' = the default cost model.")
+flags.DEFINE_integer("batch_size", None, "Prompts per batch (overrides the config's).")
 
 FLAGS = flags.FLAGS
-_OVERRIDABLE = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                "batch_size", "method", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "draft_model",
-                "eagle_topk", "num_draft_tokens",
-                "adaptive", "heads", "costs_file", "mesh", "quantize", "draft_quantize")
 
 
 def settings() -> dict:
-  cfg = dict(_CONFIG.value)
-  for name in _OVERRIDABLE:
-    if FLAGS[name].present or (FLAGS[name].value is not None and name not in cfg):
-      cfg[name] = FLAGS[name].value
-  return cfg
+  return run_flags.settings(more=("batch_size",))
 
 
 def validate(cfg: dict) -> None:
@@ -143,7 +104,7 @@ def build_method(cfg: dict, method: str, config, params, impl: str):
 
 def method_costs(cfg: dict, proposer, params):
   """The adaptive controller's step costs for this proposer from --costs_file (None: a single draft length)."""
-  from serve.calibrate import load_costs, method_key
+  from serve.step_costs import load_costs, method_key
   from spec_jax import adaptive, backend
   ks = adaptive.option_set(proposer.k, cfg["adaptive"], proposer.tree)
   if len(ks) == 1:

@@ -22,41 +22,14 @@ import time
 
 from absl import app, flags
 from fastapi import Request
-from ml_collections import config_flags
 
-_CONFIG = None
+from serve import run_flags
 
 
 def define_flags() -> None:
   """The command line, defined only when this module runs as a script: the module is also imported in-process
   (build_engine, create_app) next to other absl programs that define --config."""
-  global _CONFIG
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_270m.py"),
-      "ml_collections config file: model, proposer and run settings (serve.generate's).")
-  # serve.generate's run flags: when given, they override the config file.
-  flags.DEFINE_string("model", None, "A .gguf file or HF safetensors directory ('' = packaged Gemma 3 270M).")
-  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weights and activations dtype.")
-  flags.DEFINE_enum("attention_impl", None, ["auto", "xla", "pallas_gpu", "pallas_tpu"], "Attention kernel.")
-  flags.DEFINE_integer("max_new_tokens", None, "Default max_tokens of a request that gives none.")
-  flags.DEFINE_float("temperature", None, "Default temperature (0 is greedy).")
-  flags.DEFINE_integer("top_k", None, "Default top_k (0 is off).")
-  flags.DEFINE_float("top_p", None, "Default top_p (1 is off).")
-  flags.DEFINE_integer("seed", None, "Seed of the engine's sampling stream (a request's seed picks its first token).")
-  flags.DEFINE_enum("quantize", None, ["none", "int8", "int4"], "Target weights (spec_jax/quant.py).")
-  flags.DEFINE_enum("draft_quantize", None, ["int8", "int4"], "method=qdraft: the draft's weights.")
-  flags.DEFINE_enum("method", None, ["none", "ngram", "draft", "medusa", "eagle", "qdraft"],
-                    "Draft source when --speculative_config is not given.")
-  flags.DEFINE_string("heads", None, "Medusa/EAGLE/draft checkpoint (path stem); '' = the one in heads/.")
-  flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
-  flags.DEFINE_integer("ngram_min", None, "Shortest suffix n-gram to match.")
-  flags.DEFINE_integer("ngram_max", None, "Longest suffix n-gram to match.")
-  flags.DEFINE_integer("draft_layers", None, "method=draft: N > 0 = early-exit self-draft of N target layers.")
-  flags.DEFINE_string("draft_model", None, "method=draft: an independent draft model with the target's vocabulary "
-                      "(.gguf, HF directory or packaged name); '' = none.")
-  flags.DEFINE_integer("eagle_topk", None, "Token trees: candidates per node (1 = chains; medusa).")
-  flags.DEFINE_integer("num_draft_tokens", None, "Token trees: node budget, root included (0 = 1 + depth * topk).")
-  flags.DEFINE_bool("adaptive", None, "Adapt the number of drafted tokens per step (default on).")
+  run_flags.define()  # --config, the model, sampling and speculation flags (serve.generate's)
   # Server settings (a config file may also hold them; explicit flags win).
   flags.DEFINE_string("host", None, "Bind address (default 127.0.0.1: loopback only).")
   flags.DEFINE_integer("port", None, "Port (default 8000).")
@@ -72,22 +45,15 @@ def define_flags() -> None:
   flags.DEFINE_string("api_key", None, "When set, /v1 and /admin need 'Authorization: Bearer KEY'.")
   flags.DEFINE_string("served_model_name", None, "The model id clients send (default gemma-3-270m).")
   flags.DEFINE_string("guardrails", None, "Automatic rollback, JSON inline or a file (serve/guardrails.py).")
-  flags.DEFINE_string("costs_file", None, "Step costs per occupancy from serve.calibrate ('' = the default cost model; "
-                      "unset = the config's).")
   flags.DEFINE_float("request_timeout_s", None, "A request still unfinished after this long fails with 504.")
   flags.DEFINE_float("drain_timeout_s", None, "SIGTERM: how long running requests may take to finish.")
   flags.DEFINE_list("warmup_prompt_lens", None, "Compile insert for these prompt lengths before serving.")
   flags.DEFINE_string("log_level", None, "debug, info, warning.")
-  flags.DEFINE_string("mesh", None, "Device mesh 'data:N,model:M' (spec_jax/sharding.py): slots split over data, "
-                      "heads/MLP/vocabulary over model. Default: one device.")
   flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache: a restart loads the compiled "
                       "programs instead of compiling again ('' = off; default ~/.cache/spec_jax/xla).")
 
 
 FLAGS = flags.FLAGS
-RUN_FLAGS = ("model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "method",
-             "heads", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_layers", "draft_model", "eagle_topk",
-             "num_draft_tokens", "adaptive", "quantize", "draft_quantize")
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, speculative_config=None, max_num_seqs=4, max_queue=64,
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
                        served_model_name="gemma-3-270m",
@@ -99,16 +65,8 @@ log = logging.getLogger("spec_jax.server")
 
 def settings() -> dict:
   """Config file fields, overridden by explicit flags; server fields fall back to SERVER_DEFAULTS."""
-  cfg = dict(_CONFIG.value)
-  for name in RUN_FLAGS:
-    if FLAGS[name].present or (FLAGS[name].value is not None and name not in cfg):
-      cfg[name] = FLAGS[name].value
-  for name, default in SERVER_DEFAULTS.items():
-    if FLAGS[name].present:
-      cfg[name] = FLAGS[name].value
-    elif name not in cfg:
-      cfg[name] = default
-  return cfg
+  return run_flags.settings(more=tuple(n for n in SERVER_DEFAULTS if n not in run_flags.RUN_FLAGS),
+                            defaults=SERVER_DEFAULTS)
 
 
 # ------------------------------------------------------------------------------------------------ the engine
@@ -151,7 +109,7 @@ def build_engine(cfg: dict):
   B = sharding.pad_rows(backend.batch_rows(params, cfg["max_num_seqs"]), mesh)
   base = None
   if cfg["costs_file"] and sc.k:
-    from serve.calibrate import load_costs, method_key
+    from serve.step_costs import load_costs, method_key
     try:
       base = load_costs(cfg["costs_file"], method_key(proposer), cfg["dtype"], ks, B)
     except ValueError as e:  # measured for other draft lengths (a per-concurrency file can add some)

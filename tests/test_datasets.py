@@ -56,7 +56,7 @@ print("READS=" + json.dumps(seen))
 def test_default_data_is_found_from_any_directory_and_only_inside_the_repository():
   # From cwd "/": the defaults of train.data, train.distill, serve.loadtest's config and the prompt loaders.
   reads = _reads_during("""
-from train import data, distill
+from train import data, distill, distill_shards
 from serve.loadtest import traffic
 from serve import prompts
 from configs import loadtest
@@ -68,7 +68,7 @@ class Tok:
   def apply_chat_template(self, turns): return turns[0]
 assert len(prompts.load_prompts(SPEC_BENCH, Tok())) == 480
 assert len(distill.prompts_in_order(None, 0, limit=5)) == 5
-recs = distill.load_shards(distill.DEFAULT_OUT)
+recs = distill_shards.load_shards(distill.DEFAULT_OUT)
 assert len(recs) > 1000
 """)
   data_reads = [p for p in reads if p.endswith((".jsonl", ".npz", "manifest.json")) or "/data/" in p]

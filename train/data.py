@@ -28,7 +28,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from spec_jax.datasets import DISTILL_DIR, TRAIN_DIR, jsonl_files, read_jsonl
+from spec_jax.datasets import TRAIN_DIR, jsonl_files, read_jsonl
+from train.distill_shards import load_shards, read_manifest
 
 
 def _example(rec: dict) -> Optional[tuple]:
@@ -166,7 +167,6 @@ def _distill_key(spec: DataSpec, target_name: str) -> str:
 def distilled_answers(spec: DataSpec, target_name: str, log=print) -> tuple[list, int]:
   """-> (prompt + answer token lists of a train.distill directory, the first prompt position it did not
   answer). Refuses answers of another target (they would teach another model's distribution)."""
-  from train.distill import load_shards, read_manifest
   made_by = read_manifest(spec.distill_dir).get("settings", {}).get("target_name")
   if made_by is not None and made_by != target_name:
     raise ValueError(f"{spec.distill_dir} holds answers of {made_by!r}, not of the target {target_name!r}")

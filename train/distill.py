@@ -18,26 +18,25 @@ same distribution, its greedy answers the same tokens.
 
 Output, compact enough for git: shard-NNNNN.npz per `--shard_size` prompts (prompt position, prompt index in
 `load_examples`, temperature, finish, offsets, the prompt + answer token ids as one int32 run) and manifest.json
-(settings, each shard's sha256 and counts, the measured throughput). Re-running resumes: shards already written
-(and matching the manifest's checksum) are skipped. `train.data` reads the shards back with `load_shards`.
+(settings, each shard's sha256 and counts, the measured throughput): the format is train/distill_shards.py's.
+Re-running resumes: shards already written (and matching the manifest's checksum) are skipped. `train.data` reads
+the shards back with `distill_shards.load_shards`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import time
-from typing import Sequence
 
 import numpy as np
 from absl import app, flags
 
+from spec_jax.datasets import DISTILL_DIR
 from train import data as data_lib
+from train import distill_shards as shards
 
-DEFAULT_OUT = data_lib.DISTILL_DIR
-FORMAT_VERSION = 1
+DEFAULT_OUT = DISTILL_DIR
 
 flags.DEFINE_string("out", DEFAULT_OUT, "Directory for the shards and manifest.json.")
 flags.DEFINE_string("model", "", "Target checkpoint ('' = the packaged Gemma 3 270M).")
@@ -62,85 +61,10 @@ def temperature_at(position: int) -> float:
 def settings(model: str, dtype: str, max_new_tokens: int, max_prompt_tokens: int, shard_size: int, seed: int,
              target_name: str) -> dict:
   """What shapes the answers (the batch size and sync cadence do not)."""
-  return dict(format_version=FORMAT_VERSION, model=model or "gemma3-270m (packaged GGUF)", target_name=target_name,
+  return dict(format_version=shards.FORMAT_VERSION, model=model or "gemma3-270m (packaged GGUF)", target_name=target_name,
               dtype=dtype, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
               shard_size=shard_size, seed=seed, greedy_every=[0, 1], sampled_every=[2],
               sampled_temperature=SAMPLED_TEMPERATURE, held_out=data_lib.HELD_OUT)
-
-
-def _sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      h.update(block)
-  return h.hexdigest()
-
-
-def read_manifest(out: str) -> dict:
-  path = os.path.join(out, "manifest.json")
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
-
-
-def _write_manifest(out: str, manifest: dict) -> None:
-  tmp = os.path.join(out, "manifest.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump(manifest, f, indent=1, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, os.path.join(out, "manifest.json"))
-
-
-def shard_ok(out: str, manifest: dict, name: str) -> bool:
-  entry = manifest.get("shards", {}).get(name)
-  path = os.path.join(out, name)
-  return entry is not None and os.path.exists(path) and _sha256(path) == entry["sha256"]
-
-
-def write_shard(out: str, name: str, records: Sequence[dict]) -> dict:
-  """records: dicts of position, example, temperature, finish, prompt_len, ids (prompt + answer)."""
-  records = sorted(records, key=lambda r: r["position"])
-  lens = np.array([len(r["ids"]) for r in records], np.int64)
-  arrays = dict(
-      position=np.array([r["position"] for r in records], np.int32),
-      example=np.array([r["example"] for r in records], np.int32),
-      temperature=np.array([r["temperature"] for r in records], np.float32),
-      finish=np.array([r["finish"] for r in records], np.uint8),  # 1 = stop token, 0 = length cap
-      prompt_len=np.array([r["prompt_len"] for r in records], np.int32),
-      offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-      tokens=np.concatenate([np.asarray(r["ids"], np.int32) for r in records]) if records else
-      np.zeros(0, np.int32))
-  path = os.path.join(out, name)
-  tmp = path + ".tmp.npz"
-  np.savez_compressed(tmp, **arrays)
-  os.replace(tmp, path)
-  answer = int(sum(len(r["ids"]) - r["prompt_len"] for r in records))
-  return dict(sha256=_sha256(path), prompts=len(records), answer_tokens=answer,
-              prompt_tokens=int(sum(r["prompt_len"] for r in records)),
-              stopped=int(sum(r["finish"] for r in records)))
-
-
-def load_shards(out: str = DEFAULT_OUT, verify: bool = True) -> list[dict]:
-  """-> one dict per answered prompt (position, example, temperature, finish, prompt_len, ids), in position
-  order, from every shard the manifest lists. A shard whose checksum differs is an error, never read."""
-  manifest = read_manifest(out)
-  if not manifest.get("shards"):
-    raise FileNotFoundError(f"no self-distilled shards in {out}: run `python -m train.distill --out={out}`")
-  recs = []
-  for name in sorted(manifest["shards"]):
-    path = os.path.join(out, name)
-    if verify and not shard_ok(out, manifest, name):
-      raise ValueError(f"{path} is missing or does not match its checksum in {out}/manifest.json: regenerate it "
-                       f"with `python -m train.distill --out={out}` (it rewrites bad shards)")
-    z = np.load(path)
-    off = z["offsets"]
-    for i in range(len(z["position"])):
-      recs.append(dict(position=int(z["position"][i]), example=int(z["example"][i]),
-                       temperature=round(float(z["temperature"][i]), 4), finish=int(z["finish"][i]),
-                       prompt_len=int(z["prompt_len"][i]), ids=z["tokens"][off[i]:off[i + 1]]))
-  recs.sort(key=lambda r: r["position"])
-  return recs
 
 
 class Generator:
@@ -207,7 +131,7 @@ def distill(params, config, tokenizer, *, out: str, batch: int, max_new_tokens: 
             dtype: str = "float32", log=print) -> dict:
   os.makedirs(out, exist_ok=True)
   want = settings(model, dtype, max_new_tokens, max_prompt_tokens, shard_size, seed, config.name)
-  manifest = read_manifest(out)
+  manifest = shards.read_manifest(out)
   if manifest and manifest.get("settings") != want:
     raise ValueError(f"{out} holds answers made with other settings ({manifest.get('settings')}); use another "
                      "--out or the same settings")
@@ -218,7 +142,7 @@ def distill(params, config, tokenizer, *, out: str, batch: int, max_new_tokens: 
   expected: dict = {}
   for pos, ex, text in items:
     name = shard_of(pos)
-    if name in manifest["shards"] and shard_ok(out, manifest, name):
+    if name in manifest["shards"] and shards.shard_ok(out, manifest, name):
       continue
     ids = tokenizer.encode(tokenizer.apply_chat_template([text]))
     if len(ids) > max_prompt_tokens:
@@ -241,9 +165,9 @@ def distill(params, config, tokenizer, *, out: str, batch: int, max_new_tokens: 
     counts["answers"] += 1
     counts["tokens"] += len(new)
     if len(pending[name]) == expected[name]:
-      entry = write_shard(out, name, pending.pop(name))
+      entry = shards.write_shard(out, name, pending.pop(name))
       manifest["shards"][name] = entry
-      _write_manifest(out, manifest)
+      shards.write_manifest(out, manifest)
       dt = time.perf_counter() - t0
       log(f"distill: wrote {name} ({entry['prompts']} prompts, {entry['answer_tokens']} answer tokens); "
           f"{counts['answers']}/{len(todo)} answered, {counts['tokens'] / dt:.1f} tok/s")
@@ -251,7 +175,7 @@ def distill(params, config, tokenizer, *, out: str, batch: int, max_new_tokens: 
   jobs = ((job, job[2], temperature_at(job[0]), seed * 1_000_003 + job[0]) for job in todo)
   for name, n in list(expected.items()):  # shards whose every prompt was skipped
     if n == 0:
-      manifest["shards"][name] = write_shard(out, name, [])
+      manifest["shards"][name] = shards.write_shard(out, name, [])
       pending.pop(name)
   gen = Generator(params, config, tokenizer, batch=batch, max_new_tokens=max_new_tokens,
                   steps_per_sync=steps_per_sync,
@@ -267,7 +191,7 @@ def distill(params, config, tokenizer, *, out: str, batch: int, max_new_tokens: 
       prompts=sum(e["prompts"] for e in manifest["shards"].values()),
       answer_tokens=sum(e["answer_tokens"] for e in manifest["shards"].values()),
       prompt_tokens=sum(e["prompt_tokens"] for e in manifest["shards"].values()))
-  _write_manifest(out, manifest)
+  shards.write_manifest(out, manifest)
   log(f"distill: {counts['answers']} answers, {counts['tokens']} tokens in {dt:.0f} s; totals {manifest['totals']}")
   return manifest
 

@@ -13,7 +13,7 @@ from spec_jax.checkpoints.load import load_model
 from spec_jax.config import SamplingParams
 from spec_jax.decode import generate
 from tests.checkpoints.tiny_qwen2 import write_tiny_qwen2
-from train import distill
+from train import distill, distill_shards
 
 KW = dict(max_new_tokens=12, max_prompt_tokens=200, shard_size=16, seed=0, limit=40, steps_per_sync=4)
 
@@ -29,7 +29,7 @@ def test_distill_writes_shards_that_match_plain_decoding(tiny, tmp_path):
   out = str(tmp_path / "d")
   manifest = distill.distill(params, config, tok, out=out, batch=3, log=lambda s: None, **KW)
   assert sorted(manifest["shards"]) == ["shard-00000.npz", "shard-00001.npz", "shard-00002.npz"]
-  recs = distill.load_shards(out)
+  recs = distill_shards.load_shards(out)
   items = distill.prompts_in_order(tok, 0, KW["limit"])
   encoded = {pos: tok.encode(tok.apply_chat_template([text])) for pos, _, text in items}
   kept = [pos for pos, ids in encoded.items() if len(ids) <= KW["max_prompt_tokens"]]
@@ -58,14 +58,14 @@ def test_distill_resumes_and_rejects_bad_shards(tiny, tmp_path):
   out = str(tmp_path / "d")
   first = distill.distill(params, config, tok, out=out, batch=3, log=lambda s: None, **KW)
   before = {n: e["sha256"] for n, e in first["shards"].items()}
-  recs = {r["position"]: r for r in distill.load_shards(out)}
+  recs = {r["position"]: r for r in distill_shards.load_shards(out)}
   # A lost shard is answered again, and only that one: the same greedy answers (same batch size), other samples
   # for the sampled ones (the loop's key is shared by the batch).
   os.remove(os.path.join(out, "shard-00001.npz"))
   again = distill.distill(params, config, tok, out=out, batch=3, log=lambda s: None, **KW)
   assert {n: e["sha256"] for n, e in again["shards"].items() if n != "shard-00001.npz"} == \
       {n: s for n, s in before.items() if n != "shard-00001.npz"}
-  redone = {r["position"]: r for r in distill.load_shards(out)}
+  redone = {r["position"]: r for r in distill_shards.load_shards(out)}
   assert redone.keys() == recs.keys()
   for pos, r in redone.items():
     if r["temperature"] == 0.0 or pos < 16 or pos >= 32:
@@ -78,12 +78,12 @@ def test_distill_resumes_and_rejects_bad_shards(tiny, tmp_path):
     f.seek(40)
     f.write(b"\x00\x01\x02\x03")
   with pytest.raises(ValueError, match="checksum"):
-    distill.load_shards(out)
+    distill_shards.load_shards(out)
   # Other settings in the same directory are refused.
   with pytest.raises(ValueError, match="other settings"):
     distill.distill(params, config, tok, out=out, batch=3, log=lambda s: None, **dict(KW, max_new_tokens=8))
   with pytest.raises(FileNotFoundError, match="train.distill"):
-    distill.load_shards(str(tmp_path / "empty"))
+    distill_shards.load_shards(str(tmp_path / "empty"))
 
 
 def test_coverage_curve_against_a_count():

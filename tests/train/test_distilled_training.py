@@ -13,7 +13,7 @@ import pytest
 
 from configs.train_tiny_test import get_config
 from train import data as data_lib
-from train import distill
+from train import distill, distill_shards
 from train.main import build_task, load_target
 from train.trainer import Trainer, TrainSpec
 
@@ -39,8 +39,8 @@ def _distill_dir(tmp_path, target_name, positions, shard_size=4):
                                                            prompt_len=3, ids=ids))
   for s, recs in by_shard.items():
     name = f"shard-{s:05d}.npz"
-    manifest["shards"][name] = distill.write_shard(out, name, recs)
-  distill._write_manifest(out, manifest)
+    manifest["shards"][name] = distill_shards.write_shard(out, name, recs)
+  distill_shards.write_manifest(out, manifest)
   return out
 
 
