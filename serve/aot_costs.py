@@ -8,12 +8,11 @@ labelled as an estimate, not a measurement.
 
 from __future__ import annotations
 
-import os
 import time
 
 import jax.numpy as jnp
 
-from serve import aot
+from serve import aot_compile
 
 
 def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
@@ -25,8 +24,8 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   from serve import aot_programs as progs
   from spec_jax.models.shapes import model_shape
   from spec_jax.models.transformer import layers_unrolled
-  tgt = aot.target(flags_cfg["topology"])
-  mesh = aot.mesh_of(list(tgt.devices), flags_cfg["mesh"])
+  tgt = aot_compile.target(flags_cfg["topology"])
+  mesh = aot_compile.mesh_of(list(tgt.devices), flags_cfg["mesh"])
   place = progs.Placement(tgt.devices[0], mesh)
   config = model_shape(flags_cfg["model_shape"])
   dtype = jnp.dtype(flags_cfg["dtype"])
@@ -43,8 +42,8 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
       with layers_unrolled():  # XLA's cost analysis counts a loop body once: the layer scan's too
         prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=int(b),
                                   max_model_len=S, dtype=dtype, impl=impl)
-        rec = aot.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)
-      if not aot.ok(rec) or not rec["optimal_seconds"] or rec["optimal_seconds"] <= 0:
+        rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)
+      if not aot_compile.ok(rec) or not rec["optimal_seconds"] or rec["optimal_seconds"] <= 0:
         failures.append({"program": prog.name, **{k: rec.get(k) for k in ("error", "cache_copies", "fits",
                                                                              "optimal_seconds")}})
         log(f"batch {b} {prog.name}: no estimate ({rec.get('error') or rec.get('cache_copies')})")
@@ -66,7 +65,7 @@ def _assemble(flags_cfg, tgt, chain_ks, seconds, failures) -> dict:
                    "unrolled (python -m serve.aot --cost_table), not a measurement",
          "topology": flags_cfg["topology"], "chip": tgt.chip, "mesh": flags_cfg["mesh"] or "one chip",
          "model_shape": flags_cfg["model_shape"], "context_tokens": int(flags_cfg["max_model_len"]), "dtype": flags_cfg["dtype"],
-         "compiler": aot.compiler_version(tgt.platform), "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
+         "compiler": aot_compile.compiler_version(tgt.platform), "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
          "failures": failures}
   for b, row in seconds.items():
     for k_max in range(2, max(chain_ks) + 1, 2):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve import aot
+from serve import aot_compile
 
 
 def num(x, scale: float, digits: int) -> str:
@@ -37,7 +37,7 @@ def report_md(run: dict, records: list) -> str:
         f"{num(r['flops'], 1e-9, 1)} | "
         f"{num(r['bytes_accessed'], 1e-9, 2)} | {num(r['optimal_seconds'], 1e3, 3)} | {kern} | "
         f"{', '.join(r['host_callbacks']) or 'none'} | {r['compile_seconds']} |")
-  bad = [r["name"] for r in records if not aot.ok(r)]
+  bad = [r["name"] for r in records if not aot_compile.ok(r)]
   planned = run.get("programs_planned", len(records))
   lines += ["", f"**{len(records) - len(bad)} of {len(records)} programs compiled and fit, with no copy of the KV "
             "cache, no host callback and a positive cost estimate**" +

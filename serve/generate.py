@@ -83,11 +83,13 @@ def load_setup(cfg: dict) -> Setup:
   if not prompts:
     raise ValueError("no prompts left after --categories/--limit")
   prompt_ids = [tokenizer.encode(p.text) for p in prompts]
-  for p, ids in zip(prompts, prompt_ids):
-    if len(ids) + cfg["max_new_tokens"] + cfg["num_speculative_tokens"] + 1 > config.max_seq_len:
-      raise ValueError(f"prompt {p.id!r} has {len(ids)} tokens; with {cfg['max_new_tokens']} new tokens it "
-                       f"exceeds the context of {config.max_seq_len}")
   proposer, proposer_params = build_method(cfg, cfg["method"], config, params, impl)
+  # A step writes k tokens past the committed ones for a chain, nodes - 1 for a tree.
+  lookahead = max(proposer.k, proposer.tree.lookahead if proposer.tree is not None else 0)
+  for p, ids in zip(prompts, prompt_ids):
+    if len(ids) + cfg["max_new_tokens"] + lookahead + 1 > config.max_seq_len:
+      raise ValueError(f"prompt {p.id!r} has {len(ids)} tokens; with {cfg['max_new_tokens']} new tokens and "
+                       f"{lookahead + 1} for a step's drafts it exceeds the context of {config.max_seq_len}")
   return Setup(config, params, tokenizer, impl, prompts, prompt_ids, proposer, proposer_params)
 
 

@@ -24,7 +24,8 @@ DEFAULT_PROMPTS = [
                 "and is expected to open next spring. Council members said the library is the most visited "
                 "public building in the city.\nSummary: The city council voted on Tuesday to expand the public "
                 "library,")},
-    {"id": "chat", "category": "chat", "turns": ["Write a haiku about the ocean."]},
+    # Plain text to continue: the packaged Gemma 3 270M is a base model (a chat turn makes it babble).
+    {"id": "recipe", "category": "open", "prompt": "Pancakes\n\nIngredients:\n- 1 cup flour\n-"},
 ]
 
 

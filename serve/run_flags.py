@@ -7,12 +7,17 @@ field, and a flag the config lacks fills it in.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from absl import flags
 from ml_collections import config_flags
 
 from spec_jax.proposers.registry import METHODS
+
+# absl's default verbosity is INFO, which would print jax's backend probing ("Unable to initialize backend 'tpu'")
+# at every start of a command on a machine without that chip.
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_270m.py")
 

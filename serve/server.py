@@ -43,7 +43,8 @@ def define_flags() -> None:
   flags.DEFINE_float("timing_probe_s", None, "Every this many seconds while drafting, time one propose() and one "
                     "step on the live batch (the proposer's share of a step in /metrics); 0 = never.")
   flags.DEFINE_string("api_key", None, "When set, /v1 and /admin need 'Authorization: Bearer KEY'.")
-  flags.DEFINE_string("served_model_name", None, "The model id clients send (default gemma-3-270m).")
+  flags.DEFINE_string("served_model_name", None, "The model id clients send (default: the --model file's or "
+                      "directory's name without extension; gemma-3-270m for the packaged model).")
   flags.DEFINE_string("guardrails", None, "Automatic rollback, JSON inline or a file (serve/guardrails.py).")
   flags.DEFINE_float("request_timeout_s", None, "A request still unfinished after this long fails with 504.")
   flags.DEFINE_float("drain_timeout_s", None, "SIGTERM: how long running requests may take to finish.")
@@ -56,7 +57,7 @@ def define_flags() -> None:
 FLAGS = flags.FLAGS
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, speculative_config=None, max_num_seqs=4, max_queue=64,
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
-                       served_model_name="gemma-3-270m",
+                       served_model_name=None,
                        guardrails=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
                        warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
                        mesh="")
@@ -65,8 +66,19 @@ log = logging.getLogger("spec_jax.server")
 
 def settings() -> dict:
   """Config file fields, overridden by explicit flags; server fields fall back to SERVER_DEFAULTS."""
-  return run_flags.settings(more=tuple(n for n in SERVER_DEFAULTS if n not in run_flags.RUN_FLAGS),
-                            defaults=SERVER_DEFAULTS)
+  cfg = run_flags.settings(more=tuple(n for n in SERVER_DEFAULTS if n not in run_flags.RUN_FLAGS),
+                           defaults=SERVER_DEFAULTS)
+  if not cfg["served_model_name"]:
+    cfg["served_model_name"] = default_model_name(cfg.get("model") or "")
+  return cfg
+
+
+def default_model_name(model: str) -> str:
+  """What clients call the model when --served_model_name is not given: the checkpoint's name, as vLLM does."""
+  if not model:
+    return "gemma-3-270m"
+  name = os.path.basename(os.path.normpath(model))
+  return name[:-len(".gguf")] if name.endswith(".gguf") else name
 
 
 # ------------------------------------------------------------------------------------------------ the engine

@@ -225,10 +225,6 @@ def shard_params(params, mesh: Optional[Mesh]):
   return put(params, param_shardings(params, mesh))
 
 
-def shard_state(state, mesh: Optional[Mesh]):
-  return state if mesh is None else put(state, state_shardings(state, mesh))
-
-
 def replicated(tree, mesh: Optional[Mesh]):
   """Host values -> replicated global arrays (a no-op without a mesh)."""
   if mesh is None:

@@ -70,15 +70,48 @@ def config_from_reader(reader, path: str) -> ModelConfig:
         bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", eos)), eos_ids=(eos,),
         pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", eos)),
     )
+  eos = int(field(reader, "tokenizer.ggml.eos_token_id", 1))
+  # A chat turn ends with <end_of_turn>, which Gemma's tokenizer metadata does not mark as an end token.
+  turn_end = _token_id(tokens, "<end_of_turn>")
   return ModelConfig(
       **common, activation="gelu_tanh", post_norms=True, qk_norm=True, qkv_bias=False,
       rope_base=float(field(reader, f"{a}.rope.freq_base", 1e6)), rope_base_local=10_000.0,
-      sliding_window=int(field(reader, f"{a}.attention.sliding_window", 512)), global_every=6,
-      query_pre_attn_scalar=256.0, embed_scale=True, tie_embeddings=True,
+      sliding_window=int(field(reader, f"{a}.attention.sliding_window", 512)),
+      global_every=_global_every(reader, a, common["num_layers"], path),
+      # The GGUF has no query_pre_attn_scalar; as llama.cpp does: d_model / heads for the 62-layer 27B, else head_dim.
+      query_pre_attn_scalar=float(n_embd // n_head if common["num_layers"] == 62 else head_dim),
+      embed_scale=True, tie_embeddings=True,
       bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", 2)),
-      eos_ids=(int(field(reader, "tokenizer.ggml.eos_token_id", 1)), 106),
+      eos_ids=(eos,) if turn_end in (None, eos) else (eos, turn_end),
       pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", 0)),
   )
+
+
+def _token_id(tokens, text: str):
+  """The id of the token spelled `text` in the GGUF vocabulary, or None."""
+  if tokens is None:
+    return None
+  for i, idx in enumerate(tokens.data):
+    if bytes(tokens.parts[idx]) == text.encode():
+      return i
+  return None
+
+
+def _global_every(reader, arch: str, num_layers: int, path: str) -> int:
+  """Every how many layers one attends globally. A GGUF may hold the per-layer pattern
+  (`<arch>.attention.sliding_window_pattern`, true where the layer is local); Gemma 3's conversions carry none,
+  and llama.cpp fixes it at every sixth layer for the architecture, as its config.json does."""
+  pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+  if pattern is None:
+    return 6
+  value = pattern.contents()
+  if isinstance(value, int):
+    return value
+  local = [bool(v) for v in value]
+  period = local.index(False) + 1 if False in local else 0
+  if not period or local != [(i + 1) % period != 0 for i in range(num_layers)]:
+    raise ValueError(f"{path}: sliding_window_pattern {local} is not one global layer every N")
+  return period
 
 
 def _dequantize_all(reader, config: ModelConfig, path: str) -> dict:

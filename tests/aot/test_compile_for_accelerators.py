@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from serve import aot, aot_programs as progs
+from serve import aot_compile, aot_programs as progs
 from spec_jax.models.shapes import model_shape
 
 pytestmark = pytest.mark.aot
@@ -30,8 +30,8 @@ def _need(module: str, what: str):
 
 
 def _programs(target_name, shape, mesh="", *, methods, slots, tokens, topk=1, train=()):
-  tgt = aot.target(target_name)
-  place = progs.Placement(tgt.devices[0], aot.mesh_of(list(tgt.devices), mesh))
+  tgt = aot_compile.target(target_name)
+  place = progs.Placement(tgt.devices[0], aot_compile.mesh_of(list(tgt.devices), mesh))
   config = model_shape(shape)
   out = progs.serving_programs(config, place, methods=methods, k=4, topk=topk, nodes=16, max_num_seqs=slots,
                                max_model_len=tokens, dtype=jnp.bfloat16, impl=tgt.attention_impl,
@@ -41,7 +41,7 @@ def _programs(target_name, shape, mesh="", *, methods, slots, tokens, topk=1, tr
 
 
 def _check(tgt, prog, *, kernel: bool):
-  rec = aot.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)
+  rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)
   assert rec["compiled"], rec.get("error")
   assert rec["fits"], rec["memory"]
   assert rec["host_callbacks"] == []
@@ -85,7 +85,7 @@ def test_a_copy_of_a_cache_layer_is_caught():
   """The negative control of the check above: a program that materializes one layer of the cache (as the old
   kernel wrapper did) is flagged; the same program reading the layer in place is not."""
   _need("libtpu", "libtpu (the TPU compiler)")
-  tgt = aot.target("v5e:2x2")
+  tgt = aot_compile.target("v5e:2x2")
   sh = jax.sharding.SingleDeviceSharding(tgt.devices[0])
   # A layer of 256 MB: XLA:TPU keeps a small temporary (8 MB at 8 x 2048) in the chip's VMEM, which is not HBM
   # and not counted, so the control must be larger than VMEM.
@@ -103,7 +103,7 @@ def test_a_copy_of_a_cache_layer_is_caught():
   found = {}
   for name, fn in (("copying", copying), ("in_place", in_place)):
     prog = progs.Program(name, jax.jit(fn), (cache, layer), cache_layer=(B, H, S, D))
-    found[name] = aot.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)["cache_copies"]
+    found[name] = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)["cache_copies"]
   assert found["in_place"] == []
   assert [c["shape"] for c in found["copying"]] == ["bf16[32,1,16384,256]"], found["copying"]
 
@@ -126,7 +126,7 @@ def test_a_kernel_over_the_h200_shared_memory_fails():
   """The GPU check can fail: a block of 1024 KV slots at head size 256 does not fit an SM's shared memory."""
   _need("jax_plugins.xla_cuda12", "jax's CUDA plugin")
   from spec_jax.kernels.pallas_gpu import attention_pallas_gpu
-  tgt = aot.target("h200")
+  tgt = aot_compile.target("h200")
   sh = jax.sharding.SingleDeviceSharding(tgt.devices[0])
   s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
   B, T, Hq, H, S, D = 2, 5, 8, 1, 4096, 256
@@ -136,8 +136,8 @@ def test_a_kernel_over_the_h200_shared_memory_fails():
   def fn(block_k):
     return jax.jit(lambda q, kn, vn, kc, vc, p, l: attention_pallas_gpu(q, kn, vn, kc, vc, p, l, scale=0.1,
                                                                         layer=0, block_k=block_k))
-  fits = aot.compile_program(progs.Program("block 64", fn(64), args), tgt.devices[0], tgt.capacity_bytes)
-  too_big = aot.compile_program(progs.Program("block 1024", fn(1024), args), tgt.devices[0], tgt.capacity_bytes)
+  fits = aot_compile.compile_program(progs.Program("block 64", fn(64), args), tgt.devices[0], tgt.capacity_bytes)
+  too_big = aot_compile.compile_program(progs.Program("block 1024", fn(1024), args), tgt.devices[0], tgt.capacity_bytes)
   assert fits["compiled"], fits.get("error")
   assert not too_big["compiled"] and "shared memory" in too_big["error"].lower(), too_big
 
@@ -156,7 +156,7 @@ def test_the_command_reports_and_fails_on_what_does_not_fit(tmp_path):
                       capture_output=True, text=True, timeout=900)
   assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
   report = json.loads((tmp_path / "gemma" / "report.json").read_text())
-  assert report["run"]["chip"] == "TPU v5 lite" and all(aot.ok(r) for r in report["programs"])
+  assert report["run"]["chip"] == "TPU v5 lite" and all(aot_compile.ok(r) for r in report["programs"])
   assert "programs compiled and fit" in (tmp_path / "gemma" / "report.md").read_text()
   big = subprocess.run(base + ["--model_shape=llama3-70b", f"--output={tmp_path / 'llama'}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)

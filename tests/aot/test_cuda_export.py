@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from serve import aot, aot_programs as progs
+from serve import aot_compile, aot_programs as progs
 from spec_jax.models.shapes import model_shape
 
 METHODS = ["none", "ngram", "medusa", "eagle", "eagle3", "draft", "qdraft"]
@@ -33,7 +33,7 @@ def test_every_program_exports_for_cuda_with_the_triton_kernel(programs):
     assert any(n.startswith(f"decode_loop[{m} tree") for n in names), m
   failed, no_kernel = [], []
   for prog in programs:
-    rec = aot.export_cuda(prog)
+    rec = aot_compile.export_cuda(prog)
     if not rec["exported"]:
       failed.append((prog.name, rec["error"][:500]))
       continue
@@ -52,5 +52,5 @@ def test_export_without_the_gpu_kernel_holds_no_triton_call():
   place = progs.Placement(None, None, lowering="gpu")
   prog = progs.serving_programs(config, place, methods=["none"], k=4, topk=1, nodes=0, max_num_seqs=2,
                                 max_model_len=512, dtype=jnp.bfloat16, impl="xla", insert_buckets=[])[0]
-  rec = aot.export_cuda(prog)
+  rec = aot_compile.export_cuda(prog)
   assert rec["exported"] and rec["triton_calls"] == 0

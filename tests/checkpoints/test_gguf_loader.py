@@ -12,7 +12,7 @@ from spec_jax.models.transformer import init_params
 from tests.checkpoints.gguf_writer import write_tiny_gguf
 from tests.conftest import tiny_gemma_config
 
-CONFIG = tiny_gemma_config(num_layers=6, global_every=6, query_pre_attn_scalar=256.0, eos_ids=(1, 106))
+CONFIG = tiny_gemma_config(num_layers=6, global_every=6)
 
 
 @pytest.fixture()
@@ -32,7 +32,7 @@ def test_round_trip_config_and_params(tiny):
   path, params = tiny
   config, loaded = load_gguf(str(path), use_cache=False)
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                "sliding_window", "rope_base", "bos_id"):
+                "sliding_window", "global_every", "query_pre_attn_scalar", "rope_base", "bos_id", "eos_ids"):
     assert getattr(config, field) == getattr(CONFIG, field), field
   _assert_params_equal(loaded, params)
 
@@ -95,4 +95,42 @@ def test_misshapen_tensor(tmp_path):
   n = CONFIG.d_model
   write_tiny_gguf(path, CONFIG, params, reshape={"blk.2.attn_norm.weight": (n // 2, 2)})
   with pytest.raises(ValueError, match="blk.2.attn_norm.weight.*shape"):
+    load_gguf(str(path), use_cache=False)
+
+
+def _with_tokens(tokens):
+  def extra(w):
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([1] * len(tokens))
+  return extra
+
+
+def test_end_of_turn_and_the_layer_pattern_come_from_the_file(tmp_path):
+  """The chat turn's end token is looked up in the file's vocabulary (not assumed to be id 106), and a per-layer
+  sliding-window pattern in the metadata sets which layers are global (6 when the file has none, llama.cpp's
+  rule for Gemma 3)."""
+  config = tiny_gemma_config(num_layers=4, global_every=2)
+  params = jax.tree.map(np.asarray, init_params(config, jax.random.PRNGKey(0)))
+  tokens = ["<pad>", "<eos>", "<bos>"] + [f"t{i}" for i in range(3, config.vocab_size)]
+  tokens[40] = "<end_of_turn>"
+  path = tmp_path / "turn.gguf"
+  write_tiny_gguf(path, config, params, extra=_with_tokens(tokens))
+  loaded, _ = load_gguf(str(path), use_cache=False)
+  assert loaded.eos_ids == (1, 40) and loaded.global_every == 6
+
+  def with_pattern(w):
+    _with_tokens(tokens)(w)
+    w.add_array("gemma3.attention.sliding_window_pattern", [True, False, True, False])
+  write_tiny_gguf(path, config, params, extra=with_pattern)
+  loaded, _ = load_gguf(str(path), use_cache=False)
+  assert loaded.global_every == 2
+  np.testing.assert_array_equal(loaded.layer_is_global(), config.layer_is_global())
+
+  def bad_pattern(w):
+    _with_tokens(tokens)(w)
+    w.add_array("gemma3.attention.sliding_window_pattern", [True, False, False, True])
+  write_tiny_gguf(path, config, params, extra=bad_pattern)
+  with pytest.raises(ValueError, match="not one global layer every N"):
     load_gguf(str(path), use_cache=False)

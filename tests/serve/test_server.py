@@ -39,8 +39,7 @@ def write_tiny_model(path) -> str:
   tokens += ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u2581" + w for w in WORDS]
   types += [1] * (27 + len(WORDS))
   scores = [-1000.0] * 9 + [0.0] * 256 + [-float(i) for i in range(27)] + [10.0] * len(WORDS)
-  config = tiny_gemma_config(vocab_size=len(tokens), num_layers=6, global_every=6, query_pre_attn_scalar=256.0,
-                             eos_ids=(1, 106), max_seq_len=1024)
+  config = tiny_gemma_config(vocab_size=len(tokens), num_layers=6, global_every=6, eos_ids=(1, 6), max_seq_len=1024)
   params = jax.tree.map(np.asarray, init_params(config, jax.random.PRNGKey(0)))
   embed = np.array(params["embed"])
   embed[[1, 6, 106]] = 0.0  # stop tokens (<eos>, <end_of_turn>, id 106) never win: runs end at max_tokens
@@ -351,19 +350,23 @@ def test_metrics_parse_and_add_up(server):
   assert metric(m1, "spec_jax:num_slots") == 4 and metric(m1, "spec_jax:speculation_enabled") == 1
 
 
+# A prompt that repeats itself: the n-gram proposer finds drafts from the first step on.
+COPY_PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat"
+
+
 def test_admin_switch_rolls_back_without_restart(server):
   c = server.client()
   with server.http() as h:
     assert h.post("/admin/speculation", json={"enabled": "no"}).status_code == 400
     assert httpx.post(f"{server.url}/admin/speculation", json={"enabled": False}).status_code == 401
-    ref = c.completions.create(model=MODEL, prompt="the cat sat", max_tokens=30, temperature=0)
+    ref = c.completions.create(model=MODEL, prompt=COPY_PROMPT, max_tokens=30, temperature=0)
     r = h.post("/admin/speculation", json={"enabled": False})
     assert r.status_code == 200 and r.json()["enabled"] is False
-    off = c.completions.create(model=MODEL, prompt="the cat sat", max_tokens=30, temperature=0)
+    off = c.completions.create(model=MODEL, prompt=COPY_PROMPT, max_tokens=30, temperature=0)
     assert off.choices[0].text == ref.choices[0].text and off.usage.model_extra["drafted_tokens"] == 0
     assert metric(server.metrics(), "spec_jax:speculation_enabled") == 0
     assert h.post("/admin/speculation", json={"enabled": True}).json()["enabled"] is True
-    on = c.completions.create(model=MODEL, prompt="the cat sat", max_tokens=30, temperature=0)
+    on = c.completions.create(model=MODEL, prompt=COPY_PROMPT, max_tokens=30, temperature=0)
     assert on.choices[0].text == ref.choices[0].text and on.usage.model_extra["drafted_tokens"] > 0
   m = server.metrics()
   assert metric(m, "spec_jax:speculation_switches_total", enabled="false", reason="admin") >= 1
