@@ -127,7 +127,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("draft_model_shape", "", "method=draft: an independent draft's shape ('' = the 2-layer "
                       "distilled draft this project trains).")
   flags.DEFINE_string("mesh", "", "'data:N,model:M' over the topology's chips ('' = one chip).")
-  flags.DEFINE_list("methods", ["none", "ngram", "medusa", "eagle", "eagle3", "draft", "qdraft"], "Methods.")
+  from serve.aot_programs import METHODS
+  flags.DEFINE_list("methods", list(METHODS), "Methods (eagle3: EAGLE-3 heads, which serving loads as eagle).")
   flags.DEFINE_integer("num_speculative_tokens", 4, "k (tree depth for trees).")
   flags.DEFINE_integer("eagle_topk", 4, "Tree branching (1: chains only).")
   flags.DEFINE_integer("num_draft_tokens", 16, "Tree nodes, root included (0: 1 + k * topk).")

@@ -22,9 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from spec_jax import sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
+from spec_jax.proposers import registry
 
 SDS = jax.ShapeDtypeStruct
-METHODS = ("none", "ngram", "medusa", "eagle", "eagle3", "draft", "qdraft")
+# The registry's methods, and eagle3 apart: serving loads EAGLE-3 heads as eagle (from the checkpoint), while from
+# shapes alone the head kind must be named.
+METHODS = (*registry.METHODS, "eagle3")
 TREE_METHODS = ("medusa", "eagle", "eagle3", "draft")
 DRAFT_VOCAB = 32000  # EAGLE-3's published heads draft over 32k ids
 

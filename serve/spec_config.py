@@ -18,8 +18,10 @@ import dataclasses
 import json
 import os
 
-METHOD_ALIASES = {"ngram": "ngram", "draft": "draft", "draft_model": "draft", "medusa": "medusa", "eagle": "eagle",
-                  "qdraft": "qdraft", "none": "none", "off": "none", "": "none"}
+from spec_jax.proposers.registry import METHODS
+
+# The registry's names, and vLLM's spellings of two of them.
+METHOD_ALIASES = {**{m: m for m in METHODS}, "draft_model": "draft", "off": "none", "": "none"}
 _ENTRY_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "draft_layers",
                "eagle_topk", "num_draft_tokens", "quantization"}
 _TOP_KEYS = _ENTRY_KEYS | {"per_concurrency"}
@@ -88,7 +90,7 @@ def _entry(d: dict, base: dict, what: str) -> dict:
   d = {**base, **d}
   method = d.get("method", "ngram" if d.get("num_speculative_tokens") else "none")
   if not isinstance(method, str) or method.lower() not in METHOD_ALIASES:
-    raise ValueError(f"{what}: method must be one of draft, ngram, medusa, eagle, qdraft, got {method!r}")
+    raise ValueError(f"{what}: method must be one of {', '.join(m for m in METHODS if m != 'none')}, got {method!r}")
   method = METHOD_ALIASES[method.lower()]
   k = _int(d, "num_speculative_tokens", 4 if method != "none" else 0, what)
   if method == "none" or k == 0:
