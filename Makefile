@@ -35,14 +35,16 @@ TINY_XLA_FLAGS := --xla_backend_optimization_level=0
 test: install-aot
 	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow and not alone and not aot" tests
 	$(PYTEST) --durations=20 -m "slow and not alone and not aot" tests
-	$(MAKE) test-aot
+	$(MAKE) test-aot AOT_TESTS="aot and not aot_full"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone tests
 	$(MAKE) test-standalone
 
-# Every program compiled for TPU (v5e) and an H200 from this CPU host (tests marked aot, serve.aot).
+# Every program compiled for TPU (v5e) and an H200 from this CPU host (tests marked aot, serve.aot); make test runs
+# them less the longest compiles (marked aot_full).
+AOT_TESTS ?= aot
 test-aot: install-aot
 	SPEC_JAX_AOT=required JAX_PLATFORMS=cpu $(AOT_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 \
-	  --dist load --durations=20 -m aot tests
+	  --dist load --durations=20 -m "$(AOT_TESTS)" tests
 
 # The tests that read the project's data (its location, distillation, the trainer's data pipeline, the load
 # matrix's traffic), run from a copy of the working tree in an empty folder: nothing beside it can be read.

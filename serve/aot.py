@@ -21,6 +21,9 @@ this one process, as the pod evaluation job's programs.
 
 from __future__ import annotations
 
+# First: it sets the compilers' environment (libtpu, XLA's logging) before JAX loads them.
+from serve.aot_compile import compile_program, compiler_version, mesh_of, ok, target  # noqa: I001
+
 import json
 import os
 import sys
@@ -28,8 +31,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-
-from serve.aot_compile import compile_program, compiler_version, mesh_of, ok, target  # sets libtpu's environment
 
 
 def run(flags_cfg: dict, log=print, on_record=None) -> tuple[dict, list]:

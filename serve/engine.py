@@ -25,7 +25,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import numpy as np
@@ -33,6 +33,7 @@ import numpy as np
 from serve.guardrails import Guardrails
 from serve import timing_probe
 from serve.metrics import Metrics
+from serve.output_stream import Output, TextStream, Usage
 from spec_jax import backend, sharding, slots
 from spec_jax.decode import FINISH_NAMES, decode_loop
 
@@ -46,70 +47,6 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
   """The engine is draining or stopped: answer 503."""
-
-
-@dataclasses.dataclass
-class Usage:
-  prompt_tokens: int
-  completion_tokens: int
-  drafted_tokens: int
-  accepted_tokens: int
-  drafts: int
-
-
-@dataclasses.dataclass
-class Delta:
-  """Everything handed to a request since the last `take`."""
-  text: str
-  token_ids: list
-  finish_reason: Optional[str] = None
-  error: Optional[tuple] = None  # (status, kind, message)
-  usage: Optional[Usage] = None
-
-  @property
-  def finished(self) -> bool:
-    return self.finish_reason is not None or self.error is not None
-
-
-class Output:
-  """One request's output, filled by the engine thread and drained by the HTTP layer.
-
-  Deltas merge while the client is slow (the engine only appends under a short lock); `notify` is called after
-  each append (the server wakes its asyncio task with it)."""
-
-  def __init__(self, notify: Callable[[], None] | None = None):
-    self._lock = threading.Lock()
-    self._text: list = []
-    self._ids: list = []
-    self._final: Optional[Delta] = None
-    self._taken_final = False
-    self.notify = notify or (lambda: None)
-
-  def put(self, text: str = "", token_ids=(), *, finish_reason=None, error=None, usage=None) -> None:
-    with self._lock:
-      if self._final is not None:
-        return
-      if text:
-        self._text.append(text)
-      self._ids.extend(token_ids)
-      if finish_reason is not None or error is not None:
-        self._final = Delta("", [], finish_reason, error, usage)
-    try:
-      self.notify()
-    except RuntimeError:  # the server's event loop is closed (shutting down): nobody is listening
-      pass
-
-  def take(self) -> Optional[Delta]:
-    """Pending text and ids (and the end, once reached); None when there is nothing new."""
-    with self._lock:
-      if not self._text and not self._ids and (self._final is None or self._taken_final):
-        return None
-      d = Delta("".join(self._text), self._ids)
-      self._text, self._ids = [], []
-      if self._final is not None:
-        d.finish_reason, d.error, d.usage = self._final.finish_reason, self._final.error, self._final.usage
-        self._taken_final = True
-      return d
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,8 +68,7 @@ class EngineRequest:
   first_at: Optional[float] = None
   last_at: Optional[float] = None
   n_tokens: int = 0  # tokens taken from the row (stop token included)
-  text: str = ""  # generated text not yet handed over (stop strings: the held-back tail)
-  decoder: object = None
+  stream: Optional[TextStream] = None  # set when the request takes a slot
   drafted: int = 0
   accepted: int = 0
   drafts: int = 0
@@ -440,7 +376,7 @@ class Engine:
           self._device_failure(e)
         continue
       req.slot, req.admitted_at = slot, now
-      req.decoder = self.tokenizer.stream(skip_special=True)
+      req.stream = TextStream(req.output, self.tokenizer.stream(skip_special=True), req.stop)
       req.accepted_at = np.zeros(max(self.spec.k_max, 1), np.int64)
       self._slot_req[slot] = req
       self.metrics.queue_time.observe(now - req.arrival)
@@ -473,9 +409,7 @@ class Engine:
     t1 = time.perf_counter()
     now = time.monotonic()
     uses = np.asarray(arr.option_uses, np.int64)
-    for k, n in zip(self.spec.ks, uses - self._last_uses):
-      if n > 0:
-        self.metrics.steps_by_k.labels(k=str(k)).inc(int(n))
+    self.metrics.observe_steps(self.spec.ks, uses - self._last_uses)
     self._last_uses = uses
     drafted = accepted = 0
     itl: list = []
@@ -495,20 +429,12 @@ class Engine:
     return time.perf_counter() - t1
 
   def _advance(self, req: EngineRequest, slot: int, arr, now: float, itl: list) -> tuple[int, int]:
-    m = self.metrics
     drafted, accepted = int(arr.drafted[slot]), int(arr.accepted[slot])
     drafts = int(arr.drafted_at[slot, 0]) if arr.drafted_at.shape[1] else 0
-    acc_at = np.asarray(arr.accepted_at[slot], np.int64)
-    dd, da = drafted - req.drafted, accepted - req.accepted
-    if dd:
-      m.num_draft_tokens.inc(dd)
-      m.num_drafts.inc(drafts - req.drafts)
-    if da:
-      m.num_accepted_tokens.inc(da)
-      for pos in np.nonzero(acc_at[:len(req.accepted_at)] - req.accepted_at)[0]:
-        m.accepted_per_pos.labels(position=str(pos)).inc(int(acc_at[pos] - req.accepted_at[pos]))
-    req.drafted, req.accepted, req.drafts = drafted, accepted, drafts
-    req.accepted_at = acc_at[:len(req.accepted_at)].copy()
+    acc_at = np.asarray(arr.accepted_at[slot], np.int64)[:len(req.accepted_at)]
+    dd, da = drafted - req.drafted, accepted - req.accepted  # the row's counters are cumulative
+    self.metrics.observe_drafts(dd, da, drafts - req.drafts, acc_at - req.accepted_at)
+    req.drafted, req.accepted, req.drafts, req.accepted_at = drafted, accepted, drafts, acc_at.copy()
 
     start = int(arr.prompt_lens[slot]) + req.n_tokens
     new = arr.tokens[slot, start:int(arr.lengths[slot])].tolist()
@@ -534,37 +460,16 @@ class Engine:
     req.last_at = now
     m.generation_tokens.inc(n)
     text_ids = ids[:-1] if ends_with_stop_token else ids
-    if not req.stop:
-      req.n_tokens += n
-      req.output.put(req.decoder.add(text_ids), ids)
-      return
-    longest = max(len(s) for s in req.stop)
-    for i, t in enumerate(ids):
-      req.n_tokens += 1
-      before = len(req.text)
-      if i < len(text_ids):
-        req.text += req.decoder.add(t)
-      hit = _find_stop(req.text, req.stop, max(0, before - longest + 1))
-      if hit >= 0:
-        req.output.put(req.text[:hit], ids[:i + 1])
-        req.text = ""
-        self._finish(req, "stop", now, flush=False)
-        return
-    safe = len(req.text) - (longest - 1)
-    if safe > 0:
-      req.output.put(req.text[:safe], ids)
-      req.text = req.text[safe:]
-    else:
-      req.output.put("", ids)
+    taken = req.stream.push(ids, text_ids)
+    req.n_tokens += taken
+    if taken < n:  # a stop string ended the text
+      self._finish(req, "stop", now, flush=False)
 
   def _finish(self, req: EngineRequest, reason: str, now: float, flush: bool = True) -> None:
     if req.finished:
       return
     req.finished = True
-    tail = ""
-    if flush and req.decoder is not None:
-      tail = req.text + req.decoder.flush()
-      req.text = ""
+    tail = req.stream.flush() if flush and req.stream is not None else ""
     m = self.metrics
     m.finished.labels(finished_reason=reason).inc()
     m.e2e.observe(now - req.arrival)
@@ -582,12 +487,6 @@ class Engine:
   def _usage(self, req: EngineRequest) -> Usage:
     return Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=req.n_tokens, drafted_tokens=req.drafted,
                  accepted_tokens=req.accepted, drafts=req.drafts)
-
-
-def _find_stop(text: str, stops: tuple, start: int) -> int:
-  """Earliest index at which any stop string begins, searching from `start`; -1 if none."""
-  hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-  return min(hits) if hits else -1
 
 
 def _deleted(state) -> bool:

@@ -88,5 +88,22 @@ class Metrics:
     for reason in ("stop", "length", "abort"):
       self.finished.labels(finished_reason=reason)
 
+  def observe_steps(self, ks: tuple, new_uses) -> None:
+    """Loop steps since the last snapshot, per option (`new_uses[i]` steps drafted `ks[i]` tokens)."""
+    for k, n in zip(ks, new_uses):
+      if n > 0:
+        self.steps_by_k.labels(k=str(k)).inc(int(n))
+
+  def observe_drafts(self, drafted: int, accepted: int, drafts: int, accepted_at) -> None:
+    """One request's speculation since its last snapshot: tokens drafted and accepted, drafting steps, and
+    accepted tokens per draft position (`accepted_at[j]`: at position j)."""
+    if drafted:
+      self.num_draft_tokens.inc(drafted)
+      self.num_drafts.inc(drafts)
+    if accepted:
+      self.num_accepted_tokens.inc(accepted)
+      for pos in accepted_at.nonzero()[0]:
+        self.accepted_per_pos.labels(position=str(pos)).inc(int(accepted_at[pos]))
+
   def render(self) -> bytes:
     return generate_latest(self.registry)

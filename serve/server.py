@@ -151,7 +151,8 @@ def create_app(engine, tokenizer, cfg: dict):
   from pydantic import ValidationError
   from starlette.exceptions import HTTPException
 
-  from serve.engine import EngineStopped, Output, QueueFull
+  from serve.engine import EngineStopped, QueueFull
+  from serve.output_stream import Output
   from serve.protocol import (APIError, ChatRequest, CompletionRequest, chat_body, chat_chunk, completion_body,
                               completion_chunk, new_id, usage_chunk)
 

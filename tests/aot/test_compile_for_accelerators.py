@@ -40,8 +40,10 @@ def _programs(target_name, shape, mesh="", *, methods, slots, tokens, topk=1, tr
   return tgt, {p.name: p for p in out}
 
 
-def _check(tgt, prog, *, kernel: bool):
-  rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)
+def _check(tgt, prog, *, kernel: bool, cost: bool = True):
+  """Compiled, fits, no host callback, no copy of the cache, the attention kernel inside (serving programs), and on
+  TPU a positive cost estimate (`cost`: where the test asks for one; a second compile for some programs)."""
+  rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes, cost=cost)
   assert rec["compiled"], rec.get("error")
   assert rec["fits"], rec["memory"]
   assert rec["host_callbacks"] == []
@@ -49,13 +51,20 @@ def _check(tgt, prog, *, kernel: bool):
   want = "spec_attention_tpu" if tgt.platform == "tpu" else "spec_attention_gpu"
   if kernel:
     assert rec["kernels"].get(want, 0) >= 1, rec["kernels"]
-  if tgt.platform == "tpu":
+  if tgt.platform == "tpu" and cost:
     assert rec["optimal_seconds"] > 0, rec
   return rec
 
 
+def _global_bytes(args) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args) if hasattr(x, "dtype"))
+
+
+# The longest compiles (1.5-15 minutes each on 2 busy cores) run in `make test-aot` only, not in `make test`'s
+# budget: serve.aot's reports (benchmarks/reports/aot) compile every program at full size anyway.
+FULL = pytest.mark.aot_full
 GEMMA_TPU = ["decode_loop[none]", "decode_loop[ngram]", "decode_loop[eagle]", "decode_loop[eagle tree16]",
-             "insert[eagle, prompt 16]", "train_step[eagle]"]
+             "insert[eagle, prompt 16]", pytest.param("train_step[eagle]", marks=FULL)]
 
 
 @pytest.mark.parametrize("name", GEMMA_TPU)
@@ -66,19 +75,21 @@ def test_gemma3_270m_on_one_v5e_chip(name):
   _check(tgt, ps[name], kernel=not name.startswith("train"))
 
 
-LLAMA_SHARDED = ["decode_loop[ngram]", "decode_loop[eagle]", "decode_loop[eagle tree16]", "insert[ngram, prompt 16]",
-                 "train_step[eagle]"]
+LLAMA_SHARDED = ["decode_loop[ngram]", pytest.param("decode_loop[eagle]", marks=FULL), "decode_loop[eagle tree16]",
+                 "insert[ngram, prompt 16]", pytest.param("train_step[eagle]", marks=FULL)]
 
 
 @pytest.mark.parametrize("name", LLAMA_SHARDED)
 def test_llama3_8b_sharded_model4_on_v5e_2x2(name):
   """Tensor parallel over four chips: the Mosaic kernel must sit in a shard_map (the SPMD partitioner refuses to
-  split it), the eight KV heads two to a chip; the weights and a 8 x 4096-token cache fit 16 GiB per chip."""
+  split it), the eight KV heads two to a chip; the weights and a 8 x 4096-token cache fit 16 GiB per chip, each
+  chip holding about a quarter of the program's arguments (the trainer's frozen float32 target too), not all.
+  The cost estimate is Gemma's tests' to check (here a second compile for the EAGLE programs)."""
   _need("libtpu", "libtpu (the TPU compiler)")
   tgt, ps = _programs("v5e:2x2", "llama3-8b", "model:4", methods=["ngram", "eagle"], slots=8, tokens=4096, topk=4,
                       train=["eagle"])
-  rec = _check(tgt, ps[name], kernel=not name.startswith("train"))
-  assert rec["memory"]["argument_bytes"] < 16e9 / 2  # a quarter of the weights per chip, not all of them
+  rec = _check(tgt, ps[name], kernel=not name.startswith("train"), cost=False)
+  assert rec["memory"]["argument_bytes"] < _global_bytes(ps[name].args) / 3
 
 
 def test_a_copy_of_a_cache_layer_is_caught():
