@@ -275,10 +275,7 @@ class Engine:
       if mem is not None:
         self.metrics.device_memory.set(mem[0])
         self.metrics.device_memory_peak.set(mem[1])
-    running, waiting = self.counts()
-    self.metrics.running.set(running)
-    self.metrics.slots_in_use.set(running)
-    self.metrics.waiting.set(waiting)
+    self.metrics.observe_occupancy(*self.counts())
 
   def _probe_due(self, now: float) -> bool:
     """Time this iteration? Only while some running request drafts (a k = 0 batch has no proposer time)."""

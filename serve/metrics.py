@@ -88,6 +88,12 @@ class Metrics:
     for reason in ("stop", "length", "abort"):
       self.finished.labels(finished_reason=reason)
 
+  def observe_occupancy(self, running: int, waiting: int) -> None:
+    """Requests in slots and in the queue (every slot a running request holds is in use)."""
+    self.running.set(running)
+    self.slots_in_use.set(running)
+    self.waiting.set(waiting)
+
   def observe_steps(self, ks: tuple, new_uses) -> None:
     """Loop steps since the last snapshot, per option (`new_uses[i]` steps drafted `ks[i]` tokens)."""
     for k, n in zip(ks, new_uses):

