@@ -202,22 +202,14 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                                            mesh=spec.mesh)
   hidden = target_features(hidden, layers[0] if layers else None)
   out, n_acc = verify_chain(logits, draft_tokens, draft_probs, k_verify, state.sampling)
-  tokens, lengths, n_emit, finish, done = _commit(state, spec, active, out, n_acc)
+  committed = _commit(state, spec, active, out, n_acc)
+  n_emit = committed[2]
   cache = cache.replace(lengths=state.cache.lengths + n_emit)
-  pick = jnp.clip(n_emit - 1, 0, k)[:, None, None]
-  new_hidden = jnp.take_along_axis(hidden, pick, axis=1)[:, 0]
-  last_hidden = jnp.where((n_emit > 0)[:, None], new_hidden, state.last_hidden)
-
   pos = jnp.arange(k, dtype=jnp.int32)[None, :]
   committed_drafts = jnp.minimum(n_acc, n_emit)  # a stop token or the limit can cut accepted drafts
   stats = state.stats.record(active, draft_tokens >= 0, pos < committed_drafts[:, None], n_emit)
-  adapt = adaptive.observe(state.adapt, option, k, active & state.speculate, n_acc)
-  result = VerifyResult(out, n_acc, n_emit, lengths, hidden)
-  pstate = spec.proposer.update(params["proposer"], pstate, result)
-  done_step = jnp.where(done & ~state.done, state.step + 1, state.done_step)
-  return state.replace(tokens=tokens, lengths=lengths, cache=cache, pstate=pstate, key=key, done=done,
-                       finish=finish, stats=stats, adapt=adapt, last_hidden=last_hidden, step=state.step + 1,
-                       done_step=done_step)
+  return _step_done(params, state, spec, option, committed, out=out, n_acc=n_acc, cache=cache, path_hidden=hidden,
+                    pstate=pstate, key=key, stats=stats)
 
 
 def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> DecodeState:
@@ -249,22 +241,35 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   hidden = target_features(hidden, layers[0] if layers else None)
   out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
                                   max_children=shape.max_children)
-  tokens, lengths, n_emit, finish, done = _commit(state, spec, active, out, n_acc)
+  committed = _commit(state, spec, active, out, n_acc)
+  n_emit = committed[2]
   ck, cv = tree.compact_accepted(cache.k, cache.v, state.cache.lengths, nodes, n_acc,
                                   num_nodes=tree_tokens.shape[1])
   cache = cache.replace(k=ck, v=cv, lengths=state.cache.lengths + n_emit)
   # [B, k + 1, D] as a chain's; entries past the accepted path (node -1) repeat the root's (finite, never read)
   path_hidden = jnp.take_along_axis(hidden, jnp.maximum(nodes, 0)[:, :, None], axis=1)
-  pick = jnp.clip(n_emit - 1, 0, k)[:, None, None]
-  new_hidden = jnp.take_along_axis(path_hidden, pick, axis=1)[:, 0]
-  last_hidden = jnp.where((n_emit > 0)[:, None], new_hidden, state.last_hidden)
-
   # Per depth d: drafted when the row's tree reaches depth d + 1; accepted when the committed path does.
   d = jnp.arange(1, k + 1, dtype=jnp.int32)[None, :]
   reach = jnp.max(jnp.where(tree_tokens >= 0, depths, 0), axis=1)
   committed_drafts = jnp.minimum(n_acc, n_emit)
   stats = state.stats.record(active, d <= reach[:, None], d <= committed_drafts[:, None], n_emit,
                              drafted_count=jnp.sum(tree_tokens[:, 1:] >= 0, axis=1))
+  return _step_done(params, state, spec, option, committed, out=out, n_acc=n_acc, cache=cache,
+                    path_hidden=path_hidden, pstate=pstate, key=key, stats=stats)
+
+
+def _step_done(params, state: DecodeState, spec: LoopSpec, option: int, committed, *, out, n_acc, cache, path_hidden,
+               pstate, key, stats) -> DecodeState:
+  """The tail that chain and tree steps share, once the committed tokens (`_commit`'s output), cache and
+  acceptance stats are known: the features the proposer continues from, the adaptive controller's observation,
+  the proposer's update and the new state. `path_hidden` [B, k + 1, D]: the target's features along the
+  committed path (a chain's positions, or a tree's accepted nodes)."""
+  tokens, lengths, n_emit, finish, done = committed
+  k = spec.ks[option]
+  pick = jnp.clip(n_emit - 1, 0, k)[:, None, None]
+  new_hidden = jnp.take_along_axis(path_hidden, pick, axis=1)[:, 0]
+  last_hidden = jnp.where((n_emit > 0)[:, None], new_hidden, state.last_hidden)
+  active = ~state.done
   adapt = adaptive.observe(state.adapt, option, k, active & state.speculate, n_acc)
   pstate = spec.proposer.update(params["proposer"], pstate, VerifyResult(out, n_acc, n_emit, lengths, path_hidden))
   done_step = jnp.where(done & ~state.done, state.step + 1, state.done_step)
