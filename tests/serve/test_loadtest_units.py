@@ -193,8 +193,15 @@ def test_tuned_config_is_read_by_the_server():
   assert none["config"] == {} and parse_speculative_config("{}", {}).k == 0
 
 
-def test_traffic_is_deterministic_and_balanced():
-  prompts = load_prompts("")
+def test_traffic_is_deterministic_and_balanced(tmp_path):
+  # The built-in set is plain text; a file mixes plain prompts and Spec-Bench-style chat turns.
+  assert not any(p.is_chat for p in load_prompts(""))
+  f = tmp_path / "mixed.jsonl"
+  f.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"text {i}"} if i % 2 else
+                                  {"question_id": i, "category": "qa", "turns": [f"question {i}?"]}) + "\n"
+                       for i in range(6)))
+  prompts = load_prompts(str(f))
+  assert [p.is_chat for p in prompts] == [True, False] * 3 and prompts[0].id == "0" and prompts[1].id == "p1"
   a = build_requests(prompts, 10, {"name": "greedy", "temperature": 0.0}, (16, 64), seed=3)
   b = build_requests(prompts, 10, {"name": "greedy", "temperature": 0.0}, (16, 64), seed=3)
   assert [(r.prompt.id, r.max_tokens, r.seed) for r in a] == [(r.prompt.id, r.max_tokens, r.seed) for r in b]
