@@ -28,7 +28,8 @@ from serve.runner import timed_generate
 from spec_jax import slots
 from spec_jax.backend import batch_rows
 from spec_jax.config import SamplingParams
-from spec_jax.decode import decode_loop, make_spec, start
+from spec_jax.decode import decode_loop, make_spec
+from spec_jax.batch import start
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.ngram import NgramProposer

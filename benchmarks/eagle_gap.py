@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.checkpoints.load import load_model
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import eagle, vocab
 from spec_jax.proposers.registry import default_heads_path

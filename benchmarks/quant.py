@@ -34,7 +34,7 @@ from serve.runner import timed_generate
 from spec_jax import quant
 from spec_jax.checkpoints.load import load_model, load_params
 from spec_jax.config import SamplingParams
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.base import NoneProposer
 

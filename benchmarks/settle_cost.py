@@ -17,7 +17,8 @@ import numpy as np
 from absl import app, flags
 
 from spec_jax.config import ModelConfig
-from spec_jax.decode import decode_loop, make_spec, start
+from spec_jax.decode import decode_loop, make_spec
+from spec_jax.batch import start
 from spec_jax.models.transformer import init_params
 
 FLAGS = flags.DEFINE_integer("calls", 1000, "one-step decode_loop calls per arm and rep")

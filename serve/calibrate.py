@@ -60,7 +60,6 @@ def main(argv):
   from serve import generate as gen
   from spec_jax import backend
   from spec_jax.decode import make_spec
-
   FLAGS = flags.FLAGS
   cfg = gen.settings()
   setup = gen.load_setup(cfg)

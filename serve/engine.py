@@ -36,7 +36,6 @@ from serve.metrics import Metrics
 from serve.output_stream import Output, TextStream, Usage
 from spec_jax import backend, sharding, slots
 from spec_jax.decode import FINISH_NAMES, decode_loop
-
 log = logging.getLogger("spec_jax.engine")
 _FINISH = {"stop": "stop", "length": "length", "capacity": "length", "abort": "abort"}
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from spec_jax import backend, sharding
 from spec_jax.config import SamplingParams
-from spec_jax.decode import decode_loop, make_spec, result, start
+from spec_jax.decode import decode_loop, make_spec
+from spec_jax.batch import result, start
 from spec_jax.stats import Stats, summarize
 
 

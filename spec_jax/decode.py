@@ -1,6 +1,6 @@
 """The decode state, the draft-verify-commit step and the bounded generation loop (lax.while_loop).
 
-A DecodeState of B rows is a set of B slots. Batch generation (`generate`) prefills every row at once and runs
+A DecodeState of B rows is a set of B slots. Batch generation (`spec_jax.batch.generate`) prefills every row at once and runs
 the loop to the end; a server fills and empties single slots between bounded loop calls (spec_jax/slots.py).
 
 Invariant: row b's committed tokens are tokens[b, :lengths[b]]; the KV cache holds all of them but the last
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +25,10 @@ from spec_jax import adaptive, sharding, tree
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.models.transformer import forward, lm_head
-from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill
 from spec_jax.proposers.base import (NoneProposer, PrefillOut, ProposeContext, VerifyResult, feature_layers,
                                      target_features)
 from spec_jax.sampling import sample
-from spec_jax.stats import Stats, summarize
+from spec_jax.stats import Stats
 from spec_jax.verify import verify_chain, verify_tree
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_CAPACITY = 0, 1, 2, 3, 4
@@ -325,20 +324,6 @@ def decode_loop(params, state: DecodeState, spec: LoopSpec, max_steps=NO_LIMIT) 
   return state
 
 
-# ------------------------------------------------------------------------------------------------- generate
-
-@dataclasses.dataclass
-class GenerationResult:
-  token_ids: list  # list[list[int]] new tokens per prompt
-  finish_reasons: list  # "stop" | "length"
-  stats: dict  # summarize() over all rows
-  raw_stats: Stats  # the counters as numpy arrays, one row per prompt (for aggregating across batches)
-  steps: int
-  done_step: list  # per prompt: the loop step at which it finished
-  option_uses: list  # steps taken with each k in ks
-  ks: tuple
-
-
 def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool = True, stop_ids: Sequence[int] = (),
               impl: str = "xla", probe_every: int = 16, mesh=None) -> LoopSpec:
   """The loop's static settings; the stop ids add to the model's EOS ids. With a mesh, the state is sharded by
@@ -346,123 +331,3 @@ def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool 
   return LoopSpec(config=config, proposer=proposer, ks=adaptive.option_set(proposer.k, adaptive_k, proposer.tree),
                   stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every,
                   mesh=mesh)
-
-
-def check_fits(config: ModelConfig, prompt_len: int, max_new: int, k_max: int, capacity: Optional[int] = None,
-               what: str = "prompt") -> None:
-  """Host-side: the prompt, its new tokens and one step's k_max + 1 cache writes fit the context."""
-  if prompt_len < 1:
-    raise ValueError(f"{what} is empty (it needs at least the BOS token)")
-  if max_new < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-  limit = config.max_seq_len if capacity is None else min(capacity, config.max_seq_len)
-  if prompt_len + max_new + k_max + 1 > limit:
-    raise ValueError(f"{what} ({prompt_len} tokens) plus {max_new} new tokens exceeds the context of {limit} "
-                     f"tokens" + (f" (speculation needs {k_max + 1} more)" if k_max else ""))
-
-
-def capacity_for(prompt_bucket: int, need: int) -> int:
-  """Cache capacity in coarse buckets of 512: each new capacity compiles the loop again."""
-  return -(-max(prompt_bucket, need) // 512) * 512
-
-
-def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_tokens,
-          sampling: Optional[SamplingParams] = None, costs=None, seed: int = 0, num_slots: Optional[int] = None,
-          prefill_chunk: int = DEFAULT_CHUNK) -> DecodeState:
-  """Prefill a batch of token-id prompts (BOS included) of different lengths into a fresh state.
-
-  `max_new_tokens` is an int or one per prompt. Slots past the prompts (`num_slots` > len(prompts)) stay free.
-  `costs`: the adaptive controller's step costs (see adaptive.AdaptState); None is the default model.
-  """
-  n = len(prompts)
-  if n == 0:
-    raise ValueError("no prompts given")
-  B = num_slots or n
-  if B < n:
-    raise ValueError(f"num_slots={B} is fewer than the {n} prompts")
-  B = sharding.pad_rows(B, spec.mesh)  # rows split evenly over the mesh's `data` axis
-  config = spec.config
-  lens = [len(p) for p in prompts]
-  max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (n,)).copy()
-  for i, (l, m) in enumerate(zip(lens, max_new)):
-    check_fits(config, l, int(m), spec.lookahead, what=f"prompt {i}")
-  sampling = sampling if sampling is not None else SamplingParams.make(n)
-  if sampling.temperature.shape != (n,):
-    raise ValueError(f"sampling params are for {sampling.temperature.shape[0]} rows, but there are {n} prompts")
-  P, chunk = bucket(max(lens), prefill_chunk)
-  S = capacity_for(P, max(l + int(m) for l, m in zip(lens, max_new)) + spec.lookahead + 1)
-  buf = np.zeros((B, P), np.int32)
-  for i, p in enumerate(prompts):
-    buf[i, :len(p)] = p
-  prompt_lens = np.array(lens + [1] * (B - n), np.int32)
-  max_new = np.concatenate([max_new, np.ones(B - n, np.int32)])
-  sampling = jax.tree.map(lambda x: np.concatenate([np.asarray(x), np.repeat(np.asarray(x)[-1:], B - n)]), sampling)
-  params_t = params["target"]
-  mesh = spec.mesh
-  cache = init_cache(config, B, S, params_t["final_norm"].dtype, mesh)
-  # Host inputs become arrays split over `data` (global arrays on a multi-host mesh; plain ones without a mesh).
-  buf, prompt_lens, max_new, sampling = sharding.rows((buf, prompt_lens, max_new, sampling), mesh)
-  out = prefill(params_t, jnp.asarray(buf), jnp.asarray(prompt_lens), cache, config=config, impl=spec.impl,
-                chunk=chunk, return_all=spec.proposer.needs_prompt_hidden,
-                feature_layers=feature_layers(spec.proposer), mesh=mesh)
-  cache, hidden = out[:2]
-  every = out[2] if spec.proposer.needs_prompt_hidden else None
-  costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)
-  key, costs = sharding.replicated((np.asarray(jax.random.PRNGKey(seed)), costs), mesh)
-  return _start_batch(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new), sampling,
-                      jnp.asarray(key), cache, hidden, every, jnp.asarray(costs), n, S, chunk)
-
-
-def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None) -> KVCache:
-  """An empty target cache, created directly in its shards when there is a mesh (no full copy on one device)."""
-  make = lambda: KVCache.init(config, batch, capacity, dtype)
-  if mesh is None:
-    return make()
-  return sharding.settle(jax.jit(make, out_shardings=sharding.state_shardings(jax.eval_shape(make), mesh))())
-
-
-@sharding.settled
-@functools.partial(jax.jit, static_argnames=("spec", "n_real", "capacity", "chunk"), donate_argnames=("cache",))
-def _start_batch(params, spec, prompt_tokens, prompt_lens, max_new, sampling, key, cache, hidden, every, costs,
-                 n_real, capacity, chunk):
-  B = prompt_tokens.shape[0]
-  state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, jnp.ones((B,), bool), key, cache,
-                     hidden, every, capacity, chunk)
-  is_pad = jnp.arange(B) >= n_real
-  state = state.replace(done=state.done | is_pad, finish=jnp.where(is_pad, FINISH_ABORT, state.finish),
-                        adapt=adaptive.AdaptState.init(B, costs))
-  return sharding.constrain_state(state, spec.mesh)
-
-
-def result(state: DecodeState, n: int, spec: LoopSpec) -> GenerationResult:
-  """Host-side: the first n rows' new tokens, finish reasons and counters (gathered from every host on a
-  multi-host mesh, so each process gets the whole batch)."""
-  host = sharding.to_host
-  tokens, lengths = host(state.tokens), host(state.lengths)
-  prompt_lens, finish = host(state.prompt_lens), host(state.finish)
-  raw = jax.tree.map(lambda x: host(x)[:n], state.stats)
-  return GenerationResult(
-      token_ids=[tokens[i, prompt_lens[i]:lengths[i]].tolist() for i in range(n)],
-      finish_reasons=[FINISH_NAMES[int(f)] for f in finish[:n]],
-      stats=summarize(raw, range(n)), raw_stats=raw,
-      steps=int(host(state.step)), done_step=host(state.done_step)[:n].tolist(),
-      option_uses=host(state.adapt.uses).tolist(), ks=spec.ks)
-
-
-def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
-             sampling: Optional[SamplingParams] = None, proposer=NoneProposer(), proposer_params=None,
-             adaptive_k: bool = True, costs=None, stop_ids: Sequence[int] = (), seed: int = 0, impl: str = "xla",
-             prefill_chunk: int = DEFAULT_CHUNK, probe_every: int = 16, num_slots: Optional[int] = None,
-             mesh=None) -> GenerationResult:
-  """Prefill plus the loop to the end: tokens, finish reasons and acceptance counters for each prompt.
-
-  A seeded run is reproducible: nothing here reads a clock (the adaptive controller's step costs are an input).
-  """
-  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, probe_every=probe_every,
-                   mesh=mesh)
-  params = {"target": target_params, "proposer": proposer_params if proposer_params is not None else {}}
-  params = sharding.shard_params(params, mesh)  # a no-op when already placed
-  state = start(params, spec, prompts, max_new_tokens=max_new_tokens, sampling=sampling, costs=costs, seed=seed,
-                num_slots=num_slots, prefill_chunk=prefill_chunk)
-  state = decode_loop(params, state, spec)
-  return result(state, len(prompts), spec)

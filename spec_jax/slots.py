@@ -19,7 +19,8 @@ from flax import struct
 from spec_jax import adaptive, sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import SamplingParams, validate_sampling
-from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec, check_fits, start_rows
+from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec, start_rows
+from spec_jax.batch import check_fits
 from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill
 from spec_jax.proposers.base import feature_layers, write_row, write_rows_tree
 from spec_jax.stats import Stats

@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from spec_jax.config import SamplingParams
-from spec_jax.decode import generate
-
+from spec_jax.batch import generate
 PROMPT = [2, 5, 6, 7]
 
 

@@ -11,7 +11,7 @@ import pytest
 from spec_jax import adaptive
 from spec_jax.cache import KVCache
 from spec_jax.config import SamplingParams
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.models.transformer import forward, init_params
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.draft import DraftModelProposer, early_exit_proposer

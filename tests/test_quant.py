@@ -14,7 +14,7 @@ import pytest
 
 from spec_jax import quant
 from spec_jax.checkpoints.load import load_params
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.models.transformer import forward, init_params, param_shapes
 from spec_jax.proposers.draft import DraftModelProposer
 from spec_jax.proposers.ngram import NgramProposer

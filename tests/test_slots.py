@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from spec_jax import slots
-from spec_jax.decode import FINISH_ABORT, decode_loop, generate, make_spec
+from spec_jax.decode import FINISH_ABORT, decode_loop, make_spec
+from spec_jax.batch import generate
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.draft import early_exit_proposer
 from spec_jax.proposers.ngram import NgramProposer

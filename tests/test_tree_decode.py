@@ -14,7 +14,7 @@ import pytest
 
 from spec_jax import tree as tree_lib
 from spec_jax.cache import KVCache
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.models.transformer import forward, init_params
 from spec_jax.proposers import medusa, tree_expand
 from spec_jax.proposers.base import Stateless, TreeDraft
@@ -306,7 +306,8 @@ def test_dynamic_tree_greedy_identity(make, d2t):
 def test_eagle_tree_children_are_the_drafters_top_candidates_after_their_path():
   """Each node's token is among the top-k of EAGLE's distribution after feeding its path as a chain: the
   expansion's tree mask gives every frontier node exactly its ancestors."""
-  from spec_jax.decode import make_spec, start
+  from spec_jax.decode import make_spec
+  from spec_jax.batch import start
   from spec_jax.proposers import eagle as eagle_lib
   from spec_jax.proposers.base import ProposeContext
   params = _params()

@@ -4,7 +4,7 @@ Sources (never Spec-Bench), all from the repository's data/train/*.jsonl (gsm8k,
 and the Python standard library:
 - self-distillation: prompts answered by the frozen target itself, either read from the committed shards of
   `python -m train.distill` (`distill_dir`: thousands of prompts, greedy and T 0.7, 256 new tokens) or generated
-  here with the project's batched `spec_jax.decode.generate` at a mix of temperatures (`num_prompts`, cached);
+  here with the project's batched `spec_jax.batch.generate` at a mix of temperatures (`num_prompts`, cached);
   either way the heads learn the target's own continuations;
 - reference transcripts: further prompts with the dataset's own answers, in the chat format. Cheap (no
   generation) and, since the losses are against the target's distribution at every position, still the target's

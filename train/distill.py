@@ -197,7 +197,7 @@ def distill(params, config, tokenizer, *, out: str, batch: int, max_new_tokens: 
 
 
 def _capacity(max_prompt_tokens: int, max_new_tokens: int) -> int:
-  from spec_jax.decode import capacity_for
+  from spec_jax.batch import capacity_for
   from spec_jax.prefill import bucket
   return capacity_for(bucket(max_prompt_tokens)[0], max_prompt_tokens + max_new_tokens + 2)
 

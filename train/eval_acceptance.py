@@ -40,7 +40,7 @@ def held_out_prompts(n: int, seed: int) -> list:
 
 def _timed(params, config, ids, **kw):
   """generate() over the prompts in batches, after one compiling run; -> (token ids, stats, seconds)."""
-  from spec_jax.decode import generate
+  from spec_jax.batch import generate
   from spec_jax.stats import Stats
   out, stats, wall = [], [], 0.0
   for i in range(0, len(ids), FLAGS.batch_size):

@@ -47,7 +47,7 @@ def load_target(cfg):
 def build_data(cfg, config, params, tokenizer, log):
   import numpy as np
   from spec_jax.config import SamplingParams
-  from spec_jax.decode import generate
+  from spec_jax.batch import generate
   from train import data as data_lib
   spec = data_lib.DataSpec(**dict(cfg.data))
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.proposers.draft import early_exit_proposer
 from spec_jax.proposers.ngram import NgramProposer
 

@@ -17,7 +17,7 @@ import pytest
 
 from spec_jax.checkpoints import packages
 from spec_jax.checkpoints.load import load_params, load_tokenizer
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.ngram import NgramProposer
 from spec_jax.proposers.registry import build_proposer

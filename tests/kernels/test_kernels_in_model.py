@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.models.transformer import init_params
 from spec_jax.proposers.ngram import NgramProposer
 from tests.conftest import tiny_gemma_config

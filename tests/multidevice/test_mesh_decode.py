@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from spec_jax import sharding, slots
-from spec_jax.decode import decode_loop, generate, make_spec, start
+from spec_jax.decode import decode_loop, make_spec
+from spec_jax.batch import generate, start
 from spec_jax.models.transformer import init_params
 from spec_jax.proposers.draft import DraftModelProposer
 from tests.conftest import tiny_gemma_config

@@ -4,7 +4,7 @@ output (vocabulary, heads and MLP split over `model`; its one KV head whole on e
 import pytest
 
 from spec_jax import sharding
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.proposers.ngram import NgramProposer
 from tests.proposers.test_medusa_eagle import gemma3_chat_prompts
 

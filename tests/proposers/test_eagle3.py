@@ -13,7 +13,8 @@ import pytest
 
 from spec_jax import slots
 from spec_jax.checkpoints import heads as head_ckpt
-from spec_jax.decode import decode_loop, generate, make_spec
+from spec_jax.decode import decode_loop, make_spec
+from spec_jax.batch import generate
 from spec_jax.models.transformer import forward, init_params
 from spec_jax.proposers import eagle
 from spec_jax.proposers.registry import build_proposer
@@ -125,7 +126,7 @@ def test_trained_eagle3_head_exports_loads_and_other_layouts_are_refused(tmp_pat
   task, init, frozen, meta = build_task(cfg, config, params, None)
   assert meta["feature_layers"] == [0, 1] and init["fuse"].shape == (2 * D, D)
   from train import data as data_lib
-  from spec_jax.decode import generate as gen
+  from spec_jax.batch import generate as gen
   rng = np.random.default_rng(0)
   prompts = [[config.bos_id] + rng.integers(3, config.vocab_size, 4).tolist() for _ in range(8)]
   out = gen(params, config.replace(eos_ids=()), prompts, max_new_tokens=19).token_ids

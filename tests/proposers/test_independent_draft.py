@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spec_jax.checkpoints.load import load_model
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.models.transformer import init_params
 from spec_jax.proposers.registry import build_proposer
 from tests.checkpoints.gguf_writer import write_tiny_gguf

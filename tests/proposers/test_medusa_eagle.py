@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spec_jax.config import SamplingParams
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from spec_jax.models.transformer import init_params
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import eagle, medusa, vocab

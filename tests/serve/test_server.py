@@ -165,7 +165,7 @@ def _loaded(model_path: str):
 
 def reference_greedy(model_path: str, prompt: str, max_new: int) -> list:
   """The same prompt alone through the library's batch generate (the path serve.generate runs)."""
-  from spec_jax.decode import generate
+  from spec_jax.batch import generate
   config, params, tok = _loaded(model_path)
   res = generate(params, config, [tok.encode(prompt)], max_new_tokens=max_new, stop_ids=tok.stop_ids)
   return res.token_ids[0]

@@ -39,7 +39,7 @@ def _loaded(path):
 
 
 def _plain(path, ids, n):
-  from spec_jax.decode import generate
+  from spec_jax.batch import generate
   config, params, tok = _loaded(path)
   return generate(params, config, [ids], max_new_tokens=n, stop_ids=tok.stop_ids).token_ids[0]
 

@@ -11,7 +11,7 @@ import pytest
 
 from spec_jax.checkpoints.load import load_model
 from spec_jax.config import SamplingParams
-from spec_jax.decode import generate
+from spec_jax.batch import generate
 from tests.checkpoints.tiny_qwen2 import write_tiny_qwen2
 from train import distill, distill_shards
 

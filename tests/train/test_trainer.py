@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _self_distilled(cfg):
   """8 greedy continuations of the tiny target (what the heads learn to predict); eval on 4 of them."""
-  from spec_jax.decode import generate
+  from spec_jax.batch import generate
   config, params, _ = load_target(cfg)
   rng = np.random.default_rng(0)
   prompts = [[config.bos_id] + rng.integers(3, config.vocab_size, 4).tolist() for _ in range(8)]
