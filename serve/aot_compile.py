@@ -149,9 +149,9 @@ _ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(.*):$")
 _VALUE = re.compile(r"^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
 
 
-def temporaries(dump_dir: str, top: int = 5) -> list:
-  """The largest temporary buffers in device memory (HBM) of a compiled program, from XLA's buffer-assignment dump:
-  [(bytes, instruction, shape)], biggest first. Parameters, outputs, constants, thread-local scratch and buffers of
+def temporaries(dump_dir: str, top: int = 0) -> list:
+  """The temporary buffers in device memory (HBM) of a compiled program, from XLA's buffer-assignment dump: the
+  `top` largest (0: all) as [(bytes, instruction, shape)], biggest first. Parameters, outputs, constants, thread-local scratch and buffers of
   other memory spaces are not."""
   names = [n for n in os.listdir(dump_dir) if n.endswith("after_optimizations-buffer-assignment.txt")]
   if not names:
@@ -170,7 +170,7 @@ def temporaries(dump_dir: str, top: int = 5) -> list:
       if v:
         values.append((int(v.group(2)), v.group(1), v.group(3).split("{")[0]))
   values.sort(reverse=True)
-  return [{"bytes": b, "instruction": n, "shape": sh} for b, n, sh in values[:top]]
+  return [{"bytes": b, "instruction": n, "shape": sh} for b, n, sh in (values[:top] if top else values)]
 
 
 def cache_sized(temps: list, layer: tuple, itemsize: int) -> list:
@@ -206,9 +206,10 @@ def compile_program(prog, device, capacity: int, cost: bool = True) -> dict:
       if "Ran out of memory" in str(e):  # XLA:TPU refuses a program over the chip's HBM: it does not fit
         rec["fits"] = False
     else:
+      # Every temporary is checked (a small program's cache copies rank below its logits); the report keeps 5.
       temps = temporaries(dump)
       rec.update(compiled=True, **analyse(compiled, capacity), cost_source="the program as compiled",
-                 temporaries=temps, cache_copies=cache_sized(temps, prog.cache_layer, prog.cache_itemsize)
+                 temporaries=temps[:5], cache_copies=cache_sized(temps, prog.cache_layer, prog.cache_itemsize)
                  if prog.cache_layer else [])
   if cost and rec["compiled"] and (rec["optimal_seconds"] or 0) < 0 and "ConcatBitcast" in compiled.as_text():
     with jax.default_device(device):

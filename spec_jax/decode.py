@@ -243,7 +243,7 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   committed = _commit(state, spec, active, out, n_acc)
   n_emit = committed[2]
   ck, cv = tree.compact_accepted(cache.k, cache.v, state.cache.lengths, nodes, n_acc,
-                                  num_nodes=tree_tokens.shape[1])
+                                  num_nodes=tree_tokens.shape[1], mesh=spec.mesh)
   cache = cache.replace(k=ck, v=cv, lengths=state.cache.lengths + n_emit)
   # [B, k + 1, D] as a chain's; entries past the accepted path (node -1) repeat the root's (finite, never read)
   path_hidden = jnp.take_along_axis(hidden, jnp.maximum(nodes, 0)[:, :, None], axis=1)

@@ -21,6 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from spec_jax.sharding import CACHE_AXES, logical_to_spec
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
@@ -55,7 +58,7 @@ def tree_positions(base: jax.Array, parents: jax.Array) -> jax.Array:
 
 
 def compact_accepted(cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array, accepted_nodes: jax.Array,
-                     num_accepted: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
+                     num_accepted: jax.Array, num_nodes: int, mesh=None) -> tuple[jax.Array, jax.Array]:
   """Move the accepted path's K/V into consecutive cache slots, per row, on device.
 
   cache_k, cache_v: [L, B, Hkv, S, Dh] (KVCache.k / .v) where the tree forward wrote node i < num_nodes of row b
@@ -70,6 +73,10 @@ def compact_accepted(cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array,
   in place under donation. A gather over the whole cache instead made XLA:TPU re-lay out and copy the whole cache
   on every step at one slot. A window that would run past S is shifted back (not clamped onto other slots) and
   fills its extra slots with their own contents.
+
+  With a `mesh`, each shard moves its own rows (`shard_map` over the cache's layout): the partitioner, given
+  per-row slices of a cache split over `data`, gathered the whole cache onto every chip (1 GiB copies per step
+  for Llama-8B on a data:4,model:4 pod).
   """
   n_layers, b, hkv, s, dh = cache_k.shape
   w = accepted_nodes.shape[1]
@@ -85,20 +92,28 @@ def compact_accepted(cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array,
   node = jnp.take_along_axis(accepted_nodes.astype(jnp.int32), jnp.clip(t, 0, w - 1), axis=1)
   src = jnp.clip(jnp.where(moves, lengths[:, None] + node, dest), 0, s - 1) - base[:, None]  # [B, w] in the window
 
-  def move(cache):
+  def move(cache, base, src, start):
     blocks = []
-    for r in range(b):
-      window = lax.dynamic_slice(cache, (0, r, 0, base[r], 0), (n_layers, 1, hkv, n, dh))
+    for r in range(cache.shape[1]):
+      window = lax.dynamic_slice(cache, (0, r, 0, base[r], 0), (n_layers, 1, cache.shape[2], n, dh))
       blocks.append(jnp.take(window, src[r], axis=3))  # [L, 1, Hkv, w, Dh]
     # Every row's block is read before any is written, and the barrier keeps the reads out of the writes' fusions:
     # a fusion that also reads the cache cannot update it in place. (A fori_loop over rows, reading and writing
     # each row's window in its body, made XLA:TPU copy the whole cache at 16 slots.)
     blocks = lax.optimization_barrier(blocks)
-    for r in range(b):
+    for r in range(cache.shape[1]):
       cache = lax.dynamic_update_slice(cache, blocks[r], (0, r, 0, start[r], 0))
     return cache
 
-  return move(cache_k), move(cache_v)
+  def both(k, v, base, src, start):
+    return move(k, base, src, start), move(v, base, src, start)
+
+  if mesh is None:
+    return both(cache_k, cache_v, base, src, start)
+  kv = logical_to_spec(CACHE_AXES, cache_k.shape, mesh)
+  rows = kv[1]
+  return jax.shard_map(both, mesh=mesh, in_specs=(kv, kv, P(rows), P(rows, None), P(rows)), out_specs=(kv, kv),
+                       check_vma=False)(cache_k, cache_v, base, src, start)
 
 
 @dataclasses.dataclass(frozen=True)

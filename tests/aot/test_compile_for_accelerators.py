@@ -92,6 +92,15 @@ def test_llama3_8b_sharded_model4_on_v5e_2x2(name):
   assert rec["memory"]["argument_bytes"] < _global_bytes(ps[name].args) / 3
 
 
+def test_a_tree_on_a_data_mesh_copies_no_cache():
+  """Rows split over four chips: each chip moves its own rows' accepted path (tree.compact_accepted in a
+  shard_map). Left to the partitioner, the per-row slices of a cache split over `data` gathered the whole cache on
+  every chip, every step (five 1 GiB copies for Llama-8B on a data:4,model:4 pod)."""
+  _need("libtpu", "libtpu (the TPU compiler)")
+  tgt, ps = _programs("v5e:2x2", "gemma3-270m", "data:4", methods=["eagle"], slots=4, tokens=1024, topk=4)
+  _check(tgt, ps["decode_loop[eagle tree16]"], kernel=True, cost=False)
+
+
 def test_a_copy_of_a_cache_layer_is_caught():
   """The negative control of the check above: a program that materializes one layer of the cache (as the old
   kernel wrapper did) is flagged; the same program reading the layer in place is not."""
@@ -119,14 +128,15 @@ def test_a_copy_of_a_cache_layer_is_caught():
   assert [c["shape"] for c in found["copying"]] == ["bf16[32,1,16384,256]"], found["copying"]
 
 
-GEMMA_H200 = ["decode_loop[none]", "decode_loop[eagle tree16]", "prefill_chunk[512 tokens x 4 rows]",
+GEMMA_H200 = ["decode_loop[none]", "decode_loop[eagle]", "decode_loop[eagle tree16]", "prefill_chunk[512 tokens x 4 rows]",
               "train_step[eagle]"]
 
 
 @pytest.mark.parametrize("name", GEMMA_H200)
 def test_gemma3_270m_on_an_h200(name):
   """Deviceless XLA:GPU from the H200's published target spec: the Triton kernel goes through ptxas, with the
-  H200's shared memory and register limits (the prefill chunk once asked for 557,056 bytes of 232,448)."""
+  H200's shared memory and register limits (the prefill chunk once asked for 557,056 bytes of 232,448). XLA:GPU
+  once copied the EAGLE layer's cache at every draft (nothing ordered its attention call before the row writes)."""
   _need("jax_plugins.xla_cuda12", "jax's CUDA plugin")
   tgt, ps = _programs("h200", "gemma3-270m", methods=["none", "eagle"], slots=4, tokens=1024, topk=4,
                       train=["eagle"])
