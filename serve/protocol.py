@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 
 class APIError(Exception):
@@ -32,33 +32,51 @@ class APIError(Exception):
                       "code": self.code if self.code is not None else self.status}}
 
 
+def _integral(v):
+  """JSON has one number type, and JSON Schema's "integer" includes 5.0: take an integral float as an int (a
+  fractional one, a string or a boolean stays an error)."""
+  return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
+
+
+def integer(**bounds):
+  """An integer field with its bounds (ge, le): the bounds go before the validator, or pydantic's JSON schema
+  writes them as unknown keywords ("ge" for "minimum")."""
+  return Annotated[StrictInt, Field(**bounds), BeforeValidator(_integral)]
+
+
+Int, Count, TopK, TopLogprobs = integer(), integer(ge=1), integer(ge=-1), integer(ge=0, le=20)
+
+
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="allow")
   include_usage: Optional[StrictBool] = False
 
 
 class _Sampling(BaseModel):
-  model_config = ConfigDict(extra="allow")
+  """The sampling fields both routes share, with OpenAI's ranges (temperature >= 0, 0 < top_p <= 1, penalties in
+  [-2, 2]); floats must be finite. top_k (-1 or 0: off) and the extensions are vLLM's."""
+  model_config = ConfigDict(extra="allow", allow_inf_nan=False)
   model: StrictStr
-  max_tokens: Optional[StrictInt] = None
-  temperature: Optional[float] = None
-  top_p: Optional[float] = None
-  top_k: Optional[StrictInt] = None
-  seed: Optional[StrictInt] = None
-  stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-  n: Optional[StrictInt] = 1
+  max_tokens: Optional[Count] = None
+  temperature: Optional[float] = Field(None, ge=0)
+  top_p: Optional[float] = Field(None, gt=0, le=1)
+  top_k: Optional[TopK] = None
+  seed: Optional[Int] = None
+  stop: Optional[Union[StrictStr, Annotated[list[StrictStr], Field(max_length=16)]]] = None
+  n: Optional[Count] = 1
   stream: Optional[StrictBool] = False
   stream_options: Optional[StreamOptions] = None
-  logprobs: Optional[Any] = None
-  top_logprobs: Optional[StrictInt] = None
-  presence_penalty: Optional[float] = 0.0
-  frequency_penalty: Optional[float] = 0.0
-  logit_bias: Optional[dict] = None
+  logprobs: Optional[Union[StrictBool, StrictInt]] = None
+  top_logprobs: Optional[TopLogprobs] = None
+  presence_penalty: Optional[float] = Field(0.0, ge=-2, le=2)
+  frequency_penalty: Optional[float] = Field(0.0, ge=-2, le=2)
+  logit_bias: Optional[dict[str, float]] = None
   user: Optional[StrictStr] = None
   speculate: Optional[StrictBool] = True
   return_token_ids: Optional[StrictBool] = False
 
   def check_supported(self) -> None:
+    """What the models accept but the server cannot honour exactly yet: a 400 that names the field."""
     if self.n not in (None, 1):
       raise APIError(400, f"n must be 1, got {self.n}", "n")
     if self.logprobs not in (None, False, 0):
@@ -68,23 +86,17 @@ class _Sampling(BaseModel):
         raise APIError(400, f"{name} is not supported (only 0)", name)
     if self.logit_bias:
       raise APIError(400, "logit_bias is not supported", "logit_bias")
-    for name in ("temperature", "top_p"):
-      v = getattr(self, name)
-      if v is not None and v != v:
-        raise APIError(400, f"{name} must be a number, got NaN", name)
 
   def stop_list(self) -> list:
     stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-    if len(stops) > 16:
-      raise APIError(400, f"at most 16 stop strings, got {len(stops)}", "stop")
     return [s for s in stops if s]
 
 
 class CompletionRequest(_Sampling):
-  prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+  prompt: Union[StrictStr, list[StrictStr], list[Int], list[list[Int]]]
   echo: Optional[StrictBool] = False
   suffix: Optional[StrictStr] = None
-  best_of: Optional[StrictInt] = None
+  best_of: Optional[Count] = None
 
   def check_supported(self) -> None:
     super().check_supported()
@@ -96,9 +108,27 @@ class CompletionRequest(_Sampling):
       raise APIError(400, "best_of must be 1", "best_of")
 
 
+class TextPart(BaseModel):
+  model_config = ConfigDict(extra="allow")
+  type: Literal["text"]
+  text: StrictStr
+
+
+class ChatMessage(BaseModel):
+  """A turn; "model" is Gemma's name for the assistant. Only text content (a string or text parts)."""
+  model_config = ConfigDict(extra="allow")
+  role: Literal["system", "user", "assistant", "model"]
+  content: Union[StrictStr, list[TextPart]]
+
+
 class ChatRequest(_Sampling):
-  messages: list[dict]
-  max_completion_tokens: Optional[StrictInt] = None
+  messages: Annotated[list[ChatMessage], Field(min_length=1)]
+  max_completion_tokens: Optional[Count] = None
+
+
+class SpeculationSwitch(BaseModel):
+  """POST /admin/speculation: turn speculation on or off for every request, at once."""
+  enabled: StrictBool
 
 
 def new_id(prefix: str) -> str:

@@ -3,32 +3,28 @@
   python -m serve.server --config=configs/gemma3_270m.py --host=127.0.0.1 --port=8000
   python -m serve.server --speculative_config='{"method": "ngram", "num_speculative_tokens": 4}' --max_num_seqs=8
 
-Routes: /v1/completions, /v1/chat/completions (Gemma's chat template), /v1/models, /health, /metrics (Prometheus)
-and POST /admin/speculation {"enabled": bool} (rollback without restart). `--api_key` guards /v1 and /admin.
+Routes (serve/api.py): /v1/completions, /v1/chat/completions (the model's chat template), /v1/models, /health,
+/metrics (Prometheus), /openapi.json and POST /admin/speculation {"enabled": bool} (rollback without restart);
+`--api_key` guards /v1 and /admin.
 SIGTERM stops taking requests, lets running ones finish (up to --drain_timeout_s) and exits 0.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import json
 import logging
 import os
-import secrets
 import signal
 import sys
 import time
 
 from absl import app, flags
-from fastapi import Request
 
 from serve import run_flags
 
 
 def define_flags() -> None:
   """The command line, defined only when this module runs as a script: the module is also imported in-process
-  (build_engine, create_app) next to other absl programs that define --config."""
+  (build_engine) next to other absl programs that define --config."""
   run_flags.define()  # --config, the model, sampling and speculation flags (serve.generate's)
   # Server settings (a config file may also hold them; explicit flags win).
   flags.DEFINE_string("host", None, "Bind address (default 127.0.0.1: loopback only).")
@@ -140,273 +136,6 @@ def build_engine(cfg: dict):
   return engine, tokenizer, sc
 
 
-# ---------------------------------------------------------------------------------------------------- HTTP
-
-def create_app(engine, tokenizer, cfg: dict):
-  """The FastAPI app over a started engine."""
-  from fastapi import FastAPI
-  from fastapi.exceptions import RequestValidationError
-  from fastapi.responses import JSONResponse, Response, StreamingResponse
-  from prometheus_client import CONTENT_TYPE_LATEST
-  from pydantic import ValidationError
-  from starlette.exceptions import HTTPException
-
-  from serve.engine import EngineStopped, QueueFull
-  from serve.output_stream import Output
-  from serve.protocol import (APIError, ChatRequest, CompletionRequest, chat_body, chat_chunk, completion_body,
-                              completion_chunk, new_id, usage_chunk)
-
-  model_name = cfg["served_model_name"]
-  api_key = cfg["api_key"]
-  metrics = engine.metrics
-  api = FastAPI(title="spec_jax", docs_url=None, redoc_url=None, openapi_url=None)
-
-  def error_response(e: APIError) -> JSONResponse:
-    kinds = {400: "bad_request", 401: "unauthorized", 404: "not_found", 503: "unavailable"}
-    if e.status in kinds:
-      metrics.errors.labels(kind=kinds[e.status]).inc()
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-  @api.exception_handler(APIError)
-  async def _api_error(request, e: APIError):
-    return error_response(e)
-
-  @api.exception_handler(RequestValidationError)
-  async def _validation(request, e):
-    return error_response(APIError(400, f"invalid request: {e.errors()[:3]}"))
-
-  @api.exception_handler(HTTPException)
-  async def _http(request, e):
-    return error_response(APIError(e.status_code, str(e.detail)))
-
-  @api.exception_handler(Exception)
-  async def _unexpected(request, e):
-    log.exception("unhandled error")
-    metrics.errors.labels(kind="server").inc()
-    return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
-
-  @api.middleware("http")
-  async def _auth(request: Request, call_next):
-    path = request.url.path
-    if api_key and (path.startswith("/v1") or path.startswith("/admin")):
-      header = request.headers.get("authorization", "")
-      if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
-        return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                       code="invalid_api_key"))
-    return await call_next(request)
-
-  async def parse(request: Request, cls):
-    raw = await request.body()
-    try:
-      obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise APIError(400, f"malformed JSON body: {e}")
-    if not isinstance(obj, dict):
-      raise APIError(400, "the body must be a JSON object")
-    try:
-      body = cls.model_validate(obj)
-    except ValidationError as e:
-      err = e.errors()[0]
-      field = ".".join(str(x) for x in err["loc"])
-      raise APIError(400, f"{field}: {err['msg']} (got {str(err.get('input'))[:80]!r})", param=field)
-    if body.model != model_name:
-      raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
-                     param="model", code="model_not_found")
-    body.check_supported()
-    return body
-
-  def engine_request(body, prompt_ids: list, max_tokens, output: Output):
-    if max_tokens is not None and max_tokens < 1:
-      raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
-    if max_tokens is None:
-      max_tokens = min(cfg["max_new_tokens"], room)
-      if max_tokens < 1:
-        raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the context of "
-                       f"{engine.capacity} tokens", "prompt")
-    elif max_tokens > room:
-      raise APIError(400, f"max_tokens={max_tokens} is over the limit: the prompt has {len(prompt_ids)} tokens, the "
-                     f"context {engine.capacity} (speculation needs {engine.spec.lookahead + 1} more), so at most "
-                     f"{max(room, 0)}", "max_tokens")
-    top_k = body.top_k if body.top_k is not None else cfg["top_k"]
-    try:
-      return engine.make_request(
-          prompt_ids, max_new=max_tokens,
-          temperature=body.temperature if body.temperature is not None else cfg["temperature"],
-          top_k=0 if top_k == -1 else top_k, top_p=body.top_p if body.top_p is not None else cfg["top_p"],
-          speculate=body.speculate is not False,
-          seed=body.seed % (1 << 31) if body.seed is not None else secrets.randbits(31),
-          stop=body.stop_list(), output=output)
-    except ValueError as e:
-      raise APIError(400, str(e))
-
-  def submit(req) -> None:
-    try:
-      engine.submit(req)
-    except QueueFull as e:
-      raise APIError(429, str(e), headers={"Retry-After": "1"})
-    except EngineStopped as e:
-      raise APIError(503, str(e))
-
-  def new_output():
-    loop = asyncio.get_running_loop()
-    event = asyncio.Event()
-    out = Output(lambda: loop.call_soon_threadsafe(event.set))
-    return out, event
-
-  async def next_delta(out, event):
-    while True:
-      d = out.take()
-      if d is not None:
-        return d
-      await event.wait()
-      event.clear()
-
-  async def collect(request: Request, req, out, event):
-    """Non-streaming: wait for the end; a client that goes away aborts the request."""
-    text, ids = [], []
-    while True:
-      try:
-        d = await asyncio.wait_for(next_delta(out, event), timeout=1.0)
-      except asyncio.TimeoutError:
-        if await request.is_disconnected():
-          engine.abort(req)
-          raise APIError(499, "client disconnected")
-        continue
-      text.append(d.text)
-      ids.extend(d.token_ids)
-      if d.error:
-        status, kind, msg = d.error
-        raise APIError(status, msg, code=kind)
-      if d.finished:
-        return "".join(text), ids, d
-
-  def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-  def stream(req, out, event, chunk_fn, first: list, usage_obj: str, include_usage: bool, with_ids: bool):
-    rid = new_id("chatcmpl" if usage_obj == "chat.completion.chunk" else "cmpl")
-
-    async def gen():
-      try:
-        for c in first:
-          yield sse(c(rid))
-        while True:
-          d = await next_delta(out, event)
-          if d.text or d.token_ids:
-            yield sse(chunk_fn(rid, d.text, None, d.token_ids if with_ids else None, include_usage))
-          if d.error:  # headers are sent: the error goes in the stream, as vLLM sends it
-            status, kind, msg = d.error
-            yield sse(APIError(status, msg, code=kind).body())
-            break
-          if d.finished:
-            yield sse(chunk_fn(rid, "", d.finish_reason, None, include_usage))
-            if include_usage and d.usage is not None:
-              yield sse(usage_chunk(rid, model_name, usage_obj, d.usage))
-            break
-        yield "data: [DONE]\n\n"
-      finally:
-        if not req.finished:
-          engine.abort(req)  # the client went away (or the server is stopping): free the slot
-
-    return StreamingResponse(gen(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-  @api.post("/v1/completions")
-  async def completions(request: Request):
-    body = await parse(request, CompletionRequest)
-    p = body.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-      if len(p) != 1:
-        raise APIError(400, f"one prompt per request (got {len(p)})", "prompt")
-      p = p[0]
-    if isinstance(p, str):
-      if not p:
-        raise APIError(400, "the prompt is empty", "prompt")
-      prompt_ids = tokenizer.encode(p)
-    else:
-      if not p:
-        raise APIError(400, "the prompt is empty", "prompt")
-      bad = [t for t in p if not 0 <= t < engine.spec.config.vocab_size]
-      if bad:
-        raise APIError(400, f"prompt token ids outside the vocabulary: {bad[:5]}", "prompt")
-      prompt_ids = list(p)
-    out, event = new_output()
-    req = engine_request(body, prompt_ids, body.max_tokens, out)
-    submit(req)
-    with_ids = bool(body.return_token_ids)
-    if body.stream:
-      include = bool(body.stream_options and body.stream_options.include_usage)
-      chunk = lambda rid, text, fin, ids, wu: completion_chunk(rid, model_name, text, fin, ids, with_usage_field=wu)
-      return stream(req, out, event, chunk, [], "text_completion", include, with_ids)
-    text, ids, d = await collect(request, req, out, event)
-    return completion_body(new_id("cmpl"), model_name, text, d.finish_reason, d.usage,
-                           ids if with_ids else None, prompt_ids if with_ids else None)
-
-  @api.post("/v1/chat/completions")
-  async def chat(request: Request):
-    body = await parse(request, ChatRequest)
-    if not body.messages:
-      raise APIError(400, "messages is empty", "messages")
-    try:
-      prompt_text = tokenizer.apply_chat_template(body.messages)
-    except (ValueError, TypeError) as e:
-      raise APIError(400, f"messages: {e}", "messages")
-    prompt_ids = tokenizer.encode(prompt_text)
-    out, event = new_output()
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    req = engine_request(body, prompt_ids, max_tokens, out)
-    submit(req)
-    with_ids = bool(body.return_token_ids)
-    if body.stream:
-      include = bool(body.stream_options and body.stream_options.include_usage)
-      chunk = lambda rid, text, fin, ids, wu: chat_chunk(rid, model_name, {"content": text} if fin is None else {},
-                                                         fin, ids, with_usage_field=wu)
-      first = [lambda rid: chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None,
-                                      with_usage_field=include)]
-      return stream(req, out, event, chunk, first, "chat.completion.chunk", include, with_ids)
-    text, ids, d = await collect(request, req, out, event)
-    return chat_body(new_id("chatcmpl"), model_name, text, d.finish_reason, d.usage,
-                     ids if with_ids else None, prompt_ids if with_ids else None)
-
-  @api.get("/v1/models")
-  async def models():
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "spec_jax", "max_model_len": engine.capacity}]}
-
-  @api.get("/health")
-  async def health():
-    if not engine.alive:
-      return JSONResponse({"status": "engine stopped"}, status_code=503)
-    if engine.draining:
-      return JSONResponse({"status": "draining"}, status_code=503)
-    running, waiting = engine.counts()
-    return {"status": "ok", "running": running, "waiting": waiting}
-
-  @api.get("/metrics")
-  async def prometheus():
-    metrics.observe_occupancy(*engine.counts())  # as of the scrape, not the last engine iteration
-    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-  @api.get("/admin/speculation")
-  async def speculation_status():
-    return engine.status()
-
-  @api.post("/admin/speculation")
-  async def speculation_switch(request: Request):
-    raw = await request.body()
-    try:
-      obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise APIError(400, f"malformed JSON body: {e}")
-    if not isinstance(obj, dict) or not isinstance(obj.get("enabled"), bool):
-      raise APIError(400, 'expected {"enabled": true|false}', "enabled")
-    engine.set_speculation(obj["enabled"])
-    return engine.status()
-
-  return api
-
-
 # ---------------------------------------------------------------------------------------------------- main
 
 def serve(cfg: dict) -> None:
@@ -420,6 +149,7 @@ def serve(cfg: dict) -> None:
   t0 = time.perf_counter()
   engine.start(warmup_prompt_lens=[int(n) for n in cfg["warmup_prompt_lens"]])
   log.info("engine warm in %.1f s", time.perf_counter() - t0)
+  from serve.api import create_app
   api = create_app(engine, tokenizer, cfg)
 
   class Server(uvicorn.Server):

@@ -212,6 +212,13 @@ def lm_head(params, hidden):
   if isinstance(w, QTensor):  # tied ([V, D], contracting D) or untied ([D, V]): both quantized output-major
     return qdot(hidden, w)
   w = params.get("lm_head")
+  lead, d = hidden.shape[:-1], hidden.shape[-1]
+  h = hidden.reshape(-1, d)
+  # One row is computed as two: XLA:GPU turns a one-row bfloat16 product with a float32 output into a float32
+  # copy of the whole head first (671 MB for Gemma 3 270M's, 2 GB for Llama-8B's, in every slot insert).
+  rows = h.shape[0]
+  if rows == 1:
+    h = jnp.concatenate([h, h])
   # Cast the activations, never the weights: promoting a bfloat16 head would copy all 262k rows every step.
   if w is None:
     # The tied head as W[V, D] . h[M, D]^T -> [V, M], then a small transpose. Written as h . W^T, XLA:CPU's
@@ -221,11 +228,10 @@ def lm_head(params, hidden):
     # 270M shapes, bfloat16 head, 2 rows: 268 -> 195 ms/step under load, pairs 0.71-0.75 (benchmarks/decode.py
     # keeps plain decoding and the speculative loop at k = 0 within 3 %).
     w = params["embed"]
-    h = hidden.astype(w.dtype)
-    out = jax.lax.dot_general(w, h.reshape(-1, h.shape[-1]), (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-    return out.T.reshape(*h.shape[:-1], w.shape[0])
-  return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(w, h.astype(w.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).T
+  else:
+    out = jnp.einsum("md,dv->mv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+  return out[:rows].reshape(*lead, out.shape[-1])
 
 
 def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, *, config: ModelConfig,

@@ -50,13 +50,14 @@ class SlowNgram(NgramProposer):
 
 
 class InProcessServer:
-  """serve.server.build_engine + create_app, served by uvicorn in a thread."""
+  """serve.server.build_engine + serve.api.create_app, served by uvicorn in a thread."""
 
   def __init__(self, model: str, speculative_config: dict, *, slow: bool = False, adaptive: bool = True):
     import uvicorn
 
     from configs.gemma3_270m import get_config
     from serve import server as S
+    from serve.api import create_app
     cfg = {**dict(get_config()), **S.SERVER_DEFAULTS}
     # One step per engine iteration: every token is its own event, so ITL is a step time, not a batch of them.
     cfg.update(model=model, dtype="float32", max_num_seqs=2, max_model_len=128, served_model_name=MODEL,
@@ -69,7 +70,7 @@ class InProcessServer:
                                                                           ngram_max=p.ngram_max))
     engine.start()
     self.engine = engine
-    self.server = uvicorn.Server(uvicorn.Config(S.create_app(engine, tokenizer, cfg), host="127.0.0.1",
+    self.server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, cfg), host="127.0.0.1",
                                                 port=cfg["port"], log_level="warning", lifespan="off"))
     self.thread = threading.Thread(target=self.server.run, daemon=True)
     self.thread.start()

@@ -1,0 +1,265 @@
+"""The HTTP API over a started engine: OpenAI's /v1/completions and /v1/chat/completions, /v1/models, /health,
+/metrics and /admin/speculation (FastAPI).
+
+The request bodies are serve/protocol.py's pydantic models, so FastAPI validates them and publishes them at
+/openapi.json, as vLLM does. Every error is OpenAI's error object: a body that fails validation is a 400 naming
+its field, never FastAPI's 422. The API key (`--api_key`) is a dependency of the /v1 and /admin routes; /health,
+/metrics and /openapi.json stay open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import json
+import logging
+import secrets
+import time
+from typing import Optional
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from serve.engine import EngineStopped, QueueFull
+from serve.output_stream import Output
+from serve.protocol import (APIError, ChatRequest, CompletionRequest, SpeculationSwitch, chat_body, chat_chunk,
+                            completion_body, completion_chunk, new_id, usage_chunk)
+
+log = logging.getLogger("spec_jax.server")
+
+
+def validation_error(e: RequestValidationError) -> APIError:
+  """FastAPI's first validation error as a 400 that names the field (`param`), as OpenAI's API does."""
+  err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+  if err.get("type") == "json_invalid":
+    return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
+  field = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+  got = f" (got {str(err['input'])[:80]!r})" if "input" in err and field else ""
+  return APIError(400, f"{field or 'body'}: {err['msg']}{got}", param=field or None)
+
+
+def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
+  model_name = cfg["served_model_name"]
+  api_key = cfg["api_key"]
+  metrics = engine.metrics
+  # A body without a Content-Type is read as JSON, as FastAPI did before `strict_content_type` (default on since).
+  lenient = {"strict_content_type": False} if "strict_content_type" in inspect.signature(FastAPI).parameters else {}
+  api = FastAPI(title="spec_jax", description="OpenAI-compatible speculative decoding server",
+                docs_url=None, redoc_url=None, **lenient)
+
+  def error_response(e: APIError) -> JSONResponse:
+    kinds = {400: "bad_request", 401: "unauthorized", 404: "not_found", 503: "unavailable"}
+    if e.status in kinds:
+      metrics.errors.labels(kind=kinds[e.status]).inc()
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+  @api.exception_handler(APIError)
+  async def _api_error(request, e: APIError):
+    return error_response(e)
+
+  @api.exception_handler(RequestValidationError)
+  async def _validation(request, e):
+    return error_response(validation_error(e))
+
+  @api.exception_handler(HTTPException)
+  async def _http(request, e):
+    return error_response(APIError(e.status_code, str(e.detail)))
+
+  @api.exception_handler(Exception)
+  async def _unexpected(request, e):
+    log.exception("unhandled error")
+    metrics.errors.labels(kind="server").inc()
+    return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
+  bearer = HTTPBearer(auto_error=False, description="--api_key, when the server has one")
+
+  async def authorized(cred: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> None:
+    if api_key and (cred is None or not hmac.compare_digest(cred.credentials.encode(), api_key.encode())):
+      raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+
+  guarded = APIRouter(dependencies=[Depends(authorized)])
+
+  def checked(body):
+    if body.model != model_name:
+      raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                     param="model", code="model_not_found")
+    body.check_supported()
+    return body
+
+  def engine_request(body, prompt_ids: list, max_tokens: Optional[int], output: Output):
+    room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
+    if max_tokens is None:
+      max_tokens = min(cfg["max_new_tokens"], room)
+      if max_tokens < 1:
+        raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the context of "
+                       f"{engine.capacity} tokens", "prompt")
+    elif max_tokens > room:
+      raise APIError(400, f"max_tokens={max_tokens} is over the limit: the prompt has {len(prompt_ids)} tokens, the "
+                     f"context {engine.capacity} (speculation needs {engine.spec.lookahead + 1} more), so at most "
+                     f"{max(room, 0)}", "max_tokens")
+    top_k = body.top_k if body.top_k is not None else cfg["top_k"]
+    try:
+      return engine.make_request(
+          prompt_ids, max_new=max_tokens,
+          temperature=body.temperature if body.temperature is not None else cfg["temperature"],
+          top_k=0 if top_k == -1 else top_k, top_p=body.top_p if body.top_p is not None else cfg["top_p"],
+          speculate=body.speculate is not False,
+          seed=body.seed % (1 << 31) if body.seed is not None else secrets.randbits(31),
+          stop=body.stop_list(), output=output)
+    except ValueError as e:
+      raise APIError(400, str(e))
+
+  def submit(req) -> None:
+    try:
+      engine.submit(req)
+    except QueueFull as e:
+      raise APIError(429, str(e), headers={"Retry-After": "1"})
+    except EngineStopped as e:
+      raise APIError(503, str(e))
+
+  async def next_delta(out, event):
+    while True:
+      d = out.take()
+      if d is not None:
+        return d
+      await event.wait()
+      event.clear()
+
+  async def collect(request: Request, req, out, event):
+    """Non-streaming: wait for the end; a client that goes away aborts the request."""
+    text, ids = [], []
+    while True:
+      try:
+        d = await asyncio.wait_for(next_delta(out, event), timeout=1.0)
+      except asyncio.TimeoutError:
+        if await request.is_disconnected():
+          engine.abort(req)
+          raise APIError(499, "client disconnected")
+        continue
+      text.append(d.text)
+      ids.extend(d.token_ids)
+      if d.error:
+        status, kind, msg = d.error
+        raise APIError(status, msg, code=kind)
+      if d.finished:
+        return "".join(text), ids, d
+
+  def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+  def stream(req, out, event, *, chat: bool, include_usage: bool, with_ids: bool):
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text, finish, ids):
+      if chat:
+        return chat_chunk(rid, model_name, {"content": text} if finish is None else {}, finish, ids,
+                          with_usage_field=include_usage)
+      return completion_chunk(rid, model_name, text, finish, ids, with_usage_field=include_usage)
+
+    async def gen():
+      try:
+        if chat:
+          yield sse(chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None,
+                               with_usage_field=include_usage))
+        while True:
+          d = await next_delta(out, event)
+          if d.text or d.token_ids:
+            yield sse(chunk(d.text, None, d.token_ids if with_ids else None))
+          if d.error:  # headers are sent: the error goes in the stream, as vLLM sends it
+            status, kind, msg = d.error
+            yield sse(APIError(status, msg, code=kind).body())
+            break
+          if d.finished:
+            yield sse(chunk("", d.finish_reason, None))
+            if include_usage and d.usage is not None:
+              yield sse(usage_chunk(rid, model_name, obj, d.usage))
+            break
+        yield "data: [DONE]\n\n"
+      finally:
+        if not req.finished:
+          engine.abort(req)  # the client went away (or the server is stopping): free the slot
+
+    return StreamingResponse(gen(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+  async def complete(request: Request, body, prompt_ids: list, max_tokens: Optional[int], *, chat: bool):
+    """The one path of both routes: the engine request, then a stream or the whole answer."""
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+    out = Output(lambda: loop.call_soon_threadsafe(event.set))
+    req = engine_request(body, prompt_ids, max_tokens, out)
+    submit(req)
+    with_ids = bool(body.return_token_ids)
+    if body.stream:
+      include = bool(body.stream_options and body.stream_options.include_usage)
+      return stream(req, out, event, chat=chat, include_usage=include, with_ids=with_ids)
+    text, ids, d = await collect(request, req, out, event)
+    make = chat_body if chat else completion_body
+    return make(new_id("chatcmpl" if chat else "cmpl"), model_name, text, d.finish_reason, d.usage,
+                ids if with_ids else None, prompt_ids if with_ids else None)
+
+  @guarded.post("/v1/completions")
+  async def completions(body: CompletionRequest, request: Request):
+    checked(body)
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+      if len(p) != 1:
+        raise APIError(400, f"one prompt per request (got {len(p)})", "prompt")
+      p = p[0]
+    if not p:
+      raise APIError(400, "the prompt is empty", "prompt")
+    if isinstance(p, str):
+      prompt_ids = tokenizer.encode(p)
+    else:
+      bad = [t for t in p if not 0 <= t < engine.spec.config.vocab_size]
+      if bad:
+        raise APIError(400, f"prompt token ids outside the vocabulary: {bad[:5]}", "prompt")
+      prompt_ids = list(p)
+    return await complete(request, body, prompt_ids, body.max_tokens, chat=False)
+
+  @guarded.post("/v1/chat/completions")
+  async def chat(body: ChatRequest, request: Request):
+    checked(body)
+    try:
+      prompt_text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+    except (ValueError, TypeError) as e:
+      raise APIError(400, f"messages: {e}", "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return await complete(request, body, tokenizer.encode(prompt_text), max_tokens, chat=True)
+
+  @guarded.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "spec_jax", "max_model_len": engine.capacity}]}
+
+  @guarded.get("/admin/speculation")
+  async def speculation_status():
+    return engine.status()
+
+  @guarded.post("/admin/speculation")
+  async def speculation_switch(body: SpeculationSwitch):
+    engine.set_speculation(body.enabled)
+    return engine.status()
+
+  @api.get("/health")
+  async def health():
+    if not engine.alive:
+      return JSONResponse({"status": "engine stopped"}, status_code=503)
+    if engine.draining:
+      return JSONResponse({"status": "draining"}, status_code=503)
+    running, waiting = engine.counts()
+    return {"status": "ok", "running": running, "waiting": waiting}
+
+  @api.get("/metrics")
+  async def prometheus():
+    metrics.observe_occupancy(*engine.counts())  # as of the scrape, not the last engine iteration
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+  api.include_router(guarded)
+  return api
