@@ -39,12 +39,22 @@ class Program:
   args: tuple
   kwargs: dict = dataclasses.field(default_factory=dict)
   note: str = ""
-  cache_layer: tuple = ()  # one layer's K (or V) of the target's cache, (slots, kv heads, capacity, head dim)
+  # One layer's K (or V) of the target's cache on one chip: (slots, kv heads, capacity, head dim), and the slot
+  # counts a copy of it may show (the chip's and the whole batch's, if the partitioner gathers the slots).
+  cache_layer: tuple = ()
+  cache_rows: tuple = ()
   cache_itemsize: int = 2
 
 
-def cache_of(config: ModelConfig, slots: int, capacity: int, dtype) -> dict:
-  return dict(cache_layer=(slots, config.num_kv_heads, capacity, config.head_dim),
+def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -> dict:
+  """The cache-copy check's shapes: per chip under the mesh's layout (a chip's own cache copied is a copy too)."""
+  rows, heads = slots, config.num_kv_heads
+  if mesh is not None:
+    spec = sharding.logical_to_spec(sharding.CACHE_AXES, (config.num_layers, slots, heads, capacity,
+                                                          config.head_dim), mesh)
+    rows //= mesh.shape[spec[1]] if spec[1] else 1
+    heads //= mesh.shape[spec[2]] if spec[2] else 1
+  return dict(cache_layer=(rows, heads, capacity, config.head_dim), cache_rows=tuple(sorted({rows, slots})),
               cache_itemsize=jnp.dtype(dtype).itemsize)
 
 
@@ -192,7 +202,7 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
       with place.context():
         state = place.state(empty_state(params, spec, B, max_model_len))
       label = method + (f" tree{proposer.tree.nodes}" if proposer.tree is not None else "")
-      cache_info = cache_of(config, B, max_model_len, dtype)
+      cache_info = cache_of(config, B, max_model_len, dtype, place.mesh)
       steps = place.replicated(SDS((), jnp.int32))
       out.append(Program(f"decode_loop[{label}]", decode_loop, (params, state, spec, steps),
                          note=f"{B} slots x {max_model_len} tokens, options k in {list(ks)}", **cache_info))
@@ -282,4 +292,4 @@ def step_program(config: ModelConfig, place: Placement, *, method: str, k: int, 
   label = "plain" if not k else (f"{method} tree{proposer.tree.nodes}" if proposer.tree is not None else
                                  f"{method} k={k}")
   return Program(f"step[{label}, batch {batch}]", decode_loop,
-                 (params, state, spec, place.replicated(SDS((), jnp.int32))), **cache_of(config, B, max_model_len, dtype))
+                 (params, state, spec, place.replicated(SDS((), jnp.int32))), **cache_of(config, B, max_model_len, dtype, place.mesh))

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 
 import numpy as np
 
 from serve.spec_config import read_json_arg
 
 ON, BASELINE, OFF, PROBE = "on", "baseline_window", "off", "probe"
+log = logging.getLogger("spec_jax.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +167,58 @@ class Guardrails:
   def _go(self, mode: str, now: float, enabled: bool, reason: str):
     self.mode, self.since = mode, now
     return (enabled, reason)
+
+
+class SpeculationSwitch:
+  """Whether the loop speculates now: the admin switch (off is sticky: the guardrails cannot turn it back on; on
+  hands control back to them), the guardrails, and the tuned config's band for the current occupancy. The engine
+  holds its lock around `set_admin` and `tick` (the HTTP thread and the engine thread both call in)."""
+
+  def __init__(self, guard: "Guardrails | None", spec_config, k_max: int, metrics):
+    self.guard, self.spec_config, self.k_max, self.metrics = guard, spec_config, k_max, metrics
+    self.admin_on = True
+
+  def set_admin(self, enabled: bool, now: float) -> bool:
+    """-> whether it changed."""
+    if enabled == self.admin_on:
+      return False
+    self.admin_on = enabled
+    if enabled and self.guard is not None:
+      self.guard.reset(now)
+    log.info("speculation %s (admin)", "on" if enabled else "off")
+    self.metrics.speculation_switches.labels(enabled=str(enabled).lower(), reason="admin").inc()
+    return True
+
+  def allowed(self) -> bool:
+    """The admin switch and the guardrails (what `spec_jax:speculation_enabled` shows)."""
+    return self.admin_on and (self.guard is None or self.guard.speculation_on)
+
+  def wanted(self, busy: int) -> bool:
+    """Speculate at `busy` running requests?"""
+    on = self.allowed()
+    if on and self.spec_config is not None and busy:
+      on = self.spec_config.k_at(busy) > 0
+    return on and self.k_max > 0
+
+  def tick(self, now: float) -> None:
+    """Let the guardrails decide; log and count a switch."""
+    if self.guard is None or not self.admin_on or self.k_max == 0:
+      return
+    event = self.guard.decide(now)
+    if event is None:
+      return
+    enabled, reason = event
+    if reason == "probe_passed":
+      log.info("guardrails: probe passed, speculation stays on")
+      return
+    base = self.guard.baseline_p95
+    log.info("guardrails: speculation %s (%s)%s", "on" if enabled else "off", reason,
+             f", baseline p95 ITL {base * 1e3:.1f} ms" if base else "")
+    self.metrics.speculation_switches.labels(enabled=str(enabled).lower(), reason=reason).inc()
+    if base is not None:
+      self.metrics.baseline_itl_p95.set(base)
+
+  def status(self, busy: int) -> dict:
+    g = self.guard
+    return {"admin_enabled": self.admin_on, "enabled": self.wanted(busy),
+            "guardrails": None if g is None else {"mode": g.mode, "baseline_itl_p95_s": g.baseline_p95}}

@@ -68,3 +68,43 @@ def device_memory() -> Optional[tuple[int, int]]:
   if not stats or "bytes_in_use" not in stats:
     return None
   return int(stats["bytes_in_use"]), int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
+
+
+class StepProbe:
+  """When to probe, and the probed loop call: every `every_s` seconds (0: never) while some running request
+  drafts (a k = 0 batch has no proposer time); the device's memory is read at most once a second."""
+
+  def __init__(self, metrics, every_s: float):
+    self.metrics, self.every_s = metrics, every_s
+    self._next_probe = self._next_memory = 0.0
+
+  def due(self, now: float, drafting: bool) -> bool:
+    return self.every_s > 0 and now >= self._next_probe and drafting
+
+  def timed_loop(self, params, state, spec, steps):
+    """The iteration's loop call (SlotTable.run's `loop`), timed alone after one timed `propose` on the same
+    state."""
+    from spec_jax.decode import decode_loop
+    jax.block_until_ready(state)  # the loop in flight
+    step0 = int(state.step)
+    t_prop = time_propose(params, state, spec)
+    t0 = time.perf_counter()
+    state = decode_loop(params, state, spec, steps)
+    ran = int(jax.block_until_ready(state).step) - step0
+    t_step = (time.perf_counter() - t0) / max(ran, 1)
+    self._next_probe = time.monotonic() + self.every_s
+    if ran > 0:
+      self.metrics.proposer_time.inc(t_prop)
+      self.metrics.step_time.inc(t_step)
+      self.metrics.timing_probes.inc()
+    return state
+
+  def sample_memory(self, now: float) -> None:
+    m = self.metrics
+    if m.device_memory is None or now < self._next_memory:
+      return
+    self._next_memory = now + 1.0
+    mem = device_memory()
+    if mem is not None:
+      m.device_memory.set(mem[0])
+      m.device_memory_peak.set(mem[1])

@@ -68,32 +68,28 @@ def settings(model: str, dtype: str, max_new_tokens: int, max_prompt_tokens: int
 
 
 class Generator:
-  """Continuous batching over spec_jax.slots for a list of prompts; answers come back as they finish."""
+  """Continuous batching over spec_jax.slot_table for a list of prompts; answers come back as they finish."""
 
   def __init__(self, params, config, tokenizer, *, batch: int, max_new_tokens: int, capacity: int,
                steps_per_sync: int = 16):
-    from spec_jax import slots
     from spec_jax.decode import make_spec
-    self.slots = slots
+    from spec_jax.slot_table import SlotTable
     self.spec = make_spec(config, adaptive_k=False, stop_ids=tokenizer.stop_ids if tokenizer else ())
-    self.params = {"target": params, "proposer": {}}
     self.max_new = max_new_tokens
     self.capacity = capacity
-    self.batch = batch
     self.steps = steps_per_sync
-    self.state = slots.empty_state(self.params, self.spec, batch=batch, capacity=self.capacity)
+    self.table = SlotTable({"target": params, "proposer": {}}, self.spec, num_slots=batch, capacity=capacity)
 
   def run(self, jobs, on_done, log=print):
     """jobs: iterable of (key, prompt_ids, temperature, seed). on_done(key, new_ids, stopped)."""
     import jax
-    from spec_jax.decode import FINISH_NAMES, decode_loop
-    slots = self.slots
+    from spec_jax import slots
+    from spec_jax.decode import FINISH_NAMES
+    table = self.table
     it = iter(jobs)
-    holder: dict = {}
-    free = list(range(self.batch))
     exhausted = False
     while True:
-      while free and not exhausted:
+      while table.free and not exhausted:
         job = next(it, None)
         if job is None:
           exhausted = True
@@ -101,20 +97,16 @@ class Generator:
         key, ids, temp, seed = job
         req = slots.make_request(ids, max_new=self.max_new, spec=self.spec, capacity=self.capacity,
                                  temperature=temp, seed=seed)
-        slot = free.pop()
-        self.state = slots.insert(self.params, self.state, np.int32(slot), req, self.spec)
-        holder[slot] = (key, len(ids))
-      if not holder:
+        table.insert((key, len(ids)), req)
+      if not table.holders:
         return
-      self.state = decode_loop(self.params, self.state, self.spec, np.int32(self.steps))
-      snap = jax.device_get(slots.snapshot(self.state))
-      for slot, (key, plen) in list(holder.items()):
+      snap, held = table.run(self.steps)
+      snap = jax.device_get(snap)
+      for slot, (key, plen) in held.items():
         if snap.done[slot]:
           new = snap.tokens[slot, plen:snap.lengths[slot]].tolist()
           on_done(key, new, FINISH_NAMES[int(snap.finish[slot])] == "stop")
-          self.state = slots.release(self.state, np.int32(slot))
-          del holder[slot]
-          free.append(slot)
+          table.release(slot)
 
 
 def prompts_in_order(tokenizer, seed: int, limit: int = 0, data_dir=None):

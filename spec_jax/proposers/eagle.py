@@ -121,8 +121,8 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
   # The rows are written after the layer has read the cache: with nothing ordering the attention call and the
   # row loop, XLA:GPU's copy insertion copied the whole cache around the loop (7 copies a step on an H200).
   x, ck, cv = jax.lax.optimization_barrier((x, cache.k, cache.v))
-  cache = cache.replace(k=tfm.write_rows(ck, k_new[None], cache.lengths),
-                        v=tfm.write_rows(cv, v_new[None], cache.lengths))
+  cache = cache.replace(k=tfm.write_rows(ck, k_new[None], cache.lengths, mesh),
+                        v=tfm.write_rows(cv, v_new[None], cache.lengths, mesh))
   return tfm.rms_norm(x, params["out_norm"], cfg.norm_eps), cache
 
 

@@ -75,7 +75,7 @@ def test_gemma3_270m_on_one_v5e_chip(name):
   _check(tgt, ps[name], kernel=not name.startswith("train"))
 
 
-LLAMA_SHARDED = ["decode_loop[ngram]", pytest.param("decode_loop[eagle]", marks=FULL), "decode_loop[eagle tree16]",
+LLAMA_SHARDED = ["decode_loop[none]", "decode_loop[ngram]", pytest.param("decode_loop[eagle]", marks=FULL), "decode_loop[eagle tree16]",
                  "insert[ngram, prompt 16]", pytest.param("train_step[eagle]", marks=FULL)]
 
 
@@ -84,7 +84,8 @@ def test_llama3_8b_sharded_model4_on_v5e_2x2(name):
   """Tensor parallel over four chips: the Mosaic kernel must sit in a shard_map (the SPMD partitioner refuses to
   split it), the eight KV heads two to a chip; the weights and a 8 x 4096-token cache fit 16 GiB per chip, each
   chip holding about a quarter of the program's arguments (the trainer's frozen float32 target too), not all.
-  The cost estimate is Gemma's tests' to check (here a second compile for the EAGLE programs)."""
+  The cost estimate is Gemma's tests' to check (here a second compile for the EAGLE programs). The plain loop
+  once carried the cache with its layers minor (two kv heads a chip), copying it in and back every call."""
   _need("libtpu", "libtpu (the TPU compiler)")
   tgt, ps = _programs("v5e:2x2", "llama3-8b", "model:4", methods=["ngram", "eagle"], slots=8, tokens=4096, topk=4,
                       train=["eagle"])
@@ -93,11 +94,12 @@ def test_llama3_8b_sharded_model4_on_v5e_2x2(name):
 
 
 def test_a_tree_on_a_data_mesh_copies_no_cache():
-  """Rows split over four chips: each chip moves its own rows' accepted path (tree.compact_accepted in a
-  shard_map). Left to the partitioner, the per-row slices of a cache split over `data` gathered the whole cache on
-  every chip, every step (five 1 GiB copies for Llama-8B on a data:4,model:4 pod)."""
+  """Rows split over four chips, two each: each chip writes its own rows and moves its own rows' accepted path
+  (write_rows and tree.compact_accepted in a shard_map). Left to the partitioner, the per-row slices of a cache
+  split over `data` gathered the whole cache on every chip, every step (five 1 GiB copies for Llama-8B on a
+  data:4,model:4 pod), and the row writes copied each chip's own cache."""
   _need("libtpu", "libtpu (the TPU compiler)")
-  tgt, ps = _programs("v5e:2x2", "gemma3-270m", "data:4", methods=["eagle"], slots=4, tokens=1024, topk=4)
+  tgt, ps = _programs("v5e:2x2", "gemma3-270m", "data:4", methods=["eagle"], slots=8, tokens=1024, topk=4)
   _check(tgt, ps["decode_loop[eagle tree16]"], kernel=True, cost=False)
 
 

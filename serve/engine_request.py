@@ -1,0 +1,104 @@
+"""A request as the engine sees it, and its hand-over: its row of each snapshot becomes tokens, text (cut at stop
+strings, serve/output_stream.py), metrics and, at the end, its finish or its error. Engine thread only, but for
+`aborted`, which the HTTP layer sets when the client goes away."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from serve.metrics import Metrics
+from serve.output_stream import Output, TextStream, Usage
+from spec_jax import slots
+from spec_jax.decode import FINISH_NAMES
+
+# the loop's finish reasons as OpenAI names them
+FINISH_REASONS = {"stop": "stop", "length": "length", "capacity": "length", "abort": "abort"}
+
+
+@dataclasses.dataclass(eq=False)
+class EngineRequest:
+  """A request as the engine sees it. The fields below `output` are the engine thread's own."""
+
+  id: str
+  prompt_ids: list
+  device_req: slots.Request
+  stop: tuple
+  output: Output
+  arrival: float
+  deadline: Optional[float]
+  speculate: bool = True
+  aborted: bool = False  # set by the HTTP layer (client gone)
+  slot: int = -1
+  finished: bool = False
+  admitted_at: Optional[float] = None
+  first_at: Optional[float] = None
+  last_at: Optional[float] = None
+  n_tokens: int = 0  # tokens taken from the row (stop token included)
+  stream: Optional[TextStream] = None  # set when the request takes a slot
+  drafted: int = 0
+  accepted: int = 0
+  drafts: int = 0
+  accepted_at: Optional[np.ndarray] = None
+
+  def advance(self, arr, slot: int, now: float, itl: list, m: Metrics) -> tuple[int, int]:
+    """Take this request's new tokens from its row of snapshot `arr`, ITL samples appended to `itl` ->
+    (drafted, accepted) token increments."""
+    drafted, accepted = int(arr.drafted[slot]), int(arr.accepted[slot])
+    drafts = int(arr.drafted_at[slot, 0]) if arr.drafted_at.shape[1] else 0
+    acc_at = np.asarray(arr.accepted_at[slot], np.int64)[:len(self.accepted_at)]
+    dd, da = drafted - self.drafted, accepted - self.accepted  # the row's counters are cumulative
+    m.observe_drafts(dd, da, drafts - self.drafts, acc_at - self.accepted_at)
+    self.drafted, self.accepted, self.drafts, self.accepted_at = drafted, accepted, drafts, acc_at.copy()
+
+    start = int(arr.prompt_lens[slot]) + self.n_tokens
+    new = arr.tokens[slot, start:int(arr.lengths[slot])].tolist()
+    done = bool(arr.done[slot])
+    reason = FINISH_REASONS.get(FINISH_NAMES.get(int(arr.finish[slot])), "stop") if done else None
+    if new:
+      self._deliver(new, now, itl, m, ends_with_stop_token=(reason == "stop"))
+    if done and not self.finished:
+      self.finish(reason, now, m)
+    return dd, da
+
+  def _deliver(self, ids: list, now: float, itl: list, m: Metrics, ends_with_stop_token: bool) -> None:
+    n = len(ids)
+    if self.first_at is None:
+      self.first_at = now
+      m.ttft.observe(now - self.arrival)
+    else:
+      gap = (now - self.last_at) / n
+      for _ in range(n):
+        m.itl.observe(gap)
+      itl.extend([gap] * n)
+    self.last_at = now
+    m.generation_tokens.inc(n)
+    text_ids = ids[:-1] if ends_with_stop_token else ids
+    taken = self.stream.push(ids, text_ids)
+    self.n_tokens += taken
+    if taken < n:  # a stop string ended the text
+      self.finish("stop", now, m, flush=False)
+
+  def finish(self, reason: str, now: float, m: Metrics, flush: bool = True) -> None:
+    if self.finished:
+      return
+    self.finished = True
+    tail = self.stream.flush() if flush and self.stream is not None else ""
+    m.finished.labels(finished_reason=reason).inc()
+    m.e2e.observe(now - self.arrival)
+    if self.first_at is not None and self.n_tokens > 1:
+      m.tpot.observe((self.last_at - self.first_at) / (self.n_tokens - 1))
+    self.output.put(tail, (), finish_reason=reason, usage=self.usage())
+
+  def fail(self, status: int, kind: str, message: str, m: Metrics) -> None:
+    if self.finished:
+      return
+    self.finished = True
+    m.errors.labels(kind=kind).inc()
+    self.output.put(error=(status, kind, message), usage=self.usage())
+
+  def usage(self) -> Usage:
+    return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=self.n_tokens, drafted_tokens=self.drafted,
+                 accepted_tokens=self.accepted, drafts=self.drafts)

@@ -1,0 +1,75 @@
+"""The host side of `spec_jax.slots`: which slots are free, who holds each, and the insert -> loop -> snapshot ->
+release cycle over one DecodeState. The server's engine (serve/engine.py, with its threads, queue and deadlines)
+and the distillation generator (train/distill.py) both schedule through it.
+
+A snapshot is taken with the holders of that moment (`run` returns both), so a slot released and refilled before
+the snapshot is read is never confused with its previous holder.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import numpy as np
+
+from spec_jax import backend, sharding, slots
+from spec_jax.decode import LoopSpec, decode_loop
+
+
+class SlotTable:
+  """`num_slots` decode slots of `capacity` tokens. `holders` maps a busy slot to whatever its caller keeps there
+  (a request); the state's rows are the slots, plus a never-used one for a bfloat16 batch of one on CPU and
+  padding to the mesh's data axis."""
+
+  def __init__(self, params, spec: LoopSpec, *, num_slots: int, capacity: int, costs=None, seed: int = 0):
+    self.params, self.spec = params, spec
+    self.num_slots, self.capacity, self.costs, self.seed = num_slots, capacity, costs, seed
+    self.reset()
+
+  def reset(self) -> None:
+    """A fresh state with every slot free (after start-up, or when a failed call may have lost the state)."""
+    self.holders: dict[int, Any] = {}
+    self._free = collections.deque(range(self.num_slots))
+    # On XLA:CPU a bfloat16 state of one row takes the slow 1-row dot path: it gets a second, never-used row.
+    rows = sharding.pad_rows(backend.batch_rows(self.params["target"], self.num_slots), self.spec.mesh)
+    self.state = slots.empty_state(self.params, self.spec, batch=rows, capacity=self.capacity, costs=self.costs,
+                                   seed=self.seed)
+
+  @property
+  def free(self) -> int:
+    return len(self._free)
+
+  def insert(self, holder, request: slots.Request) -> int:
+    """Prefill `request` into a free slot held by `holder` -> the slot. If the insert raises, the slot stays free
+    (see `lost`)."""
+    slot = self._free.popleft()
+    try:
+      self.state = slots.insert(self.params, self.state, np.int32(slot), request, self.spec)
+    except Exception:
+      self._free.appendleft(slot)
+      raise
+    self.holders[slot] = holder
+    return slot
+
+  def run(self, steps: int, loop=None) -> tuple:
+    """Dispatch `steps` decode steps (`loop(params, state, spec, steps)`, decode_loop by default) and a snapshot
+    -> (snapshot, the holders it belongs to). Asynchronous: jax.device_get(snapshot) waits for the device."""
+    self.state = (loop or decode_loop)(self.params, self.state, self.spec, np.int32(steps))
+    return slots.snapshot(self.state), dict(self.holders)
+
+  def release(self, slot: int) -> None:
+    self.state = slots.release(self.state, np.int32(slot))
+    del self.holders[slot]
+    self._free.append(slot)
+
+  def set_speculation(self, enabled: bool) -> None:
+    self.state = slots.set_speculation(self.state, enabled)
+
+  def lost(self) -> bool:
+    """Whether the donated state is gone (a call failed after donating it): then only `reset` helps."""
+    try:
+      return any(x.is_deleted() for x in jax.tree.leaves(self.state))
+    except Exception:
+      return True
