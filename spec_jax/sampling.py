@@ -27,137 +27,26 @@ no sort at all:
   the rare rows whose boundary logit is exactly 0, because lax.top_k ranks -0.0 below +0.0.)
 - a draw is two-level: per-block masses over V, one categorical over the blocks, one inside the chosen block
   (about 2 sqrt(V) random numbers per row instead of V for Gumbel-max over V).
-- the passes over V run in chunks of 8 rows (see _map_rows), so [B, k+1, V] verification logits do not allocate
+- the passes over V run in chunks of 8 rows (see ranking.map_rows), so [B, k+1, V] verification logits do not allocate
   B (k+1) V temporaries.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from spec_jax.config import SamplingParams
+from spec_jax.ranking import (  # noqa: F401 (argmax, probs_at, RowWarp, keep: the public API)
+    sort_key, key_to_float, vocab_iota, map_rows, block_size, argmax, RowWarp, keep, probs_at, row_weights)
 
 # Number of top candidates for the fast filtering path.
 DEFAULT_CANDIDATES = 256
 
 _NEG_INF = float("-inf")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Ranking helpers
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def sort_key(x: jax.Array) -> jax.Array:
-  """uint32 key with the order of the float32 values (-0.0 just below +0.0). Only used on per-row scalars:
-  elementwise over V it is much slower than float compares on XLA:CPU."""
-  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def _key_to_float(key: jax.Array) -> jax.Array:
-  bits = jnp.where((key >> 31) == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _vocab_iota(shape) -> jax.Array:
-  return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
-
-
-ROW_GROUP = 8  # rows per chunk of the passes over V, see _map_rows
-
-
-def _map_rows(fn, *args):
-  """fn(*args) for per-row arrays args [N, ...], run over chunks of up to ROW_GROUP rows with lax.map.
-
-  On XLA:CPU (jax 0.10) a masked pass over V is not fused into its reduction: it materializes an N x V temporary.
-  For 40 rows of V = 262144 (42 MB) such a pass measured about 5x slower than the same work in chunks of 8 rows,
-  most likely because allocations above glibc's 32 MB mmap threshold fault in fresh pages on every call. fn must
-  treat rows independently (its lax.cond predicates then hold per chunk, so one chunk's fallback does not slow
-  the others).
-  """
-  n = args[0].shape[0]
-  group = next((g for g in range(ROW_GROUP, 1, -1) if n % g == 0), 1)
-  if n <= ROW_GROUP or group == 1:
-    return fn(*args)
-  chunks = [a.reshape((n // group, group) + a.shape[1:]) for a in args]
-  out = lax.map(lambda xs: fn(*xs), chunks)
-  return jax.tree.map(lambda o: o.reshape((n,) + o.shape[2:]), out)
-
-
-def _block_size(v: int) -> int:
-  """A divisor of v near sqrt(v), or 0 if there is none worth using."""
-  r = int(math.isqrt(v))
-  for s in range(r, max(1, r // 4) - 1, -1):
-    if v % s == 0:
-      return s
-  return 0
-
-
-def argmax(x: jax.Array) -> jax.Array:
-  """int32 argmax over the last axis, the lowest index among equal maxima (as jnp.argmax, for non-NaN input).
-
-  Blocked: one pass of block maxima over V, then only the first block holding the maximum is searched. About 10x
-  faster than jnp.argmax's variadic reduction on XLA:CPU.
-  """
-  shape, v = x.shape, x.shape[-1]
-  x = x.reshape(-1, v)
-  n = x.shape[0]
-  s = _block_size(v)
-  if s <= 1:
-    m = jnp.max(x, axis=-1, keepdims=True)
-    out = jnp.min(jnp.where(x == m, _vocab_iota(x.shape), v), axis=-1)
-  else:
-    xb = x.reshape(n, v // s, s)
-    block_max = jnp.max(xb, axis=-1)  # [n, nb]
-    m = jnp.max(block_max, axis=-1, keepdims=True)
-    nb_iota = _vocab_iota(block_max.shape)
-    block = jnp.min(jnp.where(block_max == m, nb_iota, v // s), axis=-1)
-    inner = jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0]  # [n, s]
-    out = block * s + jnp.min(jnp.where(inner == m, _vocab_iota(inner.shape), s), axis=-1)
-  return jnp.minimum(out, v - 1).astype(jnp.int32).reshape(shape[:-1])
-
-
-class RowWarp(NamedTuple):
-  """The warped distribution of each row of logits [N, V], without materializing anything of size V.
-
-  Row n keeps the tokens with logit `x > v_last[n]`, or `x == v_last[n]` and `index <= i_last[n]`; the warped
-  logits are `x / temperature` there, and the probabilities `exp(x / temperature - lse)`.
-  """
-
-  temperature: jax.Array  # float32[N], 1 for greedy rows
-  v_last: jax.Array  # float32[N], -inf keeps everything
-  i_last: jax.Array  # int32[N]; for a greedy row the argmax
-  top: jax.Array  # float32[N], the largest logit of the row
-  lse: Optional[jax.Array]  # float32[N], log sum over the kept tokens of exp(x / temperature); None if not asked
-
-
-def keep(x: jax.Array, index: jax.Array, w: RowWarp) -> jax.Array:
-  """Whether tokens with logits x at `index` are kept. x, index: [N, ...] with the rows of w first."""
-  vl, il = _bcast(w.v_last, x.ndim), _bcast(w.i_last, x.ndim)
-  x = x.astype(jnp.float32)
-  return (x > vl) | ((x == vl) & (index <= il))
-
-
-def _bcast(a: jax.Array, ndim: int) -> jax.Array:
-  return a.reshape((-1,) + (1,) * (ndim - 1))
-
-
-def probs_at(x: jax.Array, index: jax.Array, w: RowWarp) -> jax.Array:
-  """Warped probabilities of tokens with logits x at `index` (w needs lse). x, index: [N, ...]."""
-  t, lse = _bcast(w.temperature, x.ndim), _bcast(w.lse, x.ndim)
-  return jnp.where(keep(x, index, w), jnp.exp(x.astype(jnp.float32) / t - lse), 0.0)
-
-
-def _weights(x: jax.Array, index: jax.Array, w: RowWarp) -> jax.Array:
-  """Unnormalized warped probabilities in (0, 1], 0 outside the kept set."""
-  t, top = _bcast(w.temperature, x.ndim), _bcast(w.top, x.ndim)
-  return jnp.where(keep(x, index, w), jnp.exp((x.astype(jnp.float32) - top) / t), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,7 +62,7 @@ def _prefix_bisect(x, weights, target):
   is >= target; if rounding makes it fall short, everything is kept.
   """
   n, v = x.shape
-  iota = _vocab_iota((n, v))
+  iota = vocab_iota((n, v))
   weights = jnp.broadcast_to(weights, (n, v))
   zero = jnp.zeros((), weights.dtype)
   tgt = target.astype(weights.dtype)
@@ -188,11 +77,11 @@ def _prefix_bisect(x, weights, target):
   def value_step(_, c):
     lo, hi = c
     mid = lo + (hi - lo) // jnp.uint32(2)
-    ok = mass(x >= _key_to_float(mid)[:, None]) >= tgt
+    ok = mass(x >= key_to_float(mid)[:, None]) >= tgt
     return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
   s, _ = lax.fori_loop(0, 32, value_step, (lo, hi))
-  v_last = _key_to_float(s)
+  v_last = key_to_float(s)
   above = mass(x > v_last[:, None])
   tie = x == v_last[:, None]
 
@@ -224,7 +113,7 @@ def _bounds_bisect(x, t, top, kk, filt_k, top_p, filt_p):
   vk, ik = lax.cond(jnp.any(filt_k), top_k_bounds, lambda: (all_v, all_i))
 
   def top_p_bounds():
-    weights = _weights(x, _vocab_iota(x.shape), RowWarp(t, vk, ik, top, None))
+    weights = row_weights(x, vocab_iota(x.shape), RowWarp(t, vk, ik, top, None))
     vl, il = _prefix_bisect(x, weights, top_p * jnp.sum(weights, axis=-1))
     return jnp.where(filt_p, vl, all_v), jnp.where(filt_p, il, all_i)
 
@@ -236,7 +125,7 @@ def _bounds_bisect(x, t, top, kk, filt_k, top_p, filt_p):
 
 def _lse_full(x, w: RowWarp):
   """log sum of exp(x / t) over the kept tokens: one pass over V."""
-  s = jnp.sum(_weights(x, _vocab_iota(x.shape), w), axis=-1)
+  s = jnp.sum(row_weights(x, vocab_iota(x.shape), w), axis=-1)
   return jnp.log(s) + w.top / w.temperature
 
 
@@ -259,7 +148,7 @@ def _warp_filtered(x, t, kk, filt_k, top_p, filt_p, candidates, with_lse):
   cv, ci = lax.optimization_barrier(cv), lax.optimization_barrier(ci)
   top = cv[:, 0]
   z = cv / t[:, None]
-  j = _vocab_iota((n, c))
+  j = vocab_iota((n, c))
   in_k = kk <= c
   # top-p mass is relative to the top-k set: normalize over the first kk candidates, or over V when top-k is off.
   lse_cand = jax.nn.logsumexp(jnp.where(j < kk[:, None], z, _NEG_INF), axis=-1)
@@ -321,7 +210,7 @@ def warp_rows(x: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax
 
   `candidates` only changes speed, never the result (up to float32 rounding of the top-p mass).
   """
-  return _map_rows(lambda *a: _warp_rows(*a, candidates=candidates, with_lse=with_lse),
+  return map_rows(lambda *a: _warp_rows(*a, candidates=candidates, with_lse=with_lse),
                    x, temperature, top_k, top_p)
 
 
@@ -370,8 +259,8 @@ def _categorical_two_level(keys, x, weight_fn):
   and only the chosen block is evaluated again. A zero-weight token is never drawn.
   """
   n, v = x.shape
-  s = _block_size(v)
-  index = _vocab_iota((n, v))
+  s = block_size(v)
+  index = vocab_iota((n, v))
   if s == 0:  # no good divisor: pad with zero weight
     s = max(1, math.isqrt(v))
     nb = -(-v // s)
@@ -390,7 +279,7 @@ def _categorical_two_level(keys, x, weight_fn):
 def categorical_from_weights(key: jax.Array, weights: jax.Array) -> jax.Array:
   """int32[N] draws from unnormalized weights [N, V] >= 0 (each row needs some positive weight)."""
   keys = jax.random.split(key, weights.shape[0])
-  return _map_rows(lambda k, w: _categorical_two_level(k, w.astype(jnp.float32), lambda wp, ip: wp), keys, weights)
+  return map_rows(lambda k, w: _categorical_two_level(k, w.astype(jnp.float32), lambda wp, ip: wp), keys, weights)
 
 
 def sample_rows(key: jax.Array, x: jax.Array, w: RowWarp) -> jax.Array:
@@ -399,9 +288,9 @@ def sample_rows(key: jax.Array, x: jax.Array, w: RowWarp) -> jax.Array:
 
   def draw(k, xr, *wr):
     wr = RowWarp(*wr, None)
-    return _categorical_two_level(k, xr, lambda xp, ip: _weights(xp, ip, wr))
+    return _categorical_two_level(k, xr, lambda xp, ip: row_weights(xp, ip, wr))
 
-  return _map_rows(draw, keys, x, w.temperature, w.v_last, w.i_last, w.top)
+  return map_rows(draw, keys, x, w.temperature, w.v_last, w.i_last, w.top)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -416,7 +305,7 @@ def warp_logits(logits: jax.Array, params: SamplingParams, *, candidates: int = 
   """
   x, t, k, p = rows(logits, params)
   w = warp_rows(x, t, k, p, candidates=candidates, with_lse=False)
-  out = jnp.where(keep(x, _vocab_iota(x.shape), w), x.astype(jnp.float32) / w.temperature[:, None], _NEG_INF)
+  out = jnp.where(keep(x, vocab_iota(x.shape), w), x.astype(jnp.float32) / w.temperature[:, None], _NEG_INF)
   return out.reshape(logits.shape)
 
 
@@ -424,7 +313,7 @@ def warped_probs(logits: jax.Array, params: SamplingParams, *, candidates: int =
   """float32 probabilities [B, ..., V] of the warped distribution (exactly one-hot for greedy rows)."""
   x, t, k, p = rows(logits, params)
   w = warp_rows(x, t, k, p, candidates=candidates, with_lse=True)
-  return probs_at(x, _vocab_iota(x.shape), w).reshape(logits.shape)
+  return probs_at(x, vocab_iota(x.shape), w).reshape(logits.shape)
 
 
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams, *,
@@ -446,4 +335,4 @@ def sample_with_probs(key: jax.Array, logits: jax.Array, params: SamplingParams,
   x, t, k, p = rows(logits, params)
   w = warp_rows(x, t, k, p, candidates=candidates, with_lse=True)
   tokens = lax.cond(jnp.all(t <= 0), lambda: w.i_last, lambda: sample_rows(key, x, w))
-  return tokens.reshape(logits.shape[:-1]), probs_at(x, _vocab_iota(x.shape), w).reshape(logits.shape)
+  return tokens.reshape(logits.shape[:-1]), probs_at(x, vocab_iota(x.shape), w).reshape(logits.shape)
