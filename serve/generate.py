@@ -46,8 +46,8 @@ def validate(cfg: dict) -> None:
 
 def main(argv):
   del argv
-  cfg = settings()
   try:
+    cfg = settings()
     validate(cfg)
     run(cfg)
   except (ValueError, FileNotFoundError) as e:

@@ -7,6 +7,7 @@ field, and a flag the config lacks fills it in.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -23,6 +24,9 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gemma
 
 
 def _define_run_flags() -> None:
+  flags.DEFINE_list("plugins", [], "Python modules to import first (e.g. my_pkg.my_proposer): each may register "
+                    "proposers with spec_jax.proposers.registry.register, which --method and --speculative_config "
+                    "then name.")
   flags.DEFINE_string("model", None, "A .gguf file or HF safetensors directory ('' = packaged Gemma 3 270M).")
   flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weights and activations dtype.")
   flags.DEFINE_enum("attention_impl", None, ["auto", "xla", "pallas_gpu", "pallas_tpu"], "Attention kernel.")
@@ -34,8 +38,9 @@ def _define_run_flags() -> None:
                        "first token).")
   flags.DEFINE_enum("quantize", None, ["none", "int8", "int4"], "Target weights: int8 per output channel, int4 per "
                     "32 inputs (spec_jax/quant.py); cached beside the checkpoint.")
-  flags.DEFINE_enum("method", None, list(METHODS), "Draft source (qdraft: the target's own weights quantized to "
-                    "--draft_quantize); the server's when --speculative_config is not given.")
+  flags.DEFINE_string("method", None, f"Draft source, a name of spec_jax/proposers/registry.py ({', '.join(METHODS)}; "
+                    "qdraft: the target's own weights quantized to --draft_quantize); the server's when "
+                    "--speculative_config is not given.")
   flags.DEFINE_enum("draft_quantize", None, ["int8", "int4"], "method=qdraft: the draft's weights.")
   flags.DEFINE_string("heads", None, "Medusa/EAGLE/draft checkpoint (path stem); '' = the one in heads/.")
   flags.DEFINE_integer("num_speculative_tokens", None, "Tokens drafted per step (the largest k).")
@@ -69,10 +74,20 @@ def define() -> None:
     _define_run_flags()
 
 
+def load_plugins(modules) -> None:
+  """Import each module (a proposer registers itself when imported); a module that does not import is an error."""
+  for name in modules or ():
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      raise ValueError(f"--plugins: cannot import {name!r}: {e}") from None
+
+
 def settings(more: tuple = (), defaults: dict | None = None) -> dict:
   """The config file's fields, overridden by the run flags and `more` (a command's own flag names) where given,
   then `defaults` for what is still unset."""
   values = flags.FLAGS
+  load_plugins(values["plugins"].value)
   cfg = dict(_config.value)
   for name in RUN_FLAGS + tuple(more):
     if values[name].present or (values[name].value is not None and name not in cfg):

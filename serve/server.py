@@ -179,7 +179,11 @@ def serve(cfg: dict) -> None:
 
 def main(argv):
   del argv
-  cfg = settings()
+  try:
+    cfg = settings()
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   logging.basicConfig(level=getattr(logging, str(cfg["log_level"]).upper(), logging.INFO),
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
   try:

@@ -20,8 +20,8 @@ import os
 
 from spec_jax.proposers.registry import METHODS
 
-# The registry's names, and vLLM's spellings of two of them.
-METHOD_ALIASES = {**{m: m for m in METHODS}, "draft_model": "draft", "off": "none", "": "none"}
+# vLLM's spellings of registry names.
+METHOD_ALIASES = {"draft_model": "draft", "off": "none", "": "none"}
 _ENTRY_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "draft_layers",
                "eagle_topk", "num_draft_tokens", "quantization"}
 _TOP_KEYS = _ENTRY_KEYS | {"per_concurrency"}
@@ -89,9 +89,10 @@ def _entry(d: dict, base: dict, what: str) -> dict:
     raise ValueError(f"{what}: unknown keys {sorted(unknown)}; known: {sorted(_ENTRY_KEYS)}")
   d = {**base, **d}
   method = d.get("method", "ngram" if d.get("num_speculative_tokens") else "none")
-  if not isinstance(method, str) or method.lower() not in METHOD_ALIASES:
+  name = METHOD_ALIASES.get(method.lower(), method.lower()) if isinstance(method, str) else None
+  if name not in METHODS:  # the registry as it is now: a method registered after import counts
     raise ValueError(f"{what}: method must be one of {', '.join(m for m in METHODS if m != 'none')}, got {method!r}")
-  method = METHOD_ALIASES[method.lower()]
+  method = name
   k = _int(d, "num_speculative_tokens", 4 if method != "none" else 0, what)
   if method == "none" or k == 0:
     method, k = "none", 0
