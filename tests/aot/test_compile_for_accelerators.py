@@ -87,8 +87,8 @@ def test_llama3_8b_sharded_model4_on_v5e_2x2(name):
   The cost estimate is Gemma's tests' to check (here a second compile for the EAGLE programs). The plain loop
   once carried the cache with its layers minor (two kv heads a chip), copying it in and back every call."""
   _need("libtpu", "libtpu (the TPU compiler)")
-  tgt, ps = _programs("v5e:2x2", "llama3-8b", "model:4", methods=["ngram", "eagle"], slots=8, tokens=4096, topk=4,
-                      train=["eagle"])
+  tgt, ps = _programs("v5e:2x2", "llama3-8b", "model:4", methods=["none", "ngram", "eagle"], slots=8, tokens=4096,
+                      topk=4, train=["eagle"])
   rec = _check(tgt, ps[name], kernel=not name.startswith("train"), cost=False)
   assert rec["memory"]["argument_bytes"] < _global_bytes(ps[name].args) / 3
 
