@@ -57,7 +57,8 @@ class Engine:
                timing_probe_s: float = 10.0):
     if max_num_seqs < 1 or max_queue < 0 or steps_per_sync < 1:
       raise ValueError("max_num_seqs and steps_per_sync must be >= 1, max_queue >= 0")
-    self.params, self.spec, self.tokenizer = params, spec, tokenizer
+    self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed)
+    self.params, self.tokenizer = params, tokenizer
     self.B, self.capacity, self.max_queue, self.steps = max_num_seqs, capacity, max_queue, steps_per_sync
     self.costs, self.spec_config, self.seed = costs, spec_config, seed
     self.request_timeout_s = request_timeout_s
@@ -72,12 +73,20 @@ class Engine:
     self._draining = False
     self._stop = False
     self._applied_on: Optional[bool] = None  # the flag the device state holds
-    self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed)
     self._pending = None  # (snapshot, {slot: request}) of the loop dispatched last iteration
     self._last_uses = np.zeros(len(spec.ks), np.int64)
     self._ids = itertools.count()
     self._thread: Optional[threading.Thread] = None
     self.iterations = 0
+
+  @property
+  def spec(self):
+    """The loop's LoopSpec: the slot table's, the one place it is held."""
+    return self.table.spec
+
+  @spec.setter
+  def spec(self, value) -> None:
+    self.table.spec = value
 
   # ------------------------------------------------------------------------------------------ HTTP-facing side
 
