@@ -50,8 +50,7 @@ def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -
   """The cache-copy check's shapes: per chip under the mesh's layout (a chip's own cache copied is a copy too)."""
   rows, heads = slots, config.num_kv_heads
   if mesh is not None:
-    spec = sharding.logical_to_spec(sharding.CACHE_AXES, (config.num_layers, slots, heads, capacity,
-                                                          config.head_dim), mesh)
+    spec = sharding.cache_spec((config.num_layers, slots, heads, capacity, config.head_dim), mesh)
     rows //= mesh.shape[spec[1]] if spec[1] else 1
     heads //= mesh.shape[spec[2]] if spec[2] else 1
   return dict(cache_layer=(rows, heads, capacity, config.head_dim), cache_rows=tuple(sorted({rows, slots})),

@@ -60,11 +60,9 @@ class Engine:
     self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed)
     self.params, self.tokenizer = params, tokenizer
     self.B, self.capacity, self.max_queue, self.steps = max_num_seqs, capacity, max_queue, steps_per_sync
-    self.costs, self.spec_config, self.seed = costs, spec_config, seed
     self.request_timeout_s = request_timeout_s
     self.metrics = metrics or Metrics(spec.k_max, timing_probe.device_memory() is not None)
-    self.timing_probe_s = timing_probe_s  # 0: never probe the step time split
-    self.probe = timing_probe.StepProbe(self.metrics, timing_probe_s)
+    self.probe = timing_probe.StepProbe(self.metrics, timing_probe_s)  # every_s 0: never probe the step split
     self.metrics.slots_total.set(max_num_seqs)
     guard = Guardrails(guardrails, time.monotonic()) if guardrails is not None else None
     self.switch = SpeculationSwitch(guard, spec_config, spec.k_max, self.metrics)
@@ -158,7 +156,7 @@ class Engine:
     t.set_speculation(False)
     t.set_speculation(True)
     snap, held = t.run(self.steps)
-    if self.timing_probe_s > 0 and self.spec.k_max > 0:
+    if self.probe.every_s > 0 and self.spec.k_max > 0:
       timing_probe.time_propose(self.params, t.state, self.spec)  # compile now, not under traffic
     for slot in held:
       t.release(slot)

@@ -109,6 +109,12 @@ def logical_to_spec(axes: Sequence[Optional[str]], shape: Sequence[int], mesh: M
   return P(*out)
 
 
+def cache_spec(shape: Sequence[int], mesh: Mesh) -> P:
+  """The PartitionSpec of a KV cache's K or V ([L, B, Hkv, S, D]) under the table: what a per-shard operation on
+  the cache (a kernel, a row write, tree compaction) takes as its `shard_map` spec."""
+  return logical_to_spec(CACHE_AXES, shape, mesh)
+
+
 def param_axes(name: str, ndim: int) -> tuple:
   """Logical axes of a parameter from its leaf name and rank (unknown names: replicated)."""
   axes = ("embed",) if _NORM.search(name) else PARAM_AXES.get(name)
@@ -148,7 +154,7 @@ def state_shardings(state, mesh: Mesh):
   from spec_jax.cache import KVCache
 
   def cache(c: KVCache):
-    kv = NamedSharding(mesh, logical_to_spec(CACHE_AXES, c.k.shape, mesh))
+    kv = NamedSharding(mesh, cache_spec(c.k.shape, mesh))
     return KVCache(kv, kv, NamedSharding(mesh, logical_to_spec(("batch",), c.lengths.shape, mesh)))
 
   def one(path, x):

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from spec_jax.sharding import CACHE_AXES, logical_to_spec
+from spec_jax.sharding import cache_spec
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
@@ -110,7 +110,7 @@ def compact_accepted(cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array,
 
   if mesh is None:
     return both(cache_k, cache_v, base, src, start)
-  kv = logical_to_spec(CACHE_AXES, cache_k.shape, mesh)
+  kv = cache_spec(cache_k.shape, mesh)
   rows = kv[1]
   return jax.shard_map(both, mesh=mesh, in_specs=(kv, kv, P(rows), P(rows, None), P(rows)), out_specs=(kv, kv),
                        check_vma=False)(cache_k, cache_v, base, src, start)

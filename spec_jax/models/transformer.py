@@ -24,8 +24,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from spec_jax import kernels
+from spec_jax import kernels, sharding
 from spec_jax.quant import QTensor, qdot, take_rows
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
@@ -170,37 +171,40 @@ def layers_unrolled():
     _UNROLL_LAYERS.reset(token)
 
 
-def write_rows(buf, new, lengths, mesh=None, head_major: bool = False):
-  """buf[L, B, K, S, d] with new[L, B, T, K, d] (or [L, B, K, T, d] if head_major) written at slots lengths[b] ..
-  lengths[b]+T-1 of each row.
+def write_rows(buf, new, lengths, mesh=None):
+  """buf[L, B, K, S, d] with new[L, B, T, K, d] written at slots lengths[b] .. lengths[b]+T-1 of each row.
 
   With a `mesh`, each shard writes its own rows (`shard_map` over the cache's layout): left to the partitioner,
   the per-row updates of a cache split over `data` copied each chip's whole cache, four times a step (XLA:TPU,
   Gemma 3 270M's EAGLE loop on data:4).
 
-  A loop of one dynamic_update_slice per row updates in place (XLA:CPU copies the whole buffer for a scatter). Each
-  row is brought to the cache's head-major layout inside the loop: swapping the whole `new` before the loop makes
-  XLA:TPU (libtpu 0.0.42) fail a RET_CHECK for T >= 2 ("The shape doesn't match when replacing ... while"), and
-  unrolling the rows instead makes programs grow with the slot count. Callers size buffers so that lengths[b] + T
+  A loop of one dynamic_update_slice per row updates in place (XLA:CPU copies the whole buffer for a scatter).
+  Rows reach the cache's head-major layout as follows:
+  - One token (T = 1: plain decoding, every draft step) is swapped whole before the loop, a relabeling of a size-1
+    axis. Swapped per row inside the loop, XLA:TPU carried the plain loop's cache with the layers minor and copied
+    it in and back every call (2 x 512 MiB per chip for Llama-8B on model:4, two KV heads a chip).
+  - Longer blocks are swapped per row inside the loop: swapping the whole `new` before the loop makes XLA:TPU
+    (libtpu 0.0.42) fail a RET_CHECK for T >= 2 ("The shape doesn't match when replacing ... while").
+  Unrolling the rows instead makes programs grow with the slot count. Callers size buffers so that lengths[b] + T
   fits: dynamic_update_slice clamps an overflow.
   """
   new = new.astype(buf.dtype)
+  one = new.shape[2] == 1
+  if one:
+    new = jnp.swapaxes(new, 2, 3)  # [L, B, K, 1, d]
 
   def rows(buf, new, lengths):
     def one_row(b, buf):
       row = jax.lax.dynamic_slice_in_dim(new, b, 1, axis=1)
-      row = row if head_major else jnp.swapaxes(row, 2, 3)  # [L, 1, K, T, d]
+      row = row if one else jnp.swapaxes(row, 2, 3)  # [L, 1, K, T, d]
       return jax.lax.dynamic_update_slice(buf, row, (0, b, 0, lengths[b], 0))
     return jax.lax.fori_loop(0, new.shape[1], one_row, buf)
 
   if mesh is None:
     return rows(buf, new, lengths)
-  from jax.sharding import PartitionSpec as P
-
-  from spec_jax.sharding import CACHE_AXES, logical_to_spec
-  spec = logical_to_spec(CACHE_AXES, buf.shape, mesh)
+  spec = sharding.cache_spec(buf.shape, mesh)
   r, h = spec[1], spec[2]
-  new_spec = P(None, r, h, None, None) if head_major else P(None, r, None, h, None)
+  new_spec = P(None, r, h, None, None) if one else P(None, r, None, h, None)
   return jax.shard_map(rows, mesh=mesh, in_specs=(spec, new_spec, P(r)), out_specs=spec,
                        check_vma=False)(buf, new, lengths)
 
@@ -282,14 +286,7 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
     x, k_new, v_new = decoder_layer(c, x, p, None if cache is None else cache.k, None if cache is None else cache.v,
                                     layer, window, base, positions, lengths, impl=impl, tree_mask=tree_mask,
                                     mesh=mesh)
-    kv = None if cache is None else (k_new, v_new)
-    if cache is not None and T == 1:
-      # One new token: stacked head-major [B, K, 1, d], as the cache. Stacked [B, 1, K, d], XLA:TPU carried the
-      # plain loop's cache with the layers minor, copying it in and back every call (2 x 512 MiB per chip for
-      # Llama-8B on model:4). Longer blocks keep [B, T, K, d]: stacking them swapped fails a RET_CHECK in
-      # libtpu 0.0.42 ("The shape doesn't match when replacing ... while").
-      kv = (jnp.swapaxes(k_new, 1, 2), jnp.swapaxes(v_new, 1, 2))
-    return x, (kv, x if collect else None)
+    return x, ((k_new, v_new) if cache is not None else None, x if collect else None)
 
   # The cache is read in place inside the scan (each layer attends to its own slice of the stack); all layers'
   # new entries are written after it, in place.
@@ -298,8 +295,8 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
                                         unroll=True if _UNROLL_LAYERS.get() else 1)
   new_cache = None
   if cache is not None:
-    new_cache = cache.replace(k=write_rows(cache.k, new_kv[0], lengths, mesh, head_major=T == 1),
-                              v=write_rows(cache.v, new_kv[1], lengths, mesh, head_major=T == 1))
+    new_cache = cache.replace(k=write_rows(cache.k, new_kv[0], lengths, mesh),
+                              v=write_rows(cache.v, new_kv[1], lengths, mesh))
   hidden = rms_norm(x, params["final_norm"], c.norm_eps)
   logits = lm_head(params, hidden) if compute_logits else None
   if collect:

@@ -121,10 +121,8 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
   # The rows are written after the layer has read the cache: with nothing ordering the attention call and the
   # row loop, XLA:GPU's copy insertion copied the whole cache around the loop (7 copies a step on an H200).
   x, ck, cv = jax.lax.optimization_barrier((x, cache.k, cache.v))
-  one = toks.shape[1] == 1  # one token: written head-major, as the target's forward writes it (write_rows)
-  new = [(jnp.swapaxes(n, 1, 2) if one else n)[None] for n in (k_new, v_new)]
-  cache = cache.replace(k=tfm.write_rows(ck, new[0], cache.lengths, mesh, head_major=one),
-                        v=tfm.write_rows(cv, new[1], cache.lengths, mesh, head_major=one))
+  cache = cache.replace(k=tfm.write_rows(ck, k_new[None], cache.lengths, mesh),
+                        v=tfm.write_rows(cv, v_new[None], cache.lengths, mesh))
   return tfm.rms_norm(x, params["out_norm"], cfg.norm_eps), cache
 
 

@@ -70,7 +70,7 @@ def build_proposer(method: str, *, target_config, target_params, k: int = 4, top
     raise ValueError(f"unknown method {method!r}; choose one of {tuple(METHODS)}")
   entry = METHODS[method]
   if method == "none":
-    return NoneProposer(), {}
+    return entry.build(BuildArgs(target_config, target_params, k=0))
   if k < 1:
     raise ValueError(f"num_speculative_tokens must be >= 1 for method {method!r}, got {k}")
   if topk < 1 or num_draft_tokens < 0:
