@@ -13,14 +13,15 @@ and exits 1 when plain decoding is more than 3 % slower (a slow baseline inflate
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 from spec_jax.cache import KVCache
 from spec_jax.checkpoints.load import load_params
@@ -33,6 +34,18 @@ from spec_jax.batch import start
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.ngram import NgramProposer
+
+# absl's INFO would print jax's backend probing ("Unable to initialize backend 'tpu'") at every start.
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+flags.DEFINE_integer("new_tokens", 64, "Tokens decoded per run.")
+flags.DEFINE_string("batches", "1,8", "Batch sizes, comma-separated.")
+flags.DEFINE_string("dtypes", "float32,bfloat16", "Weight dtypes, comma-separated (bfloat16: the CPU layout).")
+flags.DEFINE_string("json_out", None, "Write the rows as JSON here.")
+flags.DEFINE_string("model", "", "A checkpoint path or packaged model name ('' = Gemma 3 270M).")
+flags.DEFINE_integer("k0_check", 1, "1: also compare plain vs. the speculative loop at k = 0.")
+flags.DEFINE_integer("k0_repeats", 5, "Interleaved repeats of the k = 0 check.")
+FLAGS = flags.FLAGS
 
 
 def read_bandwidth_gbs() -> float:
@@ -103,37 +116,30 @@ def plain_vs_forced_k0(params, config, prompt, batch, new_tokens, repeats):
           "k0_pair_min": min(pairs), "k0_pair_max": max(pairs), "plain_not_slower": ok}
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--new_tokens", type=int, default=64)
-  ap.add_argument("--batches", default="1,8")
-  ap.add_argument("--dtypes", default="float32,bfloat16")
-  ap.add_argument("--json_out", default=None)
-  ap.add_argument("--model", default="", help="a checkpoint path or packaged model name ('' = Gemma 3 270M)")
-  ap.add_argument("--k0_check", type=int, default=1, help="1: also compare plain vs. the speculative loop at k = 0")
-  ap.add_argument("--k0_repeats", type=int, default=5)
-  args = ap.parse_args()
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   bw = read_bandwidth_gbs()
   print(f"read bandwidth: {bw:.1f} GB/s (backend {jax.default_backend()}, {jax.device_count()} device(s))")
   rows = []
   prompt = [2] + list(range(1000, 1100))  # 101 tokens
-  for dtype_name in args.dtypes.split(","):
-    config, params = load_params(args.model or None, dtype_name)  # with the CPU layout for bfloat16
+  for dtype_name in FLAGS.dtypes.split(","):
+    config, params = load_params(FLAGS.model or None, dtype_name)  # with the CPU layout for bfloat16
     config = config.replace(eos_ids=())  # fixed-length runs
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
-    for b in map(int, args.batches.split(",")):
-      res = timed_generate(params, config, [prompt] * b, max_new_tokens=args.new_tokens,
+    for b in map(int, FLAGS.batches.split(",")):
+      res = timed_generate(params, config, [prompt] * b, max_new_tokens=FLAGS.new_tokens,
                            sampling=SamplingParams.make(b), proposer=NoneProposer(), proposer_params={},
                            adaptive_k=False, costs=None, seed=0, impl="xla")
       steps = max(res.option_uses[0], 1)
       step_ms = res.decode_s / steps * 1e3
-      bare = bare_step_ms(params, config, batch_rows(params, b), len(prompt) + args.new_tokens // 2)
+      bare = bare_step_ms(params, config, batch_rows(params, b), len(prompt) + FLAGS.new_tokens // 2)
       row = {"dtype": dtype_name, "batch": b, "tok_s": b * steps / res.decode_s, "step_ms": step_ms,
              "bare_forward_ms": bare, "loop_overhead_ms": step_ms - bare, "floor_ms": floor_ms,
              "floor_tok_s": b * 1e3 / floor_ms, "vs_floor": step_ms / floor_ms}
-      if args.k0_check:
-        row.update(plain_vs_forced_k0(params, config, prompt, b, args.new_tokens, args.k0_repeats))
+      if FLAGS.k0_check:
+        row.update(plain_vs_forced_k0(params, config, prompt, b, FLAGS.new_tokens, FLAGS.k0_repeats))
       rows.append(row)
       print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
   print()
@@ -141,12 +147,12 @@ def main():
   for r in rows:
     print(f"{r['dtype']:9} {r['batch']:>5} {r['tok_s']:>8.1f} {r['step_ms']:>8.1f} {r['bare_forward_ms']:>8.1f} "
           f"{r['loop_overhead_ms']:>6.1f} {r['floor_ms']:>8.1f} {r['vs_floor']:>7.2f}")
-  if args.json_out:
-    with open(args.json_out, "w") as f:
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as f:
       json.dump({"bandwidth_gbs": bw, "rows": rows}, f, indent=1)
-  if args.k0_check and not all(r["plain_not_slower"] for r in rows):
+  if FLAGS.k0_check and not all(r["plain_not_slower"] for r in rows):
     sys.exit(1)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -11,13 +11,23 @@ resident memory once both are loaded.
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 
 import jax
 import psutil
+from absl import app, flags
 
 from spec_jax.checkpoints.load import load_params
+
+# absl's INFO would print jax's backend probing ("Unable to initialize backend 'tpu'") at every start.
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+flags.DEFINE_string("model", "", "The target: a checkpoint path or packaged model name ('' = none).")
+flags.DEFINE_string("draft_model", "", "The draft: a checkpoint path or packaged model name ('' = none).")
+flags.DEFINE_string("dtype", "float32", "Weight dtype (bfloat16: the CPU layout).")
+flags.DEFINE_string("json_out", None, "Write the footprints as JSON here.")
+FLAGS = flags.FLAGS
 
 
 def footprint(config, params) -> dict:
@@ -29,25 +39,21 @@ def footprint(config, params) -> dict:
           "kv_bytes_per_token": 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_item}
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--model", default="")
-  ap.add_argument("--draft_model", default="")
-  ap.add_argument("--dtype", default="float32")
-  ap.add_argument("--json_out", default=None)
-  args = ap.parse_args()
-  out = {"dtype": args.dtype, "models": []}
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  out = {"dtype": FLAGS.dtype, "models": []}
   keep = []
-  for path in filter(None, [args.model or None, args.draft_model]):
-    config, params = load_params(path, args.dtype)
+  for path in filter(None, [FLAGS.model or None, FLAGS.draft_model]):
+    config, params = load_params(path, FLAGS.dtype)
     keep.append(params)
     out["models"].append(footprint(config, params))
   out["rss_bytes_with_all_loaded"] = psutil.Process().memory_info().rss
   print(json.dumps(out, indent=1))
-  if args.json_out:
-    with open(args.json_out, "w") as f:
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as f:
       json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -1,6 +1,6 @@
 """Decode tokens/s and speculative speedup on meshes of 1, 2, 4 and 8 devices, through serve.evaluate.
 
-  python benchmarks/mesh.py --meshes=,data:2,data:4,data:8,data:2,model:4 --json_out=/tmp/mesh.json
+  python benchmarks/mesh.py --meshes=';data:2;data:4;data:8;data:2,model:4' --json_out=/tmp/mesh.json
 
 Each mesh runs in its own process (the device count is fixed when JAX starts): on CPU the devices are simulated
 with --xla_force_host_platform_device_count, so the figures show the partitioning's overhead on the same two
@@ -9,15 +9,27 @@ cores, not scaling. Baseline and ngram run interleaved inside each process (serv
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
+from absl import app, flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
+
+flags.DEFINE_string("meshes", ";data:2;data:4;data:8;data:2,model:4",
+                    "';'-separated meshes ('' = one device, no mesh).")
+flags.DEFINE_string("prompts", SPECBENCH, "The prompts file.")
+flags.DEFINE_integer("limit", 8, "Prompts (the first N).")
+flags.DEFINE_integer("batch_size", 8, "Global batch.")
+flags.DEFINE_integer("max_new_tokens", 48, "New tokens per prompt.")
+flags.DEFINE_string("dtype", "float32", "Weight dtype.")
+flags.DEFINE_integer("repeats", 2, "Repeats of each arm (serve.evaluate's).")
+flags.DEFINE_string("json_out", "", "Write the rows as JSON here.")
+FLAGS = flags.FLAGS
 
 
 def devices(mesh: str) -> int:
@@ -27,25 +39,16 @@ def devices(mesh: str) -> int:
   return n
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--meshes", default=";data:2;data:4;data:8;data:2,model:4",
-                  help="';'-separated meshes ('' = one device, no mesh)")
-  ap.add_argument("--prompts", default=SPECBENCH)
-  ap.add_argument("--limit", type=int, default=8)
-  ap.add_argument("--batch_size", type=int, default=8)
-  ap.add_argument("--max_new_tokens", type=int, default=48)
-  ap.add_argument("--dtype", default="float32")
-  ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--json_out", default="")
-  args = ap.parse_args()
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   rows = []
-  for mesh in args.meshes.split(";"):
+  for mesh in FLAGS.meshes.split(";"):
     n = devices(mesh)
     with tempfile.TemporaryDirectory() as out:
       cmd = [sys.executable, "-m", "serve.evaluate", f"--mesh={mesh}", "--methods=none,ngram",
-             f"--prompts={args.prompts}", f"--limit={args.limit}", f"--batch_size={args.batch_size}",
-             f"--max_new_tokens={args.max_new_tokens}", f"--dtype={args.dtype}", f"--repeats={args.repeats}",
+             f"--prompts={FLAGS.prompts}", f"--limit={FLAGS.limit}", f"--batch_size={FLAGS.batch_size}",
+             f"--max_new_tokens={FLAGS.max_new_tokens}", f"--dtype={FLAGS.dtype}", f"--repeats={FLAGS.repeats}",
              "--costs_file=", "--adaptive=false", "--progress=false", f"--output_dir={out}"]
       env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
       subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -64,10 +67,11 @@ def main():
     print(f"| {r['mesh']} | {r['devices']} | {r['baseline_tok_s']:.1f} ({', '.join(f'{x:.1f}' for x in r['baseline_by_repeat'])}) "
           f"| {r['ngram_tok_s']:.1f} | {r['speedup']:.2f}x ({', '.join(f'{x:.2f}' for x in r['speedup_by_repeat'])}) "
           f"| {r['mean_acceptance_length']:.2f} |")
-  if args.json_out:
-    with open(args.json_out, "w") as f:
-      json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as f:
+      args = {flag.name: flag.value for flag in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+      json.dump({"args": args, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -2,24 +2,36 @@
 assisted generation with a draft model, and llama.cpp (llama-cpp-python) if installed. Each is skipped with a
 message when absent.
 
-Run it with an interpreter that has the peer installed (never the project's environment), e.g.:
-  /tmp/refenv/bin/python benchmarks/peers.py --per_category=3 --max_new_tokens=64 --json_out=out/peers.json
-  /tmp/refenv/bin/python benchmarks/peers.py --gguf=~/.cache/spec_jax/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+Run it with an interpreter that has the peer and absl-py installed (never the project's environment), as a
+module from the repository root (so that spec_jax's prompt path imports), e.g.:
+  /tmp/refenv/bin/python -m benchmarks.peers --per_category=3 --max_new_tokens=64 --json_out=out/peers.json
+  /tmp/refenv/bin/python -m benchmarks.peers --gguf=~/.cache/spec_jax/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
       --assistant_gguf=~/.cache/spec_jax/qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf --dtypes=float32,bfloat16
 Prompts use the GGUF's own chat template (Gemma's when the file has none).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
 import time
 
+from absl import app, flags
+
 from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 GGUF = os.path.expanduser("~/.cache/spec_jax/gemma-3-270m-Q4_K_M.gguf")
 TEMPLATE = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+
+flags.DEFINE_integer("per_category", 3, "Prompts per Spec-Bench category.")
+flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
+flags.DEFINE_integer("lookup", 4, "transformers' prompt_lookup_num_tokens.")
+flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+flags.DEFINE_string("gguf", GGUF, "The target GGUF (transformers and llama.cpp load the same file).")
+flags.DEFINE_string("assistant_gguf", "", "A draft model for transformers' assisted generation.")
+flags.DEFINE_string("dtypes", "float32", "transformers' dtypes, comma-separated (float32, bfloat16).")
+flags.DEFINE_integer("limit", 0, "Use only the first N prompts (0: all).")
+FLAGS = flags.FLAGS
 
 
 def pick(per_category, tok=None, limit=0):
@@ -120,36 +132,28 @@ def run_llama_cpp(prompts, max_new, gguf_path=GGUF):
   return res
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--per_category", type=int, default=3)
-  ap.add_argument("--max_new_tokens", type=int, default=64)
-  ap.add_argument("--lookup", type=int, default=4)
-  ap.add_argument("--json_out", default=None)
-  ap.add_argument("--gguf", default=GGUF)
-  ap.add_argument("--assistant_gguf", default="", help="a draft model for transformers' assisted generation")
-  ap.add_argument("--dtypes", default="float32")
-  ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0: all)")
-  args = ap.parse_args()
-  gguf_path = os.path.expanduser(args.gguf)
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  gguf_path = os.path.expanduser(FLAGS.gguf)
   tok = None
   try:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
   except ImportError:
     pass
-  prompts = pick(args.per_category, tok, args.limit)
-  out = {"transformers": {dt: run_transformers(prompts, args.max_new_tokens, args.lookup, gguf_path,
-                                               os.path.expanduser(args.assistant_gguf) or None, dt, tok)
-                          for dt in args.dtypes.split(",")},
-         "llama_cpp": run_llama_cpp(prompts, args.max_new_tokens, gguf_path)}
-  if args.json_out:
+  prompts = pick(FLAGS.per_category, tok, FLAGS.limit)
+  out = {"transformers": {dt: run_transformers(prompts, FLAGS.max_new_tokens, FLAGS.lookup, gguf_path,
+                                               os.path.expanduser(FLAGS.assistant_gguf) or None, dt, tok)
+                          for dt in FLAGS.dtypes.split(",")},
+         "llama_cpp": run_llama_cpp(prompts, FLAGS.max_new_tokens, gguf_path)}
+  if FLAGS.json_out:
     for per_dtype in out["transformers"].values():
       for v in (per_dtype or {}).values():
         v.pop("outputs", None)
-    with open(args.json_out, "w") as f:
+    with open(FLAGS.json_out, "w") as f:
       json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

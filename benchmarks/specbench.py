@@ -6,7 +6,7 @@
   python benchmarks/specbench.py --methods=eagle,eagle=/tmp/old/eagle_gemma3_270m --adaptive=off  # two checkpoints
   python benchmarks/specbench.py --quantize=int8 --methods=ngram             # an int8 target
   python benchmarks/specbench.py --prompts=held-out --per_category=16 --methods=eagle  # the training held-out split
-  python benchmarks/specbench.py --model=qwen2.5-coder-1.5b-instruct --draft_model=qwen2.5-coder-0.5b-instruct \
+  python benchmarks/specbench.py --model=qwen2.5-coder-1.5b-instruct --draft_model=qwen2.5-coder-0.5b-instruct \\
       --dtype=float32 --costs_file=configs/costs/qwen25_coder_cpu.json --per_category=1   # the Qwen pair
 
 Greedy, batch 1 by default. Every configuration runs the same prompts in this one process, warmed up, interleaved
@@ -16,11 +16,14 @@ the baseline's on the same prompts.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
+import logging
 import os
+import sys
 import time
+
+from absl import app, flags
 
 from serve.step_costs import load_costs, method_key
 from serve.prompts import Prompt, load_prompts
@@ -33,82 +36,98 @@ from spec_jax.proposers.registry import build_proposer
 from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--prompts", default=SPECBENCH,
-                  help="a prompts file, or 'held-out': the training pipeline's held-out prompts (--per_category many)")
-  ap.add_argument("--model", default="", help="the target: a checkpoint path or packaged name ('' = Gemma 3 270M)")
-  ap.add_argument("--draft_model", default="", help="method draft: an independent draft model (same vocabulary)")
-  ap.add_argument("--per_category", type=int, default=3)
-  ap.add_argument("--max_new_tokens", type=int, default=64)
-  ap.add_argument("--methods", default="ngram,draft", help="method or method=checkpoint stem, comma-separated")
-  ap.add_argument("--k", type=int, default=4)
-  ap.add_argument("--draft_layers", type=int, default=0, help="0: the distilled draft; N: early exit after N")
-  ap.add_argument("--quantize", default="none", help="the target's weights: none, int8 or int4")
-  ap.add_argument("--draft_quantize", default="int8", help="qdraft: the draft's weights (int8 or int4)")
-  ap.add_argument("--batch_size", type=int, default=1)
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--adaptive", default="on,off")
-  ap.add_argument("--trees", default="", help="tree arms method:topk:nodes,... (depth = --k), beside the chains")
-  ap.add_argument("--temperature", type=float, default=0.0)
-  ap.add_argument("--top_p", type=float, default=1.0)
-  ap.add_argument("--json_out", default=None)
-  ap.add_argument("--repeats", type=int, default=1)
-  ap.add_argument("--costs_file", default=os.path.join(os.path.dirname(__file__), "..", "configs", "costs",
-                                                        "gemma3_270m_cpu.json"))
-  args = ap.parse_args()
+# absl's INFO would print jax's backend probing ("Unable to initialize backend 'tpu'") at every start.
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
-  config, params, tok = load_model(args.model or None, args.dtype, args.quantize)
-  if args.prompts == "held-out":  # never trained on (train/data.py HELD_OUT); chat-templated as distillation was
-    from train.eval_acceptance import held_out_prompts
+flags.DEFINE_string("prompts", SPECBENCH, "A prompts file, or 'held-out': the training pipeline's held-out prompts "
+                    "(--per_category many).")
+flags.DEFINE_string("model", "", "The target: a checkpoint path or packaged name ('' = Gemma 3 270M).")
+flags.DEFINE_string("draft_model", "", "Method draft: an independent draft model (same vocabulary).")
+flags.DEFINE_integer("per_category", 3, "Prompts per Spec-Bench category.")
+flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
+flags.DEFINE_string("methods", "ngram,draft", "Method or method=checkpoint stem, comma-separated.")
+flags.DEFINE_integer("k", 4, "Drafted tokens per step (the largest k).")
+flags.DEFINE_integer("draft_layers", 0, "0: the distilled draft; N: early exit after N.")
+flags.DEFINE_string("quantize", "none", "The target's weights: none, int8 or int4.")
+flags.DEFINE_string("draft_quantize", "int8", "qdraft: the draft's weights (int8 or int4).")
+flags.DEFINE_integer("batch_size", 1, "Prompts per batch.")
+flags.DEFINE_string("dtype", "bfloat16", "Target dtype.")
+flags.DEFINE_string("adaptive", "on,off", "Adaptive k per method arm: on, off or both.")
+flags.DEFINE_string("trees", "", "Tree arms method:topk:nodes,... (depth = --k), beside the chains.")
+flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
+flags.DEFINE_float("top_p", 1.0, "1 is off.")
+flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+flags.DEFINE_integer("repeats", 1, "Passes over the prompts, every arm in each.")
+flags.DEFINE_string("costs_file", os.path.join(os.path.dirname(__file__), "..", "configs", "costs",
+                                               "gemma3_270m_cpu.json"), "Step costs for the adaptive arms.")
+FLAGS = flags.FLAGS
+
+
+def held_out_prompts(n: int, seed: int) -> list:
+  """train.eval_acceptance.held_out_prompts, which cannot be imported here: that module defines absl flags of the
+  same names as these. The last HELD_OUT prompts of the data pipeline's seeded permutation (train/data.py)."""
+  from train.data import HELD_OUT, load_prompts, prompt_order
+  if n > HELD_OUT:
+    raise ValueError(f"at most {HELD_OUT} held-out prompts")
+  prompts = load_prompts()
+  order = prompt_order(len(prompts), seed)
+  return [prompts[i] for i in order[::-1][:n]]
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+
+  config, params, tok = load_model(FLAGS.model or None, FLAGS.dtype, FLAGS.quantize)
+  if FLAGS.prompts == "held-out":  # never trained on (train/data.py HELD_OUT); chat-templated as distillation was
     prompts = [Prompt(f"held-out-{i}", tok.apply_chat_template([t]), "held-out", True)
-               for i, t in enumerate(held_out_prompts(args.per_category, 0))]
+               for i, t in enumerate(held_out_prompts(FLAGS.per_category, 0))]
   else:
-    prompts = load_prompts(args.prompts, tok)
+    prompts = load_prompts(FLAGS.prompts, tok)
   seen = collections.Counter()
   chosen = []
   for p in prompts:
-    if seen[p.category] < args.per_category:
+    if seen[p.category] < FLAGS.per_category:
       seen[p.category] += 1
       chosen.append(p)
   ids = [tok.encode(p.text) for p in chosen]
   t0 = time.time()
   arms = [Arm("baseline", NoneProposer(), {}, adaptive_k=False)]
-  variants = [(m, 1, 0) for m in args.methods.split(",") if m]
-  variants += [(m, int(t), int(n)) for m, t, n in (x.split(":") for x in args.trees.split(",") if x)]
+  variants = [(m, 1, 0) for m in FLAGS.methods.split(",") if m]
+  variants += [(m, int(t), int(n)) for m, t, n in (x.split(":") for x in FLAGS.trees.split(",") if x)]
   for spec, topk, nodes in variants:
     method, _, heads = spec.partition("=")  # method=checkpoint stem: another head checkpoint than heads/'s
-    proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=args.k,
-                                       draft_layers=args.draft_layers, topk=topk, num_draft_tokens=nodes,
-                                       dtype=args.dtype, draft_quantize=args.draft_quantize, heads_path=heads or None,
-                                       model_path=args.model or None, draft_model=args.draft_model or None)
+    proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k,
+                                       draft_layers=FLAGS.draft_layers, topk=topk, num_draft_tokens=nodes,
+                                       dtype=FLAGS.dtype, draft_quantize=FLAGS.draft_quantize, heads_path=heads or None,
+                                       model_path=FLAGS.model or None, draft_model=FLAGS.draft_model or None)
     name = method + (f"[{os.path.basename(heads)}]" if heads else "")
     name = name if proposer.tree is None else f"{name}-tree{proposer.tree.nodes}"
-    for adapt in args.adaptive.split(","):
+    for adapt in FLAGS.adaptive.split(","):
       ks = adaptive.option_set(proposer.k, adapt == "on", proposer.tree)
-      costs = load_costs(args.costs_file, method_key(proposer), args.dtype, ks,
-                         backend.batch_rows(params, args.batch_size))
+      costs = load_costs(FLAGS.costs_file, method_key(proposer), FLAGS.dtype, ks,
+                         backend.batch_rows(params, FLAGS.batch_size))
       arms.append(Arm(f"{name}-adaptive-{adapt}", proposer, pparams, costs, adaptive_k=adapt == "on"))
   # Every arm runs each batch in turn (A, B, C, A, B, C, ...): machine load hits them alike.
-  runs = run_arms(arms, params, config, tok, chosen, ids, batch_size=args.batch_size,
-                  max_new_tokens=args.max_new_tokens,
-                  sampling_args=dict(temperature=args.temperature, top_k=0, top_p=args.top_p),
-                  adaptive_k=False, seed=0, impl="xla", stop_ids=tok.stop_ids, repeats=args.repeats,
+  runs = run_arms(arms, params, config, tok, chosen, ids, batch_size=FLAGS.batch_size,
+                  max_new_tokens=FLAGS.max_new_tokens,
+                  sampling_args=dict(temperature=FLAGS.temperature, top_k=0, top_p=FLAGS.top_p),
+                  adaptive_k=False, seed=0, impl="xla", stop_ids=tok.stop_ids, repeats=FLAGS.repeats,
                   progress=True)
   base = runs[0]
   results = {"baseline": base.summary, "runs": {}}
   for arm, run in zip(arms[1:], runs[1:]):
     lossless = all(a["token_ids"] == b["token_ids"] for a, b in zip(run.records, base.records))
-    table = category_table(base, run, args.batch_size)
+    table = category_table(base, run, FLAGS.batch_size)
     results["runs"][arm.label] = {"summary": run.summary, "categories": table, "identical_to_baseline": lossless}
     print(f"\n== {arm.label} (identical to baseline: {lossless})")
     print(format_table(table), flush=True)
   results["wall_s"] = time.time() - t0
-  results["settings"] = vars(args)
-  if args.json_out:
-    with open(args.json_out, "w") as f:
+  results["settings"] = {flag.name: flag.value for flag in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as f:
       json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -87,7 +87,7 @@ def test_distill_resumes_and_rejects_bad_shards(tiny, tmp_path):
 
 
 def test_coverage_curve_against_a_count():
-  from benchmarks.vocab_coverage import coverage_curve
+  from benchmarks.probes.vocab_coverage import coverage_curve
   rng = np.random.default_rng(0)
   train = rng.zipf(1.5, 5000) % 50
   test = rng.zipf(1.5, 800) % 60  # ids 50..59 never occur in training

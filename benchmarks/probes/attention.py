@@ -1,6 +1,6 @@
 """Time verify/decode attention: the XLA reference against the Pallas kernel for this backend.
 
-  python benchmarks/attention.py [--quick] [--json_out=PATH]
+  python benchmarks/probes/attention.py [--quick] [--json_out=PATH]
 
 Grid: B in {1,8,32}, T in {1,5,9,17}, S in {512,4096,32768}; layouts gemma3_270m (Hq=4, Hkv=1, D=256) and
 llama8b (Hq=32, Hkv=8, D=128); bfloat16, full rows (kv_lengths == S), no window. Attention here only
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -5,7 +5,7 @@ the same prompts in the same order (AIPerf reads them from a custom `single_turn
 same max_tokens, temperature, top_p and seed per request, the same endpoint, the same closed-loop concurrency and
 request count. The table shows both tools' TTFT, ITL, output tokens/s and req/s and AIPerf's relative difference.
 
-  python benchmarks/crosscheck_loadgen.py --url=http://127.0.0.1:8000 --aiperf=/tmp/lg-venv/bin/aiperf \
+  python benchmarks/probes/crosscheck_loadgen.py --url=http://127.0.0.1:8000 --aiperf=/tmp/lg-venv/bin/aiperf \
       --tokenizer=/tmp/lg-tok/gemma3 --gguf=~/.cache/spec_jax/gemma-3-270m-Q4_K_M.gguf \
       --concurrency=1,4 --num_requests=16 --max_tokens=32 --output_dir=/tmp/crosscheck
 

@@ -7,8 +7,8 @@ the head's argmax taken over
   answer token: most of the target's tokens outside the reduced vocabulary are such copies);
 - the full vocabulary (the head's own ceiling).
 
-  python benchmarks/eagle_gap.py                  # float32, 16 prompts x 64 tokens, ~2 min on 2 cores
-  python benchmarks/eagle_gap.py heads/eagle3_gemma3_270m 64 128
+  python benchmarks/probes/eagle_gap.py           # float32, 16 prompts x 64 tokens, ~2 min on 2 cores
+  python benchmarks/probes/eagle_gap.py heads/eagle3_gemma3_270m 64 128
 """
 
 from __future__ import annotations

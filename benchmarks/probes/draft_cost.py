@@ -1,8 +1,8 @@
 """What one drafted token costs, against one plain decode step of the target, per proposer.
 
-  python benchmarks/draft_cost.py                                # eagle, medusa, qdraft; batch 1; bf16 layout
-  python benchmarks/draft_cost.py --methods=eagle --hlo          # also list the big converts/copies in propose()
-  python benchmarks/draft_cost.py --loop                         # also time whole 8-step decode_loop calls
+  python benchmarks/probes/draft_cost.py                         # eagle, medusa, qdraft; batch 1; bf16 layout
+  python benchmarks/probes/draft_cost.py --methods=eagle --hlo   # also list the big converts/copies in propose()
+  python benchmarks/probes/draft_cost.py --loop                  # also time whole 8-step decode_loop calls
 
 For each method, on a state holding one prompt (two rows for the bfloat16 CPU layout, as serve.generate runs):
 - `step0`: one loop step drafting nothing (the plain decode step: target forward of one token, sampling, commit);

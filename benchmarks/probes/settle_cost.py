@@ -1,7 +1,7 @@
 """What `sharding.settled` costs a one-device caller: decode_loop calls of one step, wrapped against the raw jit.
 
-  python benchmarks/settle_cost.py                 # a tiny random model (the per-call overhead at its largest)
-  python benchmarks/settle_cost.py --calls=500 --reps=7
+  python benchmarks/probes/settle_cost.py          # a tiny random model (the per-call overhead at its largest)
+  python benchmarks/probes/settle_cost.py --calls=500 --reps=7
 
 On one device `settle` only looks at the first output leaf's devices and returns, so the two arms should differ by
 a few microseconds a call. Each rep runs `--calls` chained one-step calls per arm, the arms interleaved (A, B, A,

@@ -1,8 +1,8 @@
 """How big the reduced draft vocabulary should be: coverage of the target's self-distilled answers by the N most
 frequent ids, against what N head rows cost per drafted token.
 
-  python benchmarks/vocab_coverage.py                       # the shards in data/distill/gemma3_270m
-  python benchmarks/vocab_coverage.py --sizes=8192,32768 --reps=20
+  python benchmarks/probes/vocab_coverage.py                # the shards in data/distill/gemma3_270m
+  python benchmarks/probes/vocab_coverage.py --sizes=8192,32768 --reps=20
 
 Coverage: ids are ranked by frequency over the answers of every shard but the last; the curve is the share of
 the last shard's answer tokens (all, and greedy answers only) inside the top N, so it is measured on answers the

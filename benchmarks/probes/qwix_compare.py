@@ -1,6 +1,6 @@
 """spec_jax's quantized dot (spec_jax/quant.py qdot) against Qwix's weight-only einsum, on Gemma 3 270M shapes.
 
-  python benchmarks/qwix_compare.py [--repeats=5]
+  python benchmarks/probes/qwix_compare.py [--repeats=5]
 
 Qwix is optional (`pip install qwix`); without it the script says so and exits 0. Both quantize the same float
 weights to int8 with one scale per output channel; activations stay float32. For each shape and batch: the

@@ -1,7 +1,8 @@
 """What storing the trainer's feature cache in bfloat16 instead of float32 costs.
 
-  python benchmarks/feature_dtype.py --rows=64
-  python benchmarks/feature_dtype.py --rows=64 --heads=eagle:heads/eagle_gemma3_270m,eagle3:heads/eagle3_gemma3_270m
+  python benchmarks/probes/feature_dtype.py --rows=64
+  python benchmarks/probes/feature_dtype.py --rows=64 \\
+      --heads=eagle:heads/eagle_gemma3_270m,eagle3:heads/eagle3_gemma3_270m
 
 On held-out rows of the self-distilled training data (the trainer's own eval split, configs/train_base.py
 use_self_distilled), the frozen Gemma 3 270M's features [final; layers 1, 8, 14] are computed in float32 and

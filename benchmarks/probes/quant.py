@@ -1,6 +1,6 @@
 """Quantized Gemma 3 270M: decode speed against the bandwidth floor, memory, and quality against float32.
 
-  python benchmarks/quant.py [--batches=1,8] [--repeats=3] [--quality_prompts=16] [--json_out=PATH]
+  python benchmarks/probes/quant.py [--batches=1,8] [--repeats=3] [--quality_prompts=16] [--json_out=PATH]
 
 Speed: plain greedy decoding (the jitted while loop, prefill excluded) in four weight layouts: float32, the
 bfloat16 CPU layout (bf16 embedding/head, f32 layers; checkpoints/load.py), int8 and int4 (spec_jax/quant.py).

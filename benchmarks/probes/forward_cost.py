@@ -1,7 +1,7 @@
 """One jitted forward of the target, by weights (int8 or the bfloat16 CPU layout), rows and tokens, with and
-without the 262k-row head: where an int8 draft step's time goes (BENCHMARKS.md section 19).
+without the 262k-row head: where an int8 draft step's time goes (docs/benchmark-log.md section 19).
 
-  python benchmarks/forward_cost.py --repeats=7 --calls=5
+  python benchmarks/probes/forward_cost.py --repeats=7 --calls=5
 
 Each case runs on a KV cache of --capacity slots, every row at position --position. The cases run round-robin
 (A, B, C, ..., A, B, C, ...), `calls` calls each per repeat; the table gives the median per call and the range
