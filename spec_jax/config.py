@@ -12,9 +12,21 @@ import numpy as np
 from flax import struct
 
 
+# Each family's flags (ModelConfig fields), written once: the loaders and models/shapes.py start from these and put a
+# model's own sizes, RoPE bases and token ids over them (family_config). Gemma 3's are also ModelConfig's defaults.
+# A family with parameters the transformer lacks also needs rows in models/schema.py.
+GEMMA3 = dict(activation="gelu_tanh", post_norms=True, qk_norm=True, qkv_bias=False, rope_base=1_000_000.0,
+              rope_base_local=10_000.0, sliding_window=512, global_every=6, query_pre_attn_scalar=256.0,
+              embed_scale=True, tie_embeddings=True, bos_id=2, eos_ids=(1, 106), pad_id=0)
+LLAMA = dict(activation="silu", post_norms=False, qk_norm=False, qkv_bias=False, sliding_window=None,
+             query_pre_attn_scalar=None, embed_scale=False, tie_embeddings=False)
+QWEN2 = dict(LLAMA, qkv_bias=True)
+FAMILIES = {"gemma3": GEMMA3, "llama": LLAMA, "qwen2": QWEN2}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A decoder-only transformer. Gemma 3 by default; Llama/Qwen2 through the flags."""
+  """A decoder-only transformer. Gemma 3 by default; Llama/Qwen2 through the flags (FAMILIES)."""
 
   vocab_size: int
   d_model: int
@@ -23,22 +35,23 @@ class ModelConfig:
   num_kv_heads: int
   head_dim: int
   mlp_dim: int
-  activation: str = "gelu_tanh"  # "gelu_tanh" (GeGLU) or "silu" (SwiGLU)
+  activation: str = GEMMA3["activation"]  # "gelu_tanh" (GeGLU) or "silu" (SwiGLU)
   norm_eps: float = 1e-6
-  post_norms: bool = True  # Gemma's post-attention and post-MLP norms
-  qk_norm: bool = True
-  qkv_bias: bool = False  # Qwen2
-  rope_base: float = 1_000_000.0  # global layers (or every layer when no window)
-  rope_base_local: float = 10_000.0  # sliding-window layers
-  sliding_window: Optional[int] = 512  # None: every layer is global
-  global_every: int = 6  # layer i is global when (i + 1) % global_every == 0
-  query_pre_attn_scalar: Optional[float] = 256.0  # scale = this ** -0.5; None: head_dim ** -0.5
-  embed_scale: bool = True  # multiply embeddings by sqrt(d_model)
-  tie_embeddings: bool = True
+  post_norms: bool = GEMMA3["post_norms"]  # Gemma's post-attention and post-MLP norms
+  qk_norm: bool = GEMMA3["qk_norm"]
+  qkv_bias: bool = GEMMA3["qkv_bias"]  # Qwen2
+  rope_base: float = GEMMA3["rope_base"]  # global layers (or every layer when no window)
+  rope_base_local: float = GEMMA3["rope_base_local"]  # sliding-window layers
+  sliding_window: Optional[int] = GEMMA3["sliding_window"]  # None: every layer is global
+  global_every: int = GEMMA3["global_every"]  # layer i is global when (i + 1) % global_every == 0
+  # The attention scale is this ** -0.5; None: head_dim ** -0.5.
+  query_pre_attn_scalar: Optional[float] = GEMMA3["query_pre_attn_scalar"]
+  embed_scale: bool = GEMMA3["embed_scale"]  # multiply embeddings by sqrt(d_model)
+  tie_embeddings: bool = GEMMA3["tie_embeddings"]
   max_seq_len: int = 32768
-  bos_id: int = 2
-  eos_ids: tuple = (1, 106)
-  pad_id: int = 0
+  bos_id: int = GEMMA3["bos_id"]
+  eos_ids: tuple = GEMMA3["eos_ids"]
+  pad_id: int = GEMMA3["pad_id"]
   name: str = "model"
 
   def __post_init__(self):
@@ -66,6 +79,11 @@ class ModelConfig:
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
+
+
+def family_config(family: str, **fields) -> ModelConfig:
+  """A config of a family in FAMILIES: its flags, with `fields` (sizes, and any flag a model changes) over them."""
+  return ModelConfig(**{**FAMILIES[family], **fields})
 
 
 @struct.dataclass

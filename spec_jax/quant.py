@@ -23,13 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.backend import on_cpu
+from spec_jax.models import schema
 
 MODES = ("none", "int8", "int4")
 GROUP_INT4 = 32  # inputs per int4 scale
 TILE_BYTES = 8 << 20  # float bytes of one dequantized tile
 
-# Contraction axes of each layer weight, after the stacked layer axis (transformer.param_shapes).
-LAYER_CONTRACT = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+# Contraction axes of each layer weight, after the stacked layer axis: the schema's matmuls (models/schema.py).
+LAYER_CONTRACT = {r.name: r.contract for r in schema.LAYER if r.contract}
 
 
 @jax.tree_util.register_pytree_node_class

@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from spec_jax.models import schema
+
 MESH_AXES = ("data", "model")
 
 # logical axis -> mesh axis (None: replicated)
@@ -38,19 +40,16 @@ LOGICAL_RULES = {
     "layers": None,
 }
 
-# Parameter name -> logical axes of one layer's (or an unstacked) array; a stacked layer array has one more
-# leading axis, "layers". Names are shared by the target, the draft model, EAGLE's layer and Medusa's heads.
-PARAM_AXES = {
-    "embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "rows": ("vocab", "embed"),
-    "q": ("embed", "heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
-    "v": ("embed", "kv_heads", "head_dim"), "o": ("heads", "head_dim", "embed"),
-    "q_bias": ("heads", "head_dim"), "k_bias": ("kv_heads", "head_dim"), "v_bias": ("kv_heads", "head_dim"),
-    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
-    "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed"),
+# Parameter name -> logical axes of one layer's (or an unstacked) array; a stacked layer array has one more leading
+# axis, "layers". The target's come from models/schema.py; the draft model and EAGLE's layer reuse those names.
+# The proposers' own parameters:
+_PROPOSER_AXES = {
+    "rows": ("vocab", "embed"),  # a draft's output rows (d2t's), as the head's
     "fc": ("embed", "embed"),  # EAGLE's input projection [2D, D]
     "w": ("embed", "embed"), "b": ("embed",),  # Medusa heads [K, D, D], [K, D] (K stacked like layers)
 }
-_NORM = re.compile(r"norm$")  # attn_norm, mlp_norm, final_norm, feat_norm, ...: ("embed",)
+PARAM_AXES = {**schema.AXES, **_PROPOSER_AXES}
+_NORM = re.compile(r"norm$")  # the proposers' own norms (EAGLE's feat_norm, ...): ("embed",)
 
 # Decode-state fields that are not per row (shared by the whole batch): replicated.
 REPLICATED_STATE = {"key", "spec_enabled", "step", "adapt.costs", "adapt.since_probe", "adapt.uses"}
@@ -117,7 +116,7 @@ def cache_spec(shape: Sequence[int], mesh: Mesh) -> P:
 
 def param_axes(name: str, ndim: int) -> tuple:
   """Logical axes of a parameter from its leaf name and rank (unknown names: replicated)."""
-  axes = ("embed",) if _NORM.search(name) else PARAM_AXES.get(name)
+  axes = PARAM_AXES.get(name, ("embed",) if _NORM.search(name) else None)
   if axes is None:
     return (None,) * ndim
   if ndim == len(axes) + 1:

@@ -2,7 +2,7 @@
 
 Reading a GGUF parses 262k token strings and dequantizes Q4/Q5/Q6/Q8 blocks (10-15 s here); the result is
 cached as a float32 safetensors file beside the GGUF, keyed by the GGUF's fingerprint, so later loads take
-seconds and a replaced GGUF is noticed.
+seconds and a replaced GGUF is noticed. Tensor names and the layout conversion are spec_jax/models/schema.py's.
 """
 
 from __future__ import annotations
@@ -16,24 +16,14 @@ import numpy as np
 from spec_jax.checkpoints import safetensors_io
 from spec_jax.checkpoints.file_cache import cache_path, fingerprint
 from spec_jax.checkpoints.gguf_meta import DEFAULT_MODEL_FILE, default_model_path, field, open_reader
-from spec_jax.config import ModelConfig
+from spec_jax.config import FAMILIES, ModelConfig, family_config
+from spec_jax.models import schema
 
 __all__ = ["CACHE_SUFFIX", "DEFAULT_MODEL_FILE", "config_from_reader", "default_model_path", "load_config", "load_gguf"]
 
 CACHE_SUFFIX = ".spec_jax.safetensors"
 CACHE_FORMAT = "2"
 SUPPORTED_ARCHS = ("gemma3", "qwen2")
-
-# GGUF tensor name (per block, ".weight") -> our layer param
-_LAYER_TENSORS = {
-    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
-    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
-    "ffn_norm": "mlp_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
-    "post_ffw_norm": "post_mlp_norm",
-}
-# GGUF tensor name (per block, ".bias") -> our layer param (Qwen2's QKV biases)
-_LAYER_BIASES = {"attn_q": "q_bias", "attn_k": "k_bias", "attn_v": "v_bias"}
-
 
 def config_from_reader(reader, path: str) -> ModelConfig:
   arch = field(reader, "general.architecture", "?")
@@ -63,27 +53,24 @@ def config_from_reader(reader, path: str) -> ModelConfig:
     # Full attention in every layer (the GGUF has no sliding-window schedule), SwiGLU, QKV biases, plain RoPE.
     eos = int(field(reader, "tokenizer.ggml.eos_token_id"))
     base = float(field(reader, f"{a}.rope.freq_base", 1e6))
-    return ModelConfig(
-        **common, activation="silu", post_norms=False, qk_norm=False, qkv_bias=True,
-        rope_base=base, rope_base_local=base, sliding_window=None,
-        query_pre_attn_scalar=None, embed_scale=False, tie_embeddings="output.weight" not in names,
+    return family_config(
+        "qwen2", **common, rope_base=base, rope_base_local=base, tie_embeddings="output.weight" not in names,
         bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", eos)), eos_ids=(eos,),
         pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", eos)),
     )
-  eos = int(field(reader, "tokenizer.ggml.eos_token_id", 1))
+  g = FAMILIES["gemma3"]  # what the file leaves out
+  eos = int(field(reader, "tokenizer.ggml.eos_token_id", g["eos_ids"][0]))
   # A chat turn ends with <end_of_turn>, which Gemma's tokenizer metadata does not mark as an end token.
   turn_end = _token_id(tokens, "<end_of_turn>")
-  return ModelConfig(
-      **common, activation="gelu_tanh", post_norms=True, qk_norm=True, qkv_bias=False,
-      rope_base=float(field(reader, f"{a}.rope.freq_base", 1e6)), rope_base_local=10_000.0,
-      sliding_window=int(field(reader, f"{a}.attention.sliding_window", 512)),
+  return family_config(
+      "gemma3", **common, rope_base=float(field(reader, f"{a}.rope.freq_base", g["rope_base"])),
+      sliding_window=int(field(reader, f"{a}.attention.sliding_window", g["sliding_window"])),
       global_every=_global_every(reader, a, common["num_layers"], path),
       # The GGUF has no query_pre_attn_scalar; as llama.cpp does: d_model / heads for the 62-layer 27B, else head_dim.
       query_pre_attn_scalar=float(n_embd // n_head if common["num_layers"] == 62 else head_dim),
-      embed_scale=True, tie_embeddings=True,
-      bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", 2)),
+      bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", g["bos_id"])),
       eos_ids=(eos,) if turn_end in (None, eos) else (eos, turn_end),
-      pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", 0)),
+      pad_id=int(field(reader, "tokenizer.ggml.padding_token_id", g["pad_id"])),
   )
 
 
@@ -103,7 +90,7 @@ def _global_every(reader, arch: str, num_layers: int, path: str) -> int:
   and llama.cpp fixes it at every sixth layer for the architecture, as its config.json does."""
   pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
   if pattern is None:
-    return 6
+    return FAMILIES["gemma3"]["global_every"]
   value = pattern.contents()
   if isinstance(value, int):
     return value
@@ -118,56 +105,44 @@ def _dequantize_all(reader, config: ModelConfig, path: str) -> dict:
   """Every tensor dequantized to float32 straight into its place in the stacked params, one at a time, so the
   peak is about one float copy of the model (a 1.5B model is 7 GB in float32)."""
   import gguf
-  from spec_jax.models.transformer import param_shapes
 
   c = config
-  H, K, d, D = c.num_heads, c.num_kv_heads, c.head_dim, c.d_model
-  # Dequantized matrices are [out, in] (torch Linear order); ours are [in, ...out].
-  reshape = {
-      "q": lambda w: w.T.reshape(D, H, d), "k": lambda w: w.T.reshape(D, K, d),
-      "v": lambda w: w.T.reshape(D, K, d), "o": lambda w: w.T.reshape(H, d, D),
-      "gate": lambda w: w.T, "up": lambda w: w.T, "down": lambda w: w.T, "lm_head": lambda w: w.T,
-      "q_bias": lambda w: w.reshape(H, d), "k_bias": lambda w: w.reshape(K, d), "v_bias": lambda w: w.reshape(K, d),
-  }
-  shapes = param_shapes(c)
-  layers = {name: np.empty(shape, np.float32) for name, shape in shapes["layers"].items()}
+  rows = {r.gguf: r for r in schema.top_rows(c)}
+  blocks = {r.gguf.removeprefix("blk.{i}."): r for r in schema.layer_rows(c)}  # by the name after "blk.N."
+  layers = {r.name: np.empty((c.num_layers,) + r.shape(c), np.float32) for r in schema.layer_rows(c)}
   seen = set()
-  top = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
   params = {"layers": layers}
   for t in reader.tensors:
     if t.name.startswith("blk."):
       _, i, rest = t.name.split(".", 2)
-      gname, kind = rest.rsplit(".", 1)
-      ours = (_LAYER_TENSORS if kind == "weight" else _LAYER_BIASES if kind == "bias" else {}).get(gname)
-      if ours not in layers:
+      row = blocks.get(rest)
+      if row is None:
         continue  # a tensor this architecture does not use (e.g. precomputed rope factors)
       if not i.isdigit() or int(i) >= c.num_layers:
         raise ValueError(f"{path}: tensor {t.name!r} names block {i}, but the file has {c.num_layers} blocks")
-      want, where = shapes["layers"][ours][1:], (ours, int(i))
-    elif top.get(t.name) in shapes:
-      ours = top[t.name]
-      want, where = shapes[ours], (ours, None)
+      where = (row.name, int(i))
+    elif t.name in rows:
+      row = rows[t.name]
+      where = (row.name, None)
     else:
       continue
     try:
       w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
     except Exception as e:
       raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
-    try:
-      w = reshape.get(ours, lambda w: w)(w)
-    except ValueError:
-      pass
-    if w.shape != tuple(want):
-      raise ValueError(f"{path}: tensor {t.name} has shape {w.shape}, expected {tuple(want)}")
+    want = row.shape(c)
+    # Dequantized matrices are in torch order ([out, in]), as HF's.
+    out = schema.from_torch(row, w, want)
+    if out is None:
+      raise ValueError(f"{path}: tensor {t.name} has shape {w.shape}, expected {schema.torch_shape(row, want)}")
     if where[1] is None:
-      params[ours] = np.ascontiguousarray(w)
+      params[row.name] = np.ascontiguousarray(out)
     else:
-      layers[ours][where[1]] = w
+      layers[row.name][where[1]] = out
     seen.add(where)
-  gguf_name = {ours: f"{g}.weight" for g, ours in _LAYER_TENSORS.items()}
-  gguf_name.update({ours: f"{g}.bias" for g, ours in _LAYER_BIASES.items()})
-  missing = [f"{g} ({n})" for g, n in top.items() if n in shapes and (n, None) not in seen]
-  missing += [f"blk.{i}.{gguf_name[n]} ({n}[{i}])" for n in layers for i in range(c.num_layers) if (n, i) not in seen]
+  missing = [f"{r.gguf} ({r.name})" for r in schema.top_rows(c) if (r.name, None) not in seen]
+  missing += [f"{r.gguf.format(i=i)} ({r.name}[{i}])" for r in schema.layer_rows(c) for i in range(c.num_layers)
+              if (r.name, i) not in seen]
   if missing:
     raise ValueError(f"{path}: tensor {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''} is missing")
   return params

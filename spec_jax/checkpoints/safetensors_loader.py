@@ -1,9 +1,10 @@
 """Hugging Face checkpoints: a directory with config.json and *.safetensors (one file, or sharded).
 
 Supported model types: Llama, Qwen2, Gemma 3 text (`gemma3_text`) and the Gemma 3 multimodal wrapper (`gemma3`,
-whose text config sits under `text_config`; only the language model is loaded). HF Linear weights are
-[out, in]; ours are [in, ...out] with heads split out. Gemma stores norm weights w for a (1 + w) multiplier:
-the 1 is added here because our norms are plain multipliers.
+whose text config sits under `text_config`; only the language model is loaded). Tensor names and the
+layout conversion (HF Linear weights are [out, in]; ours are [in, ...out] with heads split out) are the rows of
+spec_jax/models/schema.py, as are the family differences (Gemma's norm weights are stored as w for a (1 + w)
+multiplier; ours are plain multipliers).
 
 The files are read through `safetensors_io` (the `safetensors` package), tensor by tensor as they are needed.
 """
@@ -12,50 +13,30 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 
 import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.checkpoints.safetensors_io import SafetensorsFile
-from spec_jax.config import ModelConfig
+from spec_jax.config import FAMILIES, ModelConfig, family_config
+from spec_jax.models import schema
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text", "gemma3")
 INDEX_FILE = "model.safetensors.index.json"
 # Wrappers put the decoder under these; longest first so `model.language_model.` is not cut at `model.`.
 NAME_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
-# Gemma3TextConfig defaults, for keys that official config.json files leave out.
+_GEMMA3 = FAMILIES["gemma3"]
+# Gemma3TextConfig's defaults, for keys that official config.json files leave out: its sizes and window are
+# transformers' own; the rest are the family's flags.
 _GEMMA3_DEFAULTS = dict(
     vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
     num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
-    rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
-    sliding_window=4096, sliding_window_pattern=6, tie_word_embeddings=True,
+    rms_norm_eps=1e-6, sliding_window=4096, rope_theta=_GEMMA3["rope_base"],
+    rope_local_base_freq=_GEMMA3["rope_base_local"], query_pre_attn_scalar=_GEMMA3["query_pre_attn_scalar"],
+    sliding_window_pattern=_GEMMA3["global_every"], tie_word_embeddings=_GEMMA3["tie_embeddings"],
 )
-
-# HF name under `layers.{i}.` -> (our layer param, layout). Layouts: "vec" copied as is, "norm" likewise
-# (plus 1 for Gemma), "in" an [out, in] Linear, "bias" a flat per-head bias.
-_COMMON_LAYER = {
-    "input_layernorm.weight": ("attn_norm", "norm"),
-    "self_attn.q_proj.weight": ("q", "in"), "self_attn.k_proj.weight": ("k", "in"),
-    "self_attn.v_proj.weight": ("v", "in"), "self_attn.o_proj.weight": ("o", "in"),
-    "mlp.gate_proj.weight": ("gate", "in"), "mlp.up_proj.weight": ("up", "in"),
-    "mlp.down_proj.weight": ("down", "in"),
-}
-_LLAMA_LAYER = {
-    **_COMMON_LAYER,
-    "post_attention_layernorm.weight": ("mlp_norm", "norm"),  # Llama's pre-MLP norm despite the name
-    "self_attn.q_proj.bias": ("q_bias", "bias"), "self_attn.k_proj.bias": ("k_bias", "bias"),
-    "self_attn.v_proj.bias": ("v_bias", "bias"),
-}
-_GEMMA3_LAYER = {
-    **_COMMON_LAYER,
-    "self_attn.q_norm.weight": ("q_norm", "norm"), "self_attn.k_norm.weight": ("k_norm", "norm"),
-    "post_attention_layernorm.weight": ("post_attn_norm", "norm"),
-    "pre_feedforward_layernorm.weight": ("mlp_norm", "norm"),
-    "post_feedforward_layernorm.weight": ("post_mlp_norm", "norm"),
-}
 
 
 # ----------------------------------------------------------------------------------------------- files
@@ -231,13 +212,12 @@ def config_from_hf(cfg: dict, path: str = "config.json", name: str = "hf") -> Mo
       raise ValueError(f"{path}: hidden_activation {act!r} is not supported for Gemma 3 (gelu_pytorch_tanh)")
     theta, local_theta = _rope_spec(text, path, defaults["rope_theta"], defaults["rope_local_base_freq"])
     window = text.get("sliding_window", defaults["sliding_window"])
-    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    return ModelConfig(
-        **common, activation="gelu_tanh", post_norms=True, qk_norm=True, qkv_bias=False,
-        rope_base=theta, rope_base_local=local_theta,
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", defaults["tie_word_embeddings"]))
+    return family_config(
+        "gemma3", **common, rope_base=theta, rope_base_local=local_theta,
         sliding_window=None if window is None else int(window),
         global_every=_global_every(text, num_layers, path),
-        query_pre_attn_scalar=float(g("query_pre_attn_scalar")), embed_scale=True, tie_embeddings=bool(tie),
+        query_pre_attn_scalar=float(g("query_pre_attn_scalar")), tie_embeddings=bool(tie),
     )
 
   act = text.get("hidden_act", "silu")
@@ -249,39 +229,14 @@ def config_from_hf(cfg: dict, path: str = "config.json", name: str = "hf") -> Mo
   if text.get("mlp_bias"):
     raise ValueError(f"{path}: mlp_bias=true is not supported")
   theta, _ = _rope_spec(text, path, 10_000.0, 10_000.0)
-  return ModelConfig(
-      **common, activation="silu", post_norms=False, qk_norm=False,
+  return family_config(
+      "qwen2" if model_type == "qwen2" else "llama", **common,
       qkv_bias=model_type == "qwen2" or bool(text.get("attention_bias", False)),
-      rope_base=theta, rope_base_local=theta, sliding_window=None, query_pre_attn_scalar=None,
-      embed_scale=False, tie_embeddings=bool(text.get("tie_word_embeddings", False)),
+      rope_base=theta, rope_base_local=theta, tie_embeddings=bool(text.get("tie_word_embeddings", False)),
   )
 
 
 # ---------------------------------------------------------------------------------------------- params
-
-
-def _convert(w: np.ndarray, layout: str, ours: str, want: tuple) -> np.ndarray | None:
-  """HF tensor -> our layout, or None when its shape is not the one that maps to `want`."""
-  if w.size != math.prod(want):
-    return None
-  if layout == "in":
-    if ours == "o":  # HF [D, H*d] -> [H, d, D]
-      return w.T.reshape(want) if w.shape == (want[-1], math.prod(want[:-1])) else None
-    # HF [out, in] -> [in, *out]: q/k/v split heads; gate/up/down/lm_head are plain transposes
-    return w.T.reshape(want) if w.shape == (math.prod(want[1:]), want[0]) else None
-  if layout == "bias":
-    return w.reshape(want) if w.shape == (math.prod(want),) else None
-  return w if w.shape == want else None
-
-
-def _expected_hf(layout: str, ours: str, want: tuple) -> tuple:
-  if layout == "in":
-    if ours == "o":
-      return (want[-1], math.prod(want[:-1]))
-    return (math.prod(want[1:]), want[0])
-  if layout == "bias":
-    return (math.prod(want),)
-  return want
 
 
 def _merge_generation_eos(config: ModelConfig, directory: str, own_eos: bool) -> ModelConfig:
@@ -325,40 +280,33 @@ def read_config(directory: str) -> ModelConfig:
 
 def load_hf(directory: str, dtype=jnp.float32):
   """-> (ModelConfig, params as jnp arrays of `dtype`) from a Hugging Face checkpoint directory."""
-  from spec_jax.models.transformer import param_shapes
-
   directory = str(directory)
   config = read_config(directory)
   tensors = _TensorIndex(directory)
-  gemma = config.post_norms  # only the Gemma types have them (see config_from_hf)
-  shapes = param_shapes(config)
+  offset = np.float32(schema.hf_norm_offset(config))
 
-  def fetch(key, ours, layout, want):
+  def fetch(row, want, i=None):
+    key = schema.hf_name(row, config).format(i=i)
     w = tensors.get(key)
-    out = _convert(w, layout, ours, want)
+    out = schema.from_torch(row, w, want)
     if out is None:
       raise ValueError(f"{directory}: tensor {tensors.label(key)} has shape {tuple(w.shape)}, expected "
-                       f"{_expected_hf(layout, ours, want)}")
+                       f"{schema.torch_shape(row, want)}")
     out = np.asarray(out, np.float32)
-    if layout == "norm" and gemma:
-      out = out + np.float32(1.0)  # Gemma's (1 + w) multiplier
+    if row.is_norm and offset:
+      out = out + offset
     return out
 
-  layer_map = _GEMMA3_LAYER if gemma else _LLAMA_LAYER
   layers = {}
-  for suffix, (ours, layout) in layer_map.items():
-    if ours not in shapes["layers"]:
-      continue  # e.g. biases on a model without them
-    full = shapes["layers"][ours]
-    stacked = np.empty(full, np.float32)
+  for row in schema.layer_rows(config):
+    want = row.shape(config)
+    stacked = np.empty((config.num_layers,) + want, np.float32)
     for i in range(config.num_layers):
-      stacked[i] = fetch(f"layers.{i}.{suffix}", ours, layout, full[1:])
-    layers[ours] = jnp.asarray(stacked, dtype)
+      stacked[i] = fetch(row, want, i)
+    layers[row.name] = jnp.asarray(stacked, dtype)
     del stacked
-  missing = set(shapes["layers"]) - set(layers)
-  assert not missing, missing  # the maps above cover every param the config asks for
 
-  if not gemma:
+  if not config.post_norms:
     # An o_proj bias (Llama with attention_bias) has no place in our model: refuse unless it is all zeros.
     for i in range(config.num_layers):
       key = f"layers.{i}.self_attn.o_proj.bias"
@@ -366,11 +314,6 @@ def load_hf(directory: str, dtype=jnp.float32):
         raise ValueError(f"{directory}: tensor {tensors.label(key)} is a nonzero o_proj bias, which this model "
                          "does not support")
 
-  params = {
-      "embed": jnp.asarray(fetch("embed_tokens.weight", "embed", "vec", shapes["embed"]), dtype),
-      "final_norm": jnp.asarray(fetch("norm.weight", "final_norm", "norm", shapes["final_norm"]), dtype),
-      "layers": layers,
-  }
-  if not config.tie_embeddings:
-    params["lm_head"] = jnp.asarray(fetch("lm_head.weight", "lm_head", "in", shapes["lm_head"]), dtype)
+  params = {r.name: jnp.asarray(fetch(r, r.shape(config)), dtype) for r in schema.top_rows(config)}
+  params["layers"] = layers
   return config, params

@@ -10,38 +10,34 @@ from __future__ import annotations
 import json
 import os
 
-from spec_jax.config import ModelConfig
+from spec_jax.config import ModelConfig, family_config
 
-_GEMMA3 = dict(activation="gelu_tanh", post_norms=True, qk_norm=True, qkv_bias=False, rope_base=1_000_000.0,
-               rope_base_local=10_000.0, global_every=6, query_pre_attn_scalar=256.0, embed_scale=True,
-               tie_embeddings=True, bos_id=2, eos_ids=(1, 106), pad_id=0)
-_LLAMA3 = dict(activation="silu", post_norms=False, qk_norm=False, qkv_bias=False, rope_base=500_000.0,
-               sliding_window=None, query_pre_attn_scalar=None, embed_scale=False, tie_embeddings=False,
-               bos_id=128000, eos_ids=(128001, 128009), pad_id=0)
-_QWEN25 = dict(activation="silu", post_norms=False, qk_norm=False, qkv_bias=True, rope_base=1_000_000.0,
-               sliding_window=None, query_pre_attn_scalar=None, embed_scale=False, bos_id=151643,
-               eos_ids=(151643, 151645), pad_id=151643)
+# A model's own values over its family's flags (config.FAMILIES).
+_LLAMA3 = dict(rope_base=500_000.0, bos_id=128000, eos_ids=(128001, 128009), pad_id=0)
+_QWEN25 = dict(rope_base=1_000_000.0, bos_id=151643, eos_ids=(151643, 151645), pad_id=151643)
 
 MODEL_SHAPES = {
-    "gemma3-270m": ModelConfig(vocab_size=262144, d_model=640, num_layers=18, num_heads=4, num_kv_heads=1,
-                               head_dim=256, mlp_dim=2048, sliding_window=512, max_seq_len=32768,
-                               name="gemma3-270m", **_GEMMA3),
-    "gemma3-1b": ModelConfig(vocab_size=262144, d_model=1152, num_layers=26, num_heads=4, num_kv_heads=1,
-                             head_dim=256, mlp_dim=6912, sliding_window=512, max_seq_len=32768, name="gemma3-1b",
-                             **_GEMMA3),
-    "gemma3-4b": ModelConfig(vocab_size=262208, d_model=2560, num_layers=34, num_heads=8, num_kv_heads=4,
-                             head_dim=256, mlp_dim=10240, sliding_window=1024, max_seq_len=131072,
-                             name="gemma3-4b", **_GEMMA3),
-    "qwen2.5-1.5b": ModelConfig(vocab_size=151936, d_model=1536, num_layers=28, num_heads=12, num_kv_heads=2,
-                                head_dim=128, mlp_dim=8960, tie_embeddings=True, max_seq_len=32768,
-                                name="qwen2.5-1.5b", **_QWEN25),
-    "qwen2.5-7b": ModelConfig(vocab_size=152064, d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-                              head_dim=128, mlp_dim=18944, tie_embeddings=False, max_seq_len=32768,
-                              name="qwen2.5-7b", **_QWEN25),
-    "llama3-8b": ModelConfig(vocab_size=128256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                             head_dim=128, mlp_dim=14336, max_seq_len=131072, name="llama3-8b", **_LLAMA3),
-    "llama3-70b": ModelConfig(vocab_size=128256, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                              head_dim=128, mlp_dim=28672, max_seq_len=131072, name="llama3-70b", **_LLAMA3),
+    "gemma3-270m": family_config("gemma3", vocab_size=262144, d_model=640, num_layers=18, num_heads=4,
+                                 num_kv_heads=1, head_dim=256, mlp_dim=2048, sliding_window=512, max_seq_len=32768,
+                                 name="gemma3-270m"),
+    "gemma3-1b": family_config("gemma3", vocab_size=262144, d_model=1152, num_layers=26, num_heads=4,
+                               num_kv_heads=1, head_dim=256, mlp_dim=6912, sliding_window=512, max_seq_len=32768,
+                               name="gemma3-1b"),
+    "gemma3-4b": family_config("gemma3", vocab_size=262208, d_model=2560, num_layers=34, num_heads=8,
+                               num_kv_heads=4, head_dim=256, mlp_dim=10240, sliding_window=1024,
+                               max_seq_len=131072, name="gemma3-4b"),
+    "qwen2.5-1.5b": family_config("qwen2", vocab_size=151936, d_model=1536, num_layers=28, num_heads=12,
+                                  num_kv_heads=2, head_dim=128, mlp_dim=8960, tie_embeddings=True,
+                                  max_seq_len=32768, name="qwen2.5-1.5b", **_QWEN25),
+    "qwen2.5-7b": family_config("qwen2", vocab_size=152064, d_model=3584, num_layers=28, num_heads=28,
+                                num_kv_heads=4, head_dim=128, mlp_dim=18944, tie_embeddings=False,
+                                max_seq_len=32768, name="qwen2.5-7b", **_QWEN25),
+    "llama3-8b": family_config("llama", vocab_size=128256, d_model=4096, num_layers=32, num_heads=32,
+                               num_kv_heads=8, head_dim=128, mlp_dim=14336, max_seq_len=131072, name="llama3-8b",
+                               **_LLAMA3),
+    "llama3-70b": family_config("llama", vocab_size=128256, d_model=8192, num_layers=80, num_heads=64,
+                                num_kv_heads=8, head_dim=128, mlp_dim=28672, max_seq_len=131072,
+                                name="llama3-70b", **_LLAMA3),
 }
 
 

@@ -5,12 +5,10 @@ with a KV cache for prefill, decode and verify, without one (cache=None) for tra
 Layer-varying settings (sliding window, RoPE base) are scanned inputs, so one compiled layer body serves Gemma 3's
 local and global layers and compile time stays flat in depth.
 
-Param names (L = layers, D = d_model, H/K = query/kv heads, d = head_dim, F = mlp_dim, V = vocab):
-  embed [V, D]; final_norm [D]; lm_head [D, V] (only when embeddings are not tied)
-  layers/attn_norm [L, D], q [L, D, H, d], k [L, D, K, d], v [L, D, K, d], o [L, H, d, D],
-         q_norm [L, d], k_norm [L, d] (qk_norm), q_bias [L, H, d], k_bias/v_bias [L, K, d] (qkv_bias),
-         post_attn_norm [L, D], mlp_norm [L, D], gate [L, D, F], up [L, D, F], down [L, F, D],
-         post_mlp_norm [L, D] (post_norms)
+Param names, shapes and logical axes are models/schema.py's rows (L = layers, D = d_model, H/K = query/kv heads,
+d = head_dim, F = mlp_dim, V = vocab): embed [V, D], final_norm [D], lm_head [D, V] when embeddings are untied, and
+under `layers` each layer's weights stacked on a leading axis, e.g. q [L, D, H, d], o [L, H, d, D], gate/up
+[L, D, F], down [L, F, D], the norms [L, D] and what the flags add (qk_norm, qkv_bias, post_norms).
 Norm weights are plain multipliers (Gemma's 1 + w is folded in at load time).
 """
 
@@ -30,27 +28,12 @@ from spec_jax import kernels, sharding
 from spec_jax.quant import QTensor, qdot, take_rows
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
+from spec_jax.models import schema
 
 
 def param_shapes(config: ModelConfig) -> dict:
-  """The expected shape of every parameter: loaders check against this."""
-  c = config
-  L, D, H, K, d, F, V = (c.num_layers, c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim,
-                         c.vocab_size)
-  layers = {
-      "attn_norm": (L, D), "q": (L, D, H, d), "k": (L, D, K, d), "v": (L, D, K, d), "o": (L, H, d, D),
-      "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
-  }
-  if c.qk_norm:
-    layers.update(q_norm=(L, d), k_norm=(L, d))
-  if c.qkv_bias:
-    layers.update(q_bias=(L, H, d), k_bias=(L, K, d), v_bias=(L, K, d))
-  if c.post_norms:
-    layers.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
-  shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
-  if not c.tie_embeddings:
-    shapes["lm_head"] = (D, V)
-  return shapes
+  """The expected shape of every parameter (models/schema.py's rows for this config): loaders check against this."""
+  return schema.shapes(config)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
