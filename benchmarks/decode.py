@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from spec_jax import flag_table
+
 from spec_jax.cache import KVCache
 from spec_jax.checkpoints.load import load_params
 from serve.runner import timed_generate
@@ -38,13 +40,8 @@ from spec_jax.proposers.ngram import NgramProposer
 # absl's INFO would print jax's backend probing ("Unable to initialize backend 'tpu'") at every start.
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
-flags.DEFINE_integer("new_tokens", 64, "Tokens decoded per run.")
-flags.DEFINE_string("batches", "1,8", "Batch sizes, comma-separated.")
-flags.DEFINE_string("dtypes", "float32,bfloat16", "Weight dtypes, comma-separated (bfloat16: the CPU layout).")
-flags.DEFINE_string("json_out", None, "Write the rows as JSON here.")
-flags.DEFINE_string("model", "", "A checkpoint path or packaged model name ('' = Gemma 3 270M).")
-flags.DEFINE_integer("k0_check", 1, "1: also compare plain vs. the speculative loop at k = 0.")
-flags.DEFINE_integer("k0_repeats", 5, "Interleaved repeats of the k = 0 check.")
+flag_table.define(("new_tokens", "batches", "dtypes", "json_out", "model", "k0_check", "k0_repeats"),
+                  new_tokens=64, batches="1,8", dtypes="float32,bfloat16", model="")
 FLAGS = flags.FLAGS
 
 

@@ -33,12 +33,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_string("output", "device_check", "Directory for device_check.json and device_check.md.")
-flags.DEFINE_bool("dry_run", False, "Lower every program for CUDA and run none (works on any host).")
-flags.DEFINE_bool("smoke", False, "Run every measurement at tiny shapes with the kernel in Pallas interpret mode on "
-                  "this host's CPU: the script's own code, checked without a GPU (its numbers mean nothing).")
-flags.DEFINE_float("hbm_bytes_per_s", 4.8e12, "The device's published HBM bandwidth (H200: 4.8 TB/s).")
-flags.DEFINE_integer("runs", 20, "Timed runs per measurement (median reported).")
+from spec_jax import flag_table  # noqa: E402
+
+flag_table.define(("output", "dry_run", "smoke", "hbm_bytes_per_s", "runs"), output="device_check")
 FLAGS = flags.FLAGS
 
 # (name, B, T, Hq, Hkv, D, S, tree)

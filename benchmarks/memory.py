@@ -1,7 +1,7 @@
 """Weight and KV-cache footprints of a target and its draft, computed from the loaded params, and the process's
 resident memory once both are loaded.
 
-  python benchmarks/memory.py --model=qwen2.5-coder-1.5b-instruct --draft_model=qwen2.5-coder-0.5b-instruct \\
+  python benchmarks/memory.py --model=qwen2.5-coder-1.5b-instruct --speculative_model=qwen2.5-coder-0.5b-instruct \\
       --dtype=float32 [--json_out=PATH]
 
 "bytes" is what the params take in this process (on CPU the bfloat16 layout keeps the layer stack in float32);
@@ -18,15 +18,15 @@ import jax
 import psutil
 from absl import app, flags
 
+from spec_jax import flag_table
+
 from spec_jax.checkpoints.load import load_params
 
 # absl's INFO would print jax's backend probing ("Unable to initialize backend 'tpu'") at every start.
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
-flags.DEFINE_string("model", "", "The target: a checkpoint path or packaged model name ('' = none).")
-flags.DEFINE_string("draft_model", "", "The draft: a checkpoint path or packaged model name ('' = none).")
-flags.DEFINE_string("dtype", "float32", "Weight dtype (bfloat16: the CPU layout).")
-flags.DEFINE_string("json_out", None, "Write the footprints as JSON here.")
+flag_table.define(("model", "speculative_model", "dtype", "json_out"), model="", speculative_model="",
+                  dtype="float32")
 FLAGS = flags.FLAGS
 
 
@@ -44,7 +44,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   out = {"dtype": FLAGS.dtype, "models": []}
   keep = []
-  for path in filter(None, [FLAGS.model or None, FLAGS.draft_model]):
+  for path in filter(None, [FLAGS.model or None, FLAGS.speculative_model]):
     config, params = load_params(path, FLAGS.dtype)
     keep.append(params)
     out["models"].append(footprint(config, params))

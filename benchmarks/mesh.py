@@ -17,18 +17,15 @@ import tempfile
 
 from absl import app, flags
 
+from spec_jax import flag_table
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 
-flags.DEFINE_string("meshes", ";data:2;data:4;data:8;data:2,model:4",
-                    "';'-separated meshes ('' = one device, no mesh).")
-flags.DEFINE_string("prompts", SPECBENCH, "The prompts file.")
-flags.DEFINE_integer("limit", 8, "Prompts (the first N).")
-flags.DEFINE_integer("batch_size", 8, "Global batch.")
-flags.DEFINE_integer("max_new_tokens", 48, "New tokens per prompt.")
-flags.DEFINE_string("dtype", "float32", "Weight dtype.")
-flags.DEFINE_integer("repeats", 2, "Repeats of each arm (serve.evaluate's).")
-flags.DEFINE_string("json_out", "", "Write the rows as JSON here.")
+FLAG_NAMES = ("meshes", "prompts", "limit", "batch_size", "max_new_tokens", "dtype", "repeats", "json_out")
+flag_table.define(FLAG_NAMES,
+                  meshes=";data:2;data:4;data:8;data:2,model:4", prompts=SPECBENCH, limit=8, batch_size=8,
+                  max_new_tokens=48, dtype="float32", repeats=2, json_out="")
 FLAGS = flags.FLAGS
 
 
@@ -69,7 +66,7 @@ def main(argv):
           f"| {r['mean_acceptance_length']:.2f} |")
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:
-      args = {flag.name: flag.value for flag in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+      args = {name: FLAGS[name].value for name in FLAG_NAMES}
       json.dump({"args": args, "rows": rows}, f, indent=1)
 
 

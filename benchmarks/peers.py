@@ -19,18 +19,14 @@ import time
 
 from absl import app, flags
 
+from spec_jax import flag_table
+
 from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 GGUF = os.path.expanduser("~/.cache/spec_jax/gemma-3-270m-Q4_K_M.gguf")
 TEMPLATE = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
-flags.DEFINE_integer("per_category", 3, "Prompts per Spec-Bench category.")
-flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
-flags.DEFINE_integer("lookup", 4, "transformers' prompt_lookup_num_tokens.")
-flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
-flags.DEFINE_string("gguf", GGUF, "The target GGUF (transformers and llama.cpp load the same file).")
-flags.DEFINE_string("assistant_gguf", "", "A draft model for transformers' assisted generation.")
-flags.DEFINE_string("dtypes", "float32", "transformers' dtypes, comma-separated (float32, bfloat16).")
-flags.DEFINE_integer("limit", 0, "Use only the first N prompts (0: all).")
+flag_table.define(("per_category", "max_new_tokens", "lookup", "json_out", "gguf", "assistant_gguf", "dtypes",
+                   "limit"), per_category=3, max_new_tokens=64, gguf=GGUF, dtypes="float32", limit=0)
 FLAGS = flags.FLAGS
 
 

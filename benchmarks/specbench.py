@@ -1,12 +1,12 @@
 """Spec-Bench: per category, baseline vs. each method, adaptive speculation on and off (Gemma 3 270M by default).
 
   python benchmarks/specbench.py --per_category=3 --max_new_tokens=64 --methods=ngram,draft --json_out=PATH
-  python benchmarks/specbench.py --methods=medusa,eagle --trees=medusa:4:24,eagle:4:16 --adaptive=off  # chain vs tree
-  python benchmarks/specbench.py --methods=qdraft --draft_quantize=int8      # the target's own int8 weights draft
-  python benchmarks/specbench.py --methods=eagle,eagle=/tmp/old/eagle_gemma3_270m --adaptive=off  # two checkpoints
+  python benchmarks/specbench.py --methods=medusa,eagle --trees=medusa:4:24,eagle:4:16 --adaptive_arms=off  # chain vs tree
+  python benchmarks/specbench.py --methods=qdraft --speculative_quantization=int8      # the target's own int8 weights draft
+  python benchmarks/specbench.py --methods=eagle,eagle=/tmp/old/eagle_gemma3_270m --adaptive_arms=off  # two checkpoints
   python benchmarks/specbench.py --quantize=int8 --methods=ngram             # an int8 target
   python benchmarks/specbench.py --prompts=held-out --per_category=16 --methods=eagle  # the training held-out split
-  python benchmarks/specbench.py --model=qwen2.5-coder-1.5b-instruct --draft_model=qwen2.5-coder-0.5b-instruct \\
+  python benchmarks/specbench.py --model=qwen2.5-coder-1.5b-instruct --speculative_model=qwen2.5-coder-0.5b-instruct \\
       --dtype=float32 --costs_file=configs/costs/qwen25_coder_cpu.json --per_category=1   # the Qwen pair
 
 Greedy, batch 1 by default. Every configuration runs the same prompts in this one process, warmed up, interleaved
@@ -20,10 +20,11 @@ import collections
 import json
 import logging
 import os
-import sys
 import time
 
 from absl import app, flags
+
+from spec_jax import flag_table
 
 from serve.step_costs import load_costs, method_key
 from serve.prompts import Prompt, load_prompts
@@ -31,7 +32,8 @@ from serve.runner import Arm, category_table, format_table, run_arms
 from spec_jax import adaptive, backend
 from spec_jax.checkpoints.load import load_model
 from spec_jax.proposers.base import NoneProposer
-from spec_jax.proposers.registry import build_proposer
+from spec_jax.proposers.registry import Target, build_proposer
+from spec_jax.spec_config import SpecConfig
 
 from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 
@@ -39,27 +41,15 @@ from spec_jax.datasets import SPEC_BENCH as SPECBENCH  # noqa: E402
 # absl's INFO would print jax's backend probing ("Unable to initialize backend 'tpu'") at every start.
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
-flags.DEFINE_string("prompts", SPECBENCH, "A prompts file, or 'held-out': the training pipeline's held-out prompts "
-                    "(--per_category many).")
-flags.DEFINE_string("model", "", "The target: a checkpoint path or packaged name ('' = Gemma 3 270M).")
-flags.DEFINE_string("draft_model", "", "Method draft: an independent draft model (same vocabulary).")
-flags.DEFINE_integer("per_category", 3, "Prompts per Spec-Bench category.")
-flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
-flags.DEFINE_string("methods", "ngram,draft", "Method or method=checkpoint stem, comma-separated.")
-flags.DEFINE_integer("k", 4, "Drafted tokens per step (the largest k).")
-flags.DEFINE_integer("draft_layers", 0, "0: the distilled draft; N: early exit after N.")
-flags.DEFINE_string("quantize", "none", "The target's weights: none, int8 or int4.")
-flags.DEFINE_string("draft_quantize", "int8", "qdraft: the draft's weights (int8 or int4).")
-flags.DEFINE_integer("batch_size", 1, "Prompts per batch.")
-flags.DEFINE_string("dtype", "bfloat16", "Target dtype.")
-flags.DEFINE_string("adaptive", "on,off", "Adaptive k per method arm: on, off or both.")
-flags.DEFINE_string("trees", "", "Tree arms method:topk:nodes,... (depth = --k), beside the chains.")
-flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
-flags.DEFINE_float("top_p", 1.0, "1 is off.")
-flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
-flags.DEFINE_integer("repeats", 1, "Passes over the prompts, every arm in each.")
-flags.DEFINE_string("costs_file", os.path.join(os.path.dirname(__file__), "..", "configs", "costs",
-                                               "gemma3_270m_cpu.json"), "Step costs for the adaptive arms.")
+FLAG_NAMES = ("prompts", "model", "speculative_model", "per_category", "max_new_tokens", "methods",
+              "num_speculative_tokens", "draft_layers", "quantize", "speculative_quantization", "batch_size", "dtype",
+              "adaptive_arms", "trees", "temperature", "top_p", "json_out", "repeats", "costs_file")
+flag_table.define(FLAG_NAMES,
+                  prompts=SPECBENCH, model="", speculative_model="", per_category=3, max_new_tokens=64,
+                  methods=["ngram", "draft"], num_speculative_tokens=4, draft_layers=0, quantize="none",
+                  speculative_quantization="int8", batch_size=1, dtype="bfloat16", trees="", temperature=0.0,
+                  top_p=1.0, repeats=1,
+                  costs_file=os.path.join(os.path.dirname(__file__), "..", "configs", "costs", "gemma3_270m_cpu.json"))
 FLAGS = flags.FLAGS
 
 
@@ -93,17 +83,18 @@ def main(argv):
   ids = [tok.encode(p.text) for p in chosen]
   t0 = time.time()
   arms = [Arm("baseline", NoneProposer(), {}, adaptive_k=False)]
-  variants = [(m, 1, 0) for m in FLAGS.methods.split(",") if m]
+  variants = [(m, 1, 0) for m in FLAGS.methods if m]
   variants += [(m, int(t), int(n)) for m, t, n in (x.split(":") for x in FLAGS.trees.split(",") if x)]
   for spec, topk, nodes in variants:
     method, _, heads = spec.partition("=")  # method=checkpoint stem: another head checkpoint than heads/'s
-    proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k,
-                                       draft_layers=FLAGS.draft_layers, topk=topk, num_draft_tokens=nodes,
-                                       dtype=FLAGS.dtype, draft_quantize=FLAGS.draft_quantize, heads_path=heads or None,
-                                       model_path=FLAGS.model or None, draft_model=FLAGS.draft_model or None)
+    spec_config = SpecConfig(method, FLAGS.num_speculative_tokens, model=heads or FLAGS.speculative_model,
+                             draft_layers=FLAGS.draft_layers, eagle_topk=topk, num_draft_tokens=nodes,
+                             quantization=FLAGS.speculative_quantization)
+    proposer, pparams = build_proposer(spec_config, Target(config, params, model_path=FLAGS.model or None,
+                                                           dtype=FLAGS.dtype))
     name = method + (f"[{os.path.basename(heads)}]" if heads else "")
     name = name if proposer.tree is None else f"{name}-tree{proposer.tree.nodes}"
-    for adapt in FLAGS.adaptive.split(","):
+    for adapt in FLAGS.adaptive_arms:
       ks = adaptive.option_set(proposer.k, adapt == "on", proposer.tree)
       costs = load_costs(FLAGS.costs_file, method_key(proposer), FLAGS.dtype, ks,
                          backend.batch_rows(params, FLAGS.batch_size))
@@ -123,7 +114,7 @@ def main(argv):
     print(f"\n== {arm.label} (identical to baseline: {lossless})")
     print(format_table(table), flush=True)
   results["wall_s"] = time.time() - t0
-  results["settings"] = {flag.name: flag.value for flag in FLAGS.get_key_flags_for_module(sys.modules[__name__])}
+  results["settings"] = {name: FLAGS[name].value for name in FLAG_NAMES}
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:
       json.dump(results, f, indent=1)

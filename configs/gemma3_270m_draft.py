@@ -7,6 +7,5 @@ from configs.gemma3_270m import get_config as _base
 
 def get_config():
   c = _base()
-  c.method = "draft"
-  c.draft_layers = 0
+  c.speculative_config = dict(method="draft", num_speculative_tokens=4)
   return c

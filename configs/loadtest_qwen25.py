@@ -16,7 +16,8 @@ def get_config():
   c.model_name = "qwen2.5-coder-1.5b-instruct"
   c.slots = SLOTS
   c.arms = (
-      {"name": "draft_0p5b_k4", "speculative_config": {"method": "draft", "num_speculative_tokens": 4}},
+      {"name": "draft_0p5b_k4", "speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
+                                                       "model": "qwen2.5-coder-0.5b-instruct"}},
       {"name": "ngram_k4", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
   )

@@ -3,7 +3,7 @@ their PyPI chunk packages: `pip install -e '.[qwen]'`). Flags of serve.generate 
 
   python -m serve.generate --config=configs/qwen25_coder_1p5b.py --compare
   python -m serve.generate --config=configs/qwen25_coder_1p5b.py --compare --method=ngram
-  python -m serve.generate --config=configs/qwen25_coder_1p5b.py --draft_model=PATH.gguf  # any same-vocab draft
+  python -m serve.generate --config=configs/qwen25_coder_1p5b.py --speculative_model=PATH.gguf  # any same-vocab draft
 """
 
 from configs.gemma3_270m import get_config as _base
@@ -12,8 +12,7 @@ from configs.gemma3_270m import get_config as _base
 def get_config():
   c = _base()
   c.model = "qwen2.5-coder-1.5b-instruct"  # a packaged model's name (spec_jax/checkpoints/packages.py) or a path
-  c.method = "draft"
-  c.draft_model = "qwen2.5-coder-0.5b-instruct"  # method=draft: the independent draft
+  c.speculative_config = dict(method="draft_model", num_speculative_tokens=4, model="qwen2.5-coder-0.5b-instruct")
   c.dtype = "float32"
   # Step costs measured on this 2-core CPU: python -m serve.calibrate --config=configs/qwen25_coder_1p5b.py
   # --method=draft|ngram --calibrate_batch=1|4 --output_costs=configs/costs/qwen25_coder_cpu.json

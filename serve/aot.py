@@ -120,34 +120,18 @@ def main(argv):
   sys.exit(1 if bad else 0)
 
 
+AOT_FLAGS = ("topology", "model_shape", "draft_model_shape", "mesh", "methods", "num_speculative_tokens",
+             "eagle_topk", "num_draft_tokens", "max_num_seqs", "max_model_len", "dtype", "attention_impl",
+             "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "output", "cost_table", "cost_batches",
+             "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth")
+
+
 if __name__ == "__main__":
-  from absl import app, flags
-  flags.DEFINE_string("topology", "v5e:2x2", "A TPU topology (jax.experimental.topologies: v5e:2x4, v5p:2x2x1) or "
-                      "a GPU target of configs/gpu_targets (h200).")
-  flags.DEFINE_string("model_shape", "gemma3-270m", "A name of spec_jax/models/shapes.py, or a JSON ModelConfig.")
-  flags.DEFINE_string("draft_model_shape", "", "method=draft: an independent draft's shape ('' = the 2-layer "
-                      "distilled draft this project trains).")
-  flags.DEFINE_string("mesh", "", "'data:N,model:M' over the topology's chips ('' = one chip).")
+  from absl import app
   from serve.aot_programs import METHODS
-  flags.DEFINE_list("methods", list(METHODS), "Methods (eagle3: EAGLE-3 heads, which serving loads as eagle).")
-  flags.DEFINE_integer("num_speculative_tokens", 4, "k (tree depth for trees).")
-  flags.DEFINE_integer("eagle_topk", 4, "Tree branching (1: chains only).")
-  flags.DEFINE_integer("num_draft_tokens", 16, "Tree nodes, root included (0: 1 + k * topk).")
-  flags.DEFINE_integer("max_num_seqs", 16, "Decode slots.")
-  flags.DEFINE_integer("max_model_len", 4096, "Tokens per slot.")
-  flags.DEFINE_string("dtype", "bfloat16", "Layer and cache dtype.")
-  flags.DEFINE_string("attention_impl", "", "Attention: '' = the target's Pallas kernel (pallas_tpu, pallas_gpu), "
-                      "or xla.")
-  flags.DEFINE_list("insert_buckets", ["16", "512"], "Prompt buckets to compile slot insert at.")
-  flags.DEFINE_list("train_kinds", ["medusa", "eagle", "eagle3", "draft"], "Trainer steps to compile ('' = none).")
-  flags.DEFINE_integer("train_batch", 8, "Trainer batch.")
-  flags.DEFINE_integer("train_seq_len", 512, "Trainer sequence length.")
-  flags.DEFINE_string("output", "aot_report", "Directory for report.json and report.md.")
-  flags.DEFINE_string("cost_table", "", "Instead of the programs: write the compiler-estimated verify-cost table "
-                      "here (the adaptive controller's format; a plot beside it).")
-  flags.DEFINE_list("cost_batches", ["1", "4", "16", "64"], "Batch sizes of the cost table.")
-  flags.DEFINE_list("cost_ks", [str(k) for k in range(9)], "Chain draft lengths (0, plain decoding, always).")
-  flags.DEFINE_list("cost_trees", ["8", "16", "32"], "Tree sizes (nodes, root included).")
-  flags.DEFINE_string("cost_tree_method", "eagle", "The tree proposer of the cost table.")
-  flags.DEFINE_integer("cost_tree_depth", 4, "Its trees' depth.")
+  from spec_jax import flag_table
+  # The accelerator's settings: bfloat16, the target's Pallas kernel (attention_impl ''), trees of 16 nodes.
+  flag_table.define(AOT_FLAGS, mesh="", methods=list(METHODS), num_speculative_tokens=4, eagle_topk=4,
+                    num_draft_tokens=16, max_num_seqs=16, max_model_len=4096, dtype="bfloat16", attention_impl="",
+                    output="aot_report")
   app.run(main)

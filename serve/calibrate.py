@@ -57,18 +57,18 @@ def measure_costs(params, spec, prompts, *, batch: int, occupancies=None, reps: 
 def main(argv):
   del argv
   from absl import flags
-  from serve import generate as gen
+  from serve import generate as gen, setup as setup_lib
   from spec_jax import backend
-  from spec_jax.decode import make_spec
   FLAGS = flags.FLAGS
   cfg = gen.settings()
-  setup = gen.load_setup(cfg)
-  spec = make_spec(setup.config, setup.proposer, adaptive_k=True, impl=setup.impl)
+  setup = setup_lib.load(cfg)
+  _, prompt_ids = gen.load_prompts(cfg, setup)
+  spec = setup_lib.loop_spec(setup, setup_lib.draft_lengths(setup, adaptive=True))
   params = {"target": setup.params, "proposer": setup.proposer_params}
   if FLAGS.calibrate_batch != backend.batch_rows(setup.params, FLAGS.calibrate_batch):
     raise ValueError(f"a {cfg['dtype']} state of {FLAGS.calibrate_batch} row(s) runs with "
                      f"{backend.batch_rows(setup.params, FLAGS.calibrate_batch)} on this backend: calibrate that")
-  entry = measure_costs(params, spec, setup.prompt_ids, batch=FLAGS.calibrate_batch, reps=FLAGS.calibrate_reps)
+  entry = measure_costs(params, spec, prompt_ids, batch=FLAGS.calibrate_batch, reps=FLAGS.calibrate_reps)
   entry["machine"] = f"{os.cpu_count()} cpus, {jax.default_backend()}"
   entry["date"] = time.strftime("%Y-%m-%d")
   entries = {}
@@ -83,10 +83,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import app
+  from serve import run_flags
   import serve.generate  # noqa: F401  (its flags: --config, --method, --prompts, ...)
-  flags.DEFINE_string("output_costs", "configs/costs/gemma3_270m_cpu.json", "The calibration file to update.")
-  flags.DEFINE_integer("calibrate_batch", 2, "Rows of the state the costs are for (occupancies 1..batch); "
-                       "serve.generate runs a bfloat16 batch of 1 with 2 rows on CPU, the server max_num_seqs rows.")
-  flags.DEFINE_integer("calibrate_reps", 7, "Timed repeats per option (best kept).")
+  run_flags.define("output_costs", "calibrate_batch", "calibrate_reps")
   app.run(main)

@@ -17,6 +17,7 @@ count) and outputs.jsonl (every arm's tokens per prompt).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -25,17 +26,11 @@ import time
 
 from absl import app, flags
 
-from serve import generate  # defines serve.generate's run flags, which this job takes too
+from serve import generate, run_flags  # serve.generate's run flags, which this job takes too
 from spec_jax.proposers.registry import METHODS
 
-flags.DEFINE_list("methods", ["none", "ngram"], "Arms: 'none' (the baseline, always run) and methods of --method.")
-flags.DEFINE_string("output_dir", None, "Where process 0 writes report.md, summary.json and outputs.jsonl.")
-flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 (not needed on TPU pods, SLURM or MPI).")
-flags.DEFINE_integer("num_processes", None, "Processes in the run (with --coordinator_address).")
-flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes - 1.")
-flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for every process to join before failing.")
-flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat after which a process counts as dead "
-                     "and the run fails.")
+run_flags.define("methods", "output_dir", "coordinator_address", "num_processes", "process_id",
+                 "initialization_timeout", "heartbeat_timeout")
 FLAGS = flags.FLAGS
 
 
@@ -162,32 +157,36 @@ def diagnose(log: str, rc: int) -> str:
 def run() -> dict:
   import jax
 
+  from serve import setup as setup_lib
   from serve.runner import Arm, category_table, run_arms
-  from spec_jax import sharding
+  from spec_jax import sharding, spec_config
   from spec_jax.proposers.base import NoneProposer
+  from spec_jax.spec_config import SpecConfig
 
   if not FLAGS.output_dir:
     raise ValueError("--output_dir is required")
-  bad = [m for m in FLAGS.methods if m not in METHODS]
-  if bad or not FLAGS.methods:
-    raise ValueError(f"--methods takes {', '.join(METHODS)}; got {FLAGS.methods}")
+  methods = FLAGS.methods or ["none", "ngram"]
+  bad = [m for m in methods if m not in METHODS]
+  if bad:
+    raise ValueError(f"--methods takes {', '.join(METHODS)}; got {methods}")
   cfg = generate.settings()
   generate.validate(cfg)
   lead = jax.process_index() == 0
-  mesh = sharding.make_mesh(cfg.get("mesh") or "")
+  mesh = sharding.make_mesh(cfg.get("mesh") or "")  # the same mesh setup_lib.load makes
   if lead:
     print(f"evaluate: {jax.process_count()} process(es), {jax.device_count()} devices "
           f"({jax.devices()[0].platform}), mesh {sharding.describe(mesh)}", flush=True)
-  setup = generate.load_setup(dict(cfg, method="none"))
+  setup = setup_lib.load(cfg, SpecConfig())
+  prompts, prompt_ids = generate.load_prompts(cfg, setup)
   arms = [Arm("baseline", NoneProposer(), {})]
-  for m in dict.fromkeys(FLAGS.methods):
-    if m == "none":
-      continue
-    proposer, pparams = generate.build_method(cfg, m, setup.config, setup.params, setup.impl)
-    costs = generate.method_costs(cfg, proposer, setup.params)  # runner fits the rows to the padded batch
-    arms.append(Arm(m, proposer, pparams, costs))
+  for m in dict.fromkeys(methods):
+    if m != "none":  # each method with the run's other speculative settings (k 4 where the run's is off)
+      keys = {k: v for k, v in cfg["spec"].to_json().items() if k != "per_concurrency"}
+      keys.update(method=m, num_speculative_tokens=cfg["spec"].k or 4)
+      arm = generate.arm(cfg, setup.with_spec(spec_config.from_dict(keys, f"--methods {m}")))
+      arms.append(dataclasses.replace(arm, label=m))  # runner fits the costs' rows to the padded batch
   t0 = time.perf_counter()
-  runs = run_arms(arms, setup.params, setup.config, setup.tokenizer, setup.prompts, setup.prompt_ids,
+  runs = run_arms(arms, setup.params, setup.config, setup.tokenizer, prompts, prompt_ids,
                   batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
                   sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
                   adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=setup.impl, repeats=FLAGS.repeats,
@@ -198,7 +197,7 @@ def run() -> dict:
               "adaptive": cfg["adaptive"], "attention_impl": setup.impl, "repeats": FLAGS.repeats,
               "mesh": sharding.describe(mesh), "platform": jax.devices()[0].platform}
   summary = {"mesh": sharding.describe(mesh), "hosts": jax.process_count(), "devices": jax.device_count(),
-             "prompts": len(setup.prompts), "run": run_info, "baseline": base.summary, "methods": {}}
+             "prompts": len(prompts), "run": run_info, "baseline": base.summary, "methods": {}}
   for arm, r in zip(arms[1:], runs[1:]):
     ratios = [m / b if b else 0.0 for m, b in zip(r.summary["tokens_per_s_by_repeat"],
                                                   base.summary["tokens_per_s_by_repeat"])]

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -17,16 +16,9 @@ from absl import app, flags
 
 from serve import run_flags
 
-run_flags.define()  # --config, the model, sampling and speculation flags (shared with the server)
-flags.DEFINE_string("prompts", None, "JSONL prompts: 'prompt' or 'turns', optional 'id' and 'category'.")
-flags.DEFINE_string("output", None, "JSONL output, one line per prompt.")
-flags.DEFINE_string("summary_json", None, "Write aggregate metrics here.")
-flags.DEFINE_integer("limit", 0, "Use only the first N prompts (0: all).")
-flags.DEFINE_list("categories", [], "Keep only prompts of these categories.")
-flags.DEFINE_bool("compare", False, "Run the baseline and the method on the same prompts, interleaved batch by batch.")
-flags.DEFINE_integer("repeats", 1, "Run everything this many times (interleaved) and report the spread.")
-flags.DEFINE_bool("progress", True, "Progress bar on stderr.")
-flags.DEFINE_integer("batch_size", None, "Prompts per batch (overrides the config's).")
+# --config, the model, sampling and speculation flags (shared with the server), and generate's own rows.
+run_flags.define("prompts", "output", "summary_json", "limit", "categories", "compare", "repeats", "progress",
+                 "batch_size")
 
 FLAGS = flags.FLAGS
 
@@ -36,10 +28,6 @@ def settings() -> dict:
 
 
 def validate(cfg: dict) -> None:
-  from spec_jax.config import validate_sampling
-  validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
-  if cfg["max_new_tokens"] < 1:
-    raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
   if cfg["batch_size"] < 1:
     raise ValueError(f"--batch_size must be >= 1, got {cfg['batch_size']}")
 
@@ -55,81 +43,53 @@ def main(argv):
     sys.exit(2)
 
 
-@dataclasses.dataclass
-class Setup:
-  config: object
-  params: dict
-  tokenizer: object
-  impl: str
-  prompts: list
-  prompt_ids: list
-  proposer: object
-  proposer_params: dict
-
-
-def load_setup(cfg: dict) -> Setup:
-  """Model, tokenizer, prompts and proposer from the run settings (shared with serve.calibrate)."""
-  from serve.prompts import load_prompts
-  from spec_jax.checkpoints.load import load_model
-  from spec_jax.kernels import resolve_impl
-
-  impl = resolve_impl(cfg["attention_impl"])
-  config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
-  prompts = load_prompts(FLAGS.prompts, tokenizer)
+def load_prompts(cfg: dict, setup) -> tuple[list, list]:
+  """--prompts (or the demo set) after --categories and --limit, and their token ids; each must fit the context
+  with its new tokens and a step's drafts."""
+  from serve.prompts import load_prompts as read
+  prompts = read(FLAGS.prompts, setup.tokenizer)
   if FLAGS.categories:
     prompts = [p for p in prompts if p.category in FLAGS.categories]
   if FLAGS.limit:
     prompts = prompts[:FLAGS.limit]
   if not prompts:
     raise ValueError("no prompts left after --categories/--limit")
-  prompt_ids = [tokenizer.encode(p.text) for p in prompts]
-  proposer, proposer_params = build_method(cfg, cfg["method"], config, params, impl)
-  # A step writes k tokens past the committed ones for a chain, nodes - 1 for a tree.
-  lookahead = max(proposer.k, proposer.tree.lookahead if proposer.tree is not None else 0)
+  prompt_ids = [setup.tokenizer.encode(p.text) for p in prompts]
   for p, ids in zip(prompts, prompt_ids):
-    if len(ids) + cfg["max_new_tokens"] + lookahead + 1 > config.max_seq_len:
+    if len(ids) + cfg["max_new_tokens"] + setup.lookahead + 1 > setup.config.max_seq_len:
       raise ValueError(f"prompt {p.id!r} has {len(ids)} tokens; with {cfg['max_new_tokens']} new tokens and "
-                       f"{lookahead + 1} for a step's drafts it exceeds the context of {config.max_seq_len}")
-  return Setup(config, params, tokenizer, impl, prompts, prompt_ids, proposer, proposer_params)
+                       f"{setup.lookahead + 1} for a step's drafts it exceeds the context of "
+                       f"{setup.config.max_seq_len}")
+  return prompts, prompt_ids
 
 
-def build_method(cfg: dict, method: str, config, params, impl: str):
-  """-> (proposer, its params) for `method` under the run settings (serve.generate and serve.evaluate)."""
-  from spec_jax.proposers.registry import build_proposer
-  return build_proposer(
-      method, target_config=config, target_params=params, k=cfg["num_speculative_tokens"],
-      ngram_min=cfg["ngram_min"], ngram_max=cfg["ngram_max"], draft_layers=cfg["draft_layers"], impl=impl,
-      heads_path=cfg.get("heads") or None, topk=cfg.get("eagle_topk", 1),
-      num_draft_tokens=cfg.get("num_draft_tokens", 0), model_path=cfg["model"] or None, dtype=cfg["dtype"],
-      draft_quantize=cfg.get("draft_quantize") or "int8", draft_model=cfg.get("draft_model") or None)
-
-
-def method_costs(cfg: dict, proposer, params):
-  """The adaptive controller's step costs for this proposer from --costs_file (None: a single draft length)."""
-  from serve.step_costs import load_costs, method_key
-  from spec_jax import adaptive, backend
-  ks = adaptive.option_set(proposer.k, cfg["adaptive"], proposer.tree)
-  if len(ks) == 1:
-    return None
-  return load_costs(cfg.get("costs_file") or "", method_key(proposer), cfg["dtype"], ks,
-                    backend.batch_rows(params, cfg["batch_size"]))
+def arm(cfg: dict, setup):
+  """The runner's Arm of a setup: its proposer and step costs."""
+  from serve import setup as setup_lib
+  from serve.runner import Arm
+  from spec_jax import backend
+  ks = setup_lib.draft_lengths(setup, cfg["adaptive"])
+  costs = setup_lib.step_costs(cfg, setup, ks, backend.batch_rows(setup.params, cfg["batch_size"]))
+  return Arm(setup.proposer.name, setup.proposer, setup.proposer_params, costs)
 
 
 def run(cfg: dict) -> dict:
+  from serve import setup as setup_lib
   from serve.runner import Arm, category_table, format_table, run_arms
   from spec_jax import sharding
   from spec_jax.proposers.base import NoneProposer
 
   if FLAGS.repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {FLAGS.repeats}")
-  mesh = sharding.make_mesh(cfg.get("mesh") or "")
-  setup = load_setup(cfg)
-  proposer, params = setup.proposer, setup.params
-  costs = method_costs(cfg, proposer, params)
-  arms = [Arm(proposer.name, proposer, setup.proposer_params, costs)]
+  setup = setup_lib.load(cfg)
+  prompts, prompt_ids = load_prompts(cfg, setup)
+  proposer, params, mesh = setup.proposer, setup.params, setup.mesh
+  main_arm = arm(cfg, setup)
+  costs = main_arm.costs
+  arms = [main_arm]
   if FLAGS.compare and proposer.k:
     arms.insert(0, Arm("baseline", NoneProposer(), {}))
-  runs = run_arms(arms, params, setup.config, setup.tokenizer, setup.prompts, setup.prompt_ids,
+  runs = run_arms(arms, params, setup.config, setup.tokenizer, prompts, prompt_ids,
                   batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
                   sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
                   adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=setup.impl, stop_ids=setup.tokenizer.stop_ids,
@@ -145,7 +105,7 @@ def run(cfg: dict) -> dict:
     with open(FLAGS.output, "w", encoding="utf-8") as f:
       for r in records:
         f.write(json.dumps(r, ensure_ascii=False) + "\n")
-  run_info = {"method": proposer.name, "dtype": cfg["dtype"], "batch_size": cfg["batch_size"],
+  run_info = {"method": proposer.name, "speculative_config": setup.spec_config.to_json(), "dtype": cfg["dtype"], "batch_size": cfg["batch_size"],
               "num_speculative_tokens": proposer.k, "adaptive": cfg["adaptive"], "attention_impl": setup.impl,
               "costs_file": cfg.get("costs_file") or "", "step_costs": None if costs is None else
               [[round(float(c), 3) for c in row] for row in np.asarray(costs)[:1]], "repeats": FLAGS.repeats,

@@ -24,7 +24,7 @@ import logging
 
 import numpy as np
 
-from serve.spec_config import read_json_arg
+from spec_jax.spec_config import read_json_arg
 
 ON, BASELINE, OFF, PROBE = "on", "baseline_window", "off", "probe"
 log = logging.getLogger("spec_jax.engine")

@@ -22,36 +22,20 @@ from absl import app, flags
 from serve import run_flags
 
 
+SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "steps_per_sync", "timing_probe_s",
+                "api_key", "served_model_name", "guardrails", "request_timeout_s", "drain_timeout_s",
+                "warmup_prompt_lens", "log_level", "compilation_cache_dir")
+
+
 def define_flags() -> None:
   """The command line, defined only when this module runs as a script: the module is also imported in-process
-  (build_engine) next to other absl programs that define --config."""
-  run_flags.define()  # --config, the model, sampling and speculation flags (serve.generate's)
-  # Server settings (a config file may also hold them; explicit flags win).
-  flags.DEFINE_string("host", None, "Bind address (default 127.0.0.1: loopback only).")
-  flags.DEFINE_integer("port", None, "Port (default 8000).")
-  flags.DEFINE_string("speculative_config", None,
-                      "vLLM-style JSON, inline or a file: method, num_speculative_tokens, prompt_lookup_min/max, model; "
-                      "or {\"per_concurrency\": {\"1\": {...}, ...}}. '{}' = off. Unset: the config's method.")
-  flags.DEFINE_integer("max_num_seqs", None, "Decode slots (requests decoded together).")
-  flags.DEFINE_integer("max_queue", None, "Requests that may wait beyond the free slots; more get 429.")
-  flags.DEFINE_integer("max_model_len", None, "Tokens per slot (prompt + output + k + 1).")
-  flags.DEFINE_integer("steps_per_sync", None, "Decode steps per engine iteration (between host syncs).")
-  flags.DEFINE_float("timing_probe_s", None, "Every this many seconds while drafting, time one propose() and one "
-                    "step on the live batch (the proposer's share of a step in /metrics); 0 = never.")
-  flags.DEFINE_string("api_key", None, "When set, /v1 and /admin need 'Authorization: Bearer KEY'.")
-  flags.DEFINE_string("served_model_name", None, "The model id clients send (default: the --model file's or "
-                      "directory's name without extension; gemma-3-270m for the packaged model).")
-  flags.DEFINE_string("guardrails", None, "Automatic rollback, JSON inline or a file (serve/guardrails.py).")
-  flags.DEFINE_float("request_timeout_s", None, "A request still unfinished after this long fails with 504.")
-  flags.DEFINE_float("drain_timeout_s", None, "SIGTERM: how long running requests may take to finish.")
-  flags.DEFINE_list("warmup_prompt_lens", None, "Compile insert for these prompt lengths before serving.")
-  flags.DEFINE_string("log_level", None, "debug, info, warning.")
-  flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache: a restart loads the compiled "
-                      "programs instead of compiling again ('' = off; default ~/.cache/spec_jax/xla).")
+  (build_engine) next to other absl programs that define --config. Server settings may also sit in a config file;
+  explicit flags win."""
+  run_flags.define(*SERVER_FLAGS)
 
 
 FLAGS = flags.FLAGS
-SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, speculative_config=None, max_num_seqs=4, max_queue=64,
+SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64,
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
                        served_model_name=None,
                        guardrails=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
@@ -62,8 +46,7 @@ log = logging.getLogger("spec_jax.server")
 
 def settings() -> dict:
   """Config file fields, overridden by explicit flags; server fields fall back to SERVER_DEFAULTS."""
-  cfg = run_flags.settings(more=tuple(n for n in SERVER_DEFAULTS if n not in run_flags.RUN_FLAGS),
-                           defaults=SERVER_DEFAULTS)
+  cfg = run_flags.settings(more=SERVER_FLAGS, defaults=SERVER_DEFAULTS)
   if not cfg["served_model_name"]:
     cfg["served_model_name"] = default_model_name(cfg.get("model") or "")
   return cfg
@@ -80,60 +63,33 @@ def default_model_name(model: str) -> str:
 # ------------------------------------------------------------------------------------------------ the engine
 
 def build_engine(cfg: dict):
-  """-> (Engine, tokenizer, SpecConfig): loads the model and proposer, compiles nothing yet."""
-  import numpy as np
-
+  """-> (Engine, tokenizer, SpecConfig): loads the model and proposer (serve/setup.py), compiles nothing yet."""
+  from serve import setup as setup_lib
   from serve.engine import Engine
   from serve.guardrails import GuardrailConfig
-  from serve.spec_config import cost_table, parse_speculative_config
-  from spec_jax import adaptive
-  from spec_jax.checkpoints.load import load_model
-  from spec_jax.config import validate_sampling
-  from spec_jax.decode import LoopSpec
-  from spec_jax.kernels import resolve_impl
-  from spec_jax.proposers.registry import build_proposer
+  from spec_jax import backend, sharding
 
-  validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
   for name in ("max_num_seqs", "steps_per_sync", "max_model_len", "max_new_tokens"):
     if cfg[name] < 1:
       raise ValueError(f"--{name} must be >= 1, got {cfg[name]}")
   if cfg["timing_probe_s"] < 0:
     raise ValueError(f"--timing_probe_s must be >= 0, got {cfg['timing_probe_s']}")
-  sc = parse_speculative_config(cfg["speculative_config"], cfg)
   guard = GuardrailConfig.parse(cfg["guardrails"])
-  impl = resolve_impl(cfg["attention_impl"])
-  config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
-  proposer, proposer_params = build_proposer(
-      sc.method, target_config=config, target_params=params, k=sc.k, ngram_min=sc.ngram_min, ngram_max=sc.ngram_max,
-      draft_layers=sc.draft_layers, impl=impl, heads_path=sc.model or None, topk=sc.eagle_topk,
-      num_draft_tokens=sc.num_draft_tokens, model_path=cfg["model"] or None, dtype=cfg["dtype"],
-      draft_quantize=sc.quantization, draft_model=cfg.get("draft_model") or None)
+  setup = setup_lib.load(cfg)
+  sc = setup.spec_config
   # k = 0 is always an option, so the global switch (and a request's speculate=false) can turn drafting off.
-  ks = {0} | set(adaptive.option_set(sc.k, cfg["adaptive"], proposer.tree)) | {k for _, k in sc.per_concurrency}
-  ks = tuple(sorted(k for k in ks if k <= sc.k))
-  from spec_jax import backend, sharding
-  mesh = sharding.make_mesh(cfg["mesh"])
+  ks = setup_lib.draft_lengths(setup, cfg["adaptive"], switchable=True)
   # the state's rows (the engine adds one for bf16 x 1 on CPU, and pads to a multiple of the mesh's data axis)
-  B = sharding.pad_rows(backend.batch_rows(params, cfg["max_num_seqs"]), mesh)
-  base = None
-  if cfg["costs_file"] and sc.k:
-    from serve.step_costs import load_costs, method_key
-    try:
-      base = load_costs(cfg["costs_file"], method_key(proposer), cfg["dtype"], ks, B)
-    except ValueError as e:  # measured for other draft lengths (a per-concurrency file can add some)
-      log.warning("%s: %s; using the default cost model", cfg["costs_file"], e)
-  costs = cost_table(sc, ks, B, base)
-  if sc.k and not cfg["adaptive"]:
-    costs[:, 0] = np.float32(1e9)  # adaptive off: always the full k while speculation is on
-  stop_ids = tuple(sorted(set(config.eos_ids) | set(tokenizer.stop_ids)))
-  spec = LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=stop_ids, impl=impl, mesh=mesh)
-  capacity = min(cfg["max_model_len"], config.max_seq_len)
-  both = sharding.shard_params({"target": params, "proposer": proposer_params}, mesh)
-  engine = Engine(both, spec, tokenizer, max_num_seqs=cfg["max_num_seqs"],
+  rows = sharding.pad_rows(backend.batch_rows(setup.params, cfg["max_num_seqs"]), setup.mesh)
+  costs = setup_lib.step_costs(cfg, setup, ks, rows)
+  spec = setup_lib.loop_spec(setup, ks)
+  capacity = min(cfg["max_model_len"], setup.config.max_seq_len)
+  both = sharding.shard_params({"target": setup.params, "proposer": setup.proposer_params}, setup.mesh)
+  engine = Engine(both, spec, setup.tokenizer, max_num_seqs=cfg["max_num_seqs"],
                   capacity=capacity, max_queue=cfg["max_queue"], steps_per_sync=cfg["steps_per_sync"], costs=costs,
                   spec_config=sc, guardrails=guard, request_timeout_s=cfg["request_timeout_s"], seed=cfg["seed"],
                   timing_probe_s=cfg["timing_probe_s"])
-  return engine, tokenizer, sc
+  return engine, setup.tokenizer, sc
 
 
 # ---------------------------------------------------------------------------------------------------- main

@@ -7,7 +7,6 @@ The server instead fills and empties one slot at a time (`spec_jax.slots`); both
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Sequence
 
 import jax
@@ -17,9 +16,10 @@ import numpy as np
 from spec_jax import adaptive, sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
-from spec_jax.decode import FINISH_ABORT, FINISH_NAMES, DecodeState, LoopSpec, decode_loop, make_spec, start_rows
-from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill
-from spec_jax.proposers.base import NoneProposer, feature_layers
+from spec_jax.admit import prefill_rows
+from spec_jax.decode import FINISH_NAMES, DecodeState, LoopSpec, decode_loop, make_spec
+from spec_jax.prefill import DEFAULT_CHUNK, bucket
+from spec_jax.proposers.base import NoneProposer
 from spec_jax.stats import Stats, summarize
 
 
@@ -89,15 +89,12 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   cache = init_cache(config, B, S, params_t["final_norm"].dtype, mesh)
   # Host inputs become arrays split over `data` (global arrays on a multi-host mesh; plain ones without a mesh).
   buf, prompt_lens, max_new, sampling = sharding.rows((buf, prompt_lens, max_new, sampling), mesh)
-  out = prefill(params_t, jnp.asarray(buf), jnp.asarray(prompt_lens), cache, config=config, impl=spec.impl,
-                chunk=chunk, return_all=spec.proposer.needs_prompt_hidden,
-                feature_layers=feature_layers(spec.proposer), mesh=mesh)
-  cache, hidden = out[:2]
-  every = out[2] if spec.proposer.needs_prompt_hidden else None
   costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)
   key, costs = sharding.replicated((np.asarray(jax.random.PRNGKey(seed)), costs), mesh)
-  return _start_batch(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new), sampling,
-                      jnp.asarray(key), cache, hidden, every, jnp.asarray(costs), n, S, chunk)
+  speculate, live = sharding.rows((np.ones((B,), bool), np.arange(B) < n), mesh)
+  return prefill_rows(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new), sampling,
+                      jnp.asarray(speculate), jnp.asarray(key), cache, capacity=S, chunk=chunk,
+                      live=jnp.asarray(live), costs=jnp.asarray(costs))
 
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None) -> KVCache:
@@ -106,19 +103,6 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None)
   if mesh is None:
     return make()
   return sharding.settle(jax.jit(make, out_shardings=sharding.state_shardings(jax.eval_shape(make), mesh))())
-
-
-@sharding.settled
-@functools.partial(jax.jit, static_argnames=("spec", "n_real", "capacity", "chunk"), donate_argnames=("cache",))
-def _start_batch(params, spec, prompt_tokens, prompt_lens, max_new, sampling, key, cache, hidden, every, costs,
-                 n_real, capacity, chunk):
-  B = prompt_tokens.shape[0]
-  state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, jnp.ones((B,), bool), key, cache,
-                     hidden, every, capacity, chunk)
-  is_pad = jnp.arange(B) >= n_real
-  state = state.replace(done=state.done | is_pad, finish=jnp.where(is_pad, FINISH_ABORT, state.finish),
-                        adapt=adaptive.AdaptState.init(B, costs))
-  return sharding.constrain_state(state, spec.mesh)
 
 
 def result(state: DecodeState, n: int, spec: LoopSpec) -> GenerationResult:

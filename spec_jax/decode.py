@@ -24,10 +24,9 @@ from flax import struct
 from spec_jax import adaptive, sharding, tree
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
-from spec_jax.models.transformer import forward, lm_head
-from spec_jax.proposers.base import (NoneProposer, PrefillOut, ProposeContext, VerifyResult, feature_layers,
-                                     target_features)
-from spec_jax.sampling import sample
+from spec_jax.models.transformer import forward
+from spec_jax.proposers.base import NoneProposer, ProposeContext, VerifyResult
+from spec_jax.rows import feature_layers, target_features
 from spec_jax.stats import Stats
 from spec_jax.verify import verify_chain, verify_tree
 
@@ -81,7 +80,7 @@ class DecodeState:
   key: PRNG key (one stream for the whole batch).
   done bool[B]; finish int32[B] FINISH_*; speculate bool[B]: the row lets the proposer draft for it.
   sampling: SamplingParams [B]. stats: Stats [B] counters. adapt: AdaptState (per-row acceptance, cost table).
-  last_hidden [B, F]: the proposer's target features (proposers.base.target_features; the final-normed hidden,
+  last_hidden [B, F]: the proposer's target features (spec_jax.rows.target_features; the final-normed hidden,
   F = D, for all but EAGLE-3) at the position that predicted the last committed token.
   spec_enabled bool[]: the global speculation switch (off: every step drafts k = 0).
   step int32[]: loop steps so far; done_step int32[B]: the step at which each row finished.
@@ -108,41 +107,6 @@ class DecodeState:
   @property
   def capacity(self) -> int:
     return self.tokens.shape[1]
-
-
-# ------------------------------------------------------------------------------------------------- start rows
-
-def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache,
-               hidden, prompt_hidden, capacity: int, chunk: int) -> DecodeState:
-  """Rows right after the target's prefill: sample the first token, start the proposer, fresh counters.
-
-  prompt_tokens int32[R, P] right-padded; cache: the prefilled target cache (capacity slots); hidden [R, D] at
-  each row's last prompt token; prompt_hidden [R, P, F] (the proposer's features) or None. Traced inside jit
-  (generate and slot insert).
-  """
-  R, P = prompt_tokens.shape
-  # The proposer's features at the last prompt token: the hidden state itself, or its feature layers'.
-  feats = hidden if not feature_layers(spec.proposer) else \
-      jnp.take_along_axis(prompt_hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-  key, k0 = jax.random.split(key)
-  first = sample(k0, lm_head(params["target"], hidden), sampling)
-  rows = jnp.arange(R)
-  tokens = jnp.zeros((R, capacity), jnp.int32).at[:, :P].set(prompt_tokens)
-  # Clear the padding past each prompt (slots the loop may read as "committed" must be this row's own).
-  tokens = jnp.where(jnp.arange(capacity)[None, :] < prompt_lens[:, None], tokens, 0)
-  tokens = tokens.at[rows, prompt_lens].set(first)
-  lengths = prompt_lens + 1
-  stop = jnp.isin(first, jnp.asarray(spec.stop_ids or (-1,), jnp.int32))
-  hit_len = max_new <= 1
-  finish = jnp.where(stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE)).astype(jnp.int32)
-  pre = PrefillOut(prompt_tokens=prompt_tokens, tokens=tokens, lengths=lengths, prompt_lens=prompt_lens,
-                   prompt_hidden=prompt_hidden, last_hidden=feats, chunk=chunk)
-  pstate = spec.proposer.init(params["proposer"], pre, capacity)
-  return DecodeState(
-      tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, max_new=max_new, cache=cache, pstate=pstate, key=key,
-      done=stop | hit_len, finish=finish, speculate=speculate, sampling=sampling, stats=Stats.zeros(R, spec.k_max),
-      adapt=adaptive.AdaptState.init(R, jnp.ones((1, len(spec.ks)), jnp.float32)), last_hidden=feats,
-      spec_enabled=jnp.ones((), bool), step=jnp.zeros((), jnp.int32), done_step=jnp.zeros((R,), jnp.int32))
 
 
 # ------------------------------------------------------------------------------------------------------- step

@@ -14,7 +14,7 @@ from spec_jax import sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
-from spec_jax.proposers.base import target_features
+from spec_jax.rows import target_features
 
 DEFAULT_CHUNK = 512
 
@@ -51,7 +51,7 @@ def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *
   """Right-padded prompts [B, P] (P a multiple of `chunk`) -> (cache with lengths = prompt_lens, hidden[B, D]).
 
   With `return_all`, the target features of every prompt position [B, P, F] come back third (EAGLE reads them):
-  the hidden states, or the outputs of `feature_layers` side by side (proposers.base.target_features).
+  the hidden states, or the outputs of `feature_layers` side by side (spec_jax.rows.target_features).
   Inside another jit (slot insert) the jitted chunks simply inline.
   """
   B, P = tokens.shape

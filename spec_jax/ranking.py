@@ -9,7 +9,7 @@ read it in one pass. The passes over V run in chunks of ROW_GROUP rows (`map_row
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp

@@ -19,10 +19,11 @@ from flax import struct
 from spec_jax import adaptive, sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import SamplingParams, validate_sampling
-from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec, start_rows
+from spec_jax.admit import prefill_rows
+from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec
 from spec_jax.batch import check_fits
-from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill
-from spec_jax.proposers.base import feature_layers, write_row, write_rows_tree
+from spec_jax.prefill import DEFAULT_CHUNK, bucket
+from spec_jax.rows import write_row, write_rows_tree
 from spec_jax.stats import Stats
 
 
@@ -98,14 +99,8 @@ def _empty(params, spec, batch, capacity, costs, key):
   prompt = jnp.zeros((batch, P), jnp.int32).at[:, 0].set(spec.config.bos_id)
   lens = jnp.ones((batch,), jnp.int32)
   cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype)
-  cache, hidden, every = prefill(params["target"], prompt, lens, cache, config=spec.config, impl=spec.impl,
-                                 chunk=chunk, return_all=True,
-                                 feature_layers=feature_layers(spec.proposer), mesh=spec.mesh)
-  state = start_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), bool), key,
-                     cache, hidden, every if spec.proposer.needs_prompt_hidden else None, capacity, chunk)
-  state = state.replace(done=jnp.ones((batch,), bool), finish=jnp.full((batch,), FINISH_ABORT, jnp.int32),
-                        adapt=adaptive.AdaptState.init(batch, costs))
-  return sharding.constrain_state(state, spec.mesh)
+  return prefill_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), bool), key,
+                      cache, capacity=capacity, chunk=chunk, live=jnp.zeros((batch,), bool), costs=costs)
 
 
 @sharding.settled
@@ -117,11 +112,8 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   _, chunk = bucket(P)
   prompt, lens = req.tokens[None], req.prompt_len[None]
   cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
-  cache, hidden, every = prefill(params["target"], prompt, lens, cache, config=spec.config, impl=spec.impl,
-                                 chunk=chunk, return_all=True,
-                                 feature_layers=feature_layers(spec.proposer), mesh=spec.mesh)
-  row = start_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.speculate[None], req.key, cache,
-                   hidden, every if spec.proposer.needs_prompt_hidden else None, S, chunk)
+  row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.speculate[None], req.key,
+                     cache, capacity=S, chunk=chunk)
   put = functools.partial(write_row, slot=slot)
   state = state.replace(
       tokens=put(state.tokens, row.tokens), lengths=put(state.lengths, row.lengths),

@@ -392,12 +392,12 @@ def test_qdraft_greedy_is_lossless():
 def test_qdraft_through_the_registry(tmp_path):
   """build_proposer("qdraft") loads the checkpoint quantized (cached beside it) into a draft of the target's own
   architecture; what such a draft generates is test_qdraft_greedy_is_lossless's subject."""
-  from spec_jax.proposers.registry import build_proposer
+  from spec_jax.proposers.registry import Target, build_proposer
+  from spec_jax.spec_config import SpecConfig
   path = str(tmp_path / "tiny.gguf")
   _tiny_gguf(path, 0)
   config, params = load_params(path, "float32")
-  proposer, pparams = build_proposer("qdraft", target_config=config, target_params=params, k=3, model_path=path,
-                                     dtype="float32", draft_quantize="int4")
+  proposer, pparams = build_proposer(SpecConfig("qdraft", 3, quantization="int4"), Target(config, params, model_path=path, dtype="float32"))
   assert isinstance(proposer, DraftModelProposer) and proposer.name == "qdraft" and proposer.k == 3
   assert proposer.config == config.replace(name=proposer.config.name)  # the target's architecture, all layers
   assert isinstance(pparams["embed"], QTensor) and pparams["embed"].bits == 4
@@ -405,11 +405,9 @@ def test_qdraft_through_the_registry(tmp_path):
   assert os.path.exists(path + ".spec_jax.int4.safetensors")  # cached like a quantized target
 
   with pytest.raises(ValueError, match="already quantized"):
-    build_proposer("qdraft", target_config=config, target_params=quantize_params(params, "int8"), k=3,
-                   model_path=path, dtype="float32", draft_quantize="int8")
+    build_proposer(SpecConfig("qdraft", 3, quantization="int8"), Target(config, quantize_params(params, "int8"), model_path=path, dtype="float32"))
   with pytest.raises(ValueError, match="int8 or int4"):
-    build_proposer("qdraft", target_config=config, target_params=params, k=3, model_path=path, dtype="float32",
-                   draft_quantize="int2")
+    build_proposer(SpecConfig("qdraft", 3, quantization="int2"), Target(config, params, model_path=path, dtype="float32"))
 
 
 def test_qdraft_sampling_matches_plain_sampling_distribution():
@@ -436,7 +434,8 @@ def test_qdraft_over_a_draft_vocabulary(tmp_path):
   greedy output unchanged, and acceptance as high as with all V rows when the N ids hold what the target says
   (draft ids not mapped back through d2t would be rejected nearly always). Without --heads it drafts over all
   V ids."""
-  from spec_jax.proposers.registry import build_proposer
+  from spec_jax.proposers.registry import Target, build_proposer
+  from spec_jax.spec_config import SpecConfig
   path = str(tmp_path / "tiny.gguf")
   _tiny_gguf(path, 0)
   config, params = load_params(path, "float32")
@@ -447,9 +446,8 @@ def test_qdraft_over_a_draft_vocabulary(tmp_path):
   d2t = np.sort(np.asarray(said + rest, np.int32))
   assert len(d2t) < config.vocab_size // 2
   stem = _vocab_checkpoint(tmp_path, config, d2t)
-  kw = dict(target_config=config, target_params=params, k=3, model_path=path, dtype="float32",
-            draft_quantize="int8")
-  proposer, pparams = build_proposer("qdraft", heads_path=stem, **kw)
+  target = Target(config, params, model_path=path, dtype="float32")
+  proposer, pparams = build_proposer(SpecConfig("qdraft", 3, model=stem), target)
   assert pparams["rows"].shape == (len(d2t), config.d_model)
   np.testing.assert_array_equal(np.asarray(pparams["d2t"]), d2t)
   spec = generate(params, config, PROMPTS, max_new_tokens=N_NEW, proposer=proposer, proposer_params=pparams,
@@ -457,15 +455,15 @@ def test_qdraft_over_a_draft_vocabulary(tmp_path):
   assert spec.token_ids == base.token_ids
   assert spec.stats["acceptance_rate"] > 0.8, spec.stats
 
-  _, full = build_proposer("qdraft", **kw)
+  _, full = build_proposer(SpecConfig("qdraft", 3), target)
   assert "rows" not in full and "d2t" not in full
   from spec_jax.checkpoints.heads import save_heads
   save_heads(str(tmp_path / "medusa"), "medusa", {"w": np.zeros((2, 2), np.float32)}, config, {}, d2t)
   with pytest.raises(ValueError, match="'vocab' head"):
-    build_proposer("qdraft", heads_path=str(tmp_path / "medusa"), **kw)
+    build_proposer(SpecConfig("qdraft", 3, model=str(tmp_path / "medusa")), target)
   other = tiny_gemma_config(vocab_size=config.vocab_size + 1)
   with pytest.raises(ValueError, match="fingerprint"):
-    build_proposer("qdraft", heads_path=_vocab_checkpoint(tmp_path, other, [1, 2], "other"), **kw)
+    build_proposer(SpecConfig("qdraft", 3, model=_vocab_checkpoint(tmp_path, other, [1, 2], "other")), target)
 
 
 def test_qdraft_over_a_draft_vocabulary_samples_the_targets_distribution():
@@ -484,18 +482,16 @@ def test_qdraft_over_a_draft_vocabulary_samples_the_targets_distribution():
 
 
 def test_spec_config_qdraft_quantization():
-  from serve.spec_config import parse_speculative_config
-  sc = parse_speculative_config('{"method":"qdraft","num_speculative_tokens":3,"quantization":"int4"}', {})
+  from spec_jax.spec_config import parse
+  sc = parse('{"method":"qdraft","num_speculative_tokens":3,"quantization":"int4"}')
   assert (sc.method, sc.k, sc.quantization) == ("qdraft", 3, "int4")
-  assert parse_speculative_config('{"method":"qdraft","num_speculative_tokens":2}', {}).quantization == "int8"
-  sc = parse_speculative_config("", {"method": "qdraft", "num_speculative_tokens": 5, "draft_quantize": "int4"})
-  assert (sc.method, sc.k, sc.quantization) == ("qdraft", 5, "int4")
+  assert parse('{"method":"qdraft","num_speculative_tokens":2}').quantization == "int8"
   for bad in ('"int3"', '"none"', "8"):
     with pytest.raises(ValueError, match="quantization"):
-      parse_speculative_config('{"method":"qdraft","num_speculative_tokens":3,"quantization":%s}' % bad, {})
+      parse('{"method":"qdraft","num_speculative_tokens":3,"quantization":%s}' % bad)
   with pytest.raises(ValueError, match="quantization differs"):
-    parse_speculative_config('{"method":"qdraft","per_concurrency":{"1":{"num_speculative_tokens":4,'
-                             '"quantization":"int4"},"8":{"num_speculative_tokens":2,"quantization":"int8"}}}', {})
+    parse('{"method":"qdraft","per_concurrency":{"1":{"num_speculative_tokens":4,'
+          '"quantization":"int4"},"8":{"num_speculative_tokens":2,"quantization":"int8"}}}')
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -29,25 +29,18 @@ import os
 import sys
 import time
 
-import numpy as np
 from absl import app, flags
 
+from spec_jax import flag_table
 from spec_jax.datasets import DISTILL_DIR
 from train import data as data_lib
 from train import distill_shards as shards
 
 DEFAULT_OUT = DISTILL_DIR
 
-flags.DEFINE_string("out", DEFAULT_OUT, "Directory for the shards and manifest.json.")
-flags.DEFINE_string("model", "", "Target checkpoint ('' = the packaged Gemma 3 270M).")
-flags.DEFINE_string("dtype", "float32", "Target dtype (float32 is the training pipeline's).")
-flags.DEFINE_integer("batch", 32, "Slots decoded together.")
-flags.DEFINE_integer("max_new_tokens", 256, "Answer length cap.")
-flags.DEFINE_integer("max_prompt_tokens", 224, "Longer prompts (chat template included) are skipped, and counted.")
-flags.DEFINE_integer("shard_size", 512, "Prompts per shard.")
-flags.DEFINE_integer("limit", 0, "Answer only the first N prompts of the order (0 = all but the held-out ones).")
-flags.DEFINE_integer("steps_per_sync", 16, "Decode steps between host looks at the state.")
-flags.DEFINE_integer("seed", 0, "The data pipeline's seed (prompt order and sampling keys).")
+flag_table.define(("out", "model", "dtype", "batch", "max_new_tokens", "max_prompt_tokens", "shard_size", "limit",
+                   "steps_per_sync", "seed"), out=DEFAULT_OUT, model="", dtype="float32", batch=32,
+                  max_new_tokens=256, limit=0, steps_per_sync=16, seed=0)
 FLAGS = flags.FLAGS
 
 SAMPLED_TEMPERATURE = 0.7

@@ -14,10 +14,11 @@ import sys
 
 from absl import app, flags
 
+from spec_jax import flag_table
 from train.main import _CONFIG, _portable, build_data, load_target  # --config: a train.main config (model, data)
 
-flags.DEFINE_integer("size", 32768, "N: how many target ids the draft vocabulary keeps.")
-flags.DEFINE_string("vocab_out", None, "Checkpoint stem to write (<out>.safetensors and <out>.json).", required=True)
+flag_table.define(("size", "vocab_out"))
+flags.mark_flag_as_required("vocab_out")
 FLAGS = flags.FLAGS
 
 

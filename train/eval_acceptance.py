@@ -17,15 +17,11 @@ import jax
 import numpy as np
 from absl import app, flags
 
-flags.DEFINE_list("methods", ["medusa", "eagle", "draft"], "Proposers to measure.")
-flags.DEFINE_integer("num_prompts", 16, "Held-out prompts.")
-flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
-flags.DEFINE_integer("k", 4, "Drafted tokens per step.")
-flags.DEFINE_integer("batch_size", 1, "Prompts per batch.")
-flags.DEFINE_string("dtype", "bfloat16", "Target dtype (the serving default).")
-flags.DEFINE_integer("seed", 0, "The data pipeline's seed (which prompts were used for training).")
-flags.DEFINE_string("heads", None, "A checkpoint stem to measure instead of the shipped one (one method only).")
-flags.DEFINE_string("output", None, "Write the results as JSON here.")
+from spec_jax import flag_table
+
+flag_table.define(("methods", "num_prompts", "max_new_tokens", "num_speculative_tokens", "batch_size", "dtype",
+                   "seed", "speculative_model", "output"), methods=["medusa", "eagle", "draft"], max_new_tokens=64,
+                  num_speculative_tokens=4, batch_size=1, dtype="bfloat16", seed=0)
 FLAGS = flags.FLAGS
 
 
@@ -41,7 +37,6 @@ def held_out_prompts(n: int, seed: int) -> list:
 def _timed(params, config, ids, **kw):
   """generate() over the prompts in batches, after one compiling run; -> (token ids, stats, seconds)."""
   from spec_jax.batch import generate
-  from spec_jax.stats import Stats
   out, stats, wall = [], [], 0.0
   for i in range(0, len(ids), FLAGS.batch_size):
     batch = ids[i:i + FLAGS.batch_size]
@@ -57,10 +52,11 @@ def _timed(params, config, ids, **kw):
 def main(argv):
   del argv
   from spec_jax.checkpoints.load import load_model
-  from spec_jax.proposers.registry import build_proposer
+  from spec_jax.proposers.registry import Target, build_proposer
+  from spec_jax.spec_config import SpecConfig
   from spec_jax.stats import summarize
-  if FLAGS.heads and len(FLAGS.methods) != 1:
-    raise ValueError("--heads names one checkpoint: pass exactly one method")
+  if FLAGS.speculative_model and len(FLAGS.methods) != 1:
+    raise ValueError("--speculative_model names one checkpoint: pass exactly one method")
   config, params, tok = load_model(None, FLAGS.dtype)
   texts = held_out_prompts(FLAGS.num_prompts, FLAGS.seed)
   ids = [tok.encode(tok.apply_chat_template([t])) for t in texts]
@@ -70,8 +66,8 @@ def main(argv):
   out = {"baseline": {"output_tokens_per_s": base_tps}}
   print(f"baseline: {base_tps:.1f} tok/s", file=sys.stderr, flush=True)
   for method in FLAGS.methods:
-    proposer, pparams = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k,
-                                       heads_path=FLAGS.heads)
+    spec = SpecConfig(method, FLAGS.num_speculative_tokens, model=FLAGS.speculative_model or "")
+    proposer, pparams = build_proposer(spec, Target(config, params))
     toks, stats, wall = _timed(params, config, ids, proposer=proposer, proposer_params=pparams, **common)
     s = summarize(stats)
     tps = sum(map(len, toks)) / wall
@@ -83,7 +79,7 @@ def main(argv):
           f"{tps:.1f} tok/s ({tps / base_tps:.2f}x), identical: {same}", file=sys.stderr, flush=True)
   if FLAGS.output:
     with open(FLAGS.output, "w") as f:
-      json.dump({"k": FLAGS.k, "num_prompts": FLAGS.num_prompts, "max_new_tokens": FLAGS.max_new_tokens,
+      json.dump({"k": FLAGS.num_speculative_tokens, "num_prompts": FLAGS.num_prompts, "max_new_tokens": FLAGS.max_new_tokens,
                  "dtype": FLAGS.dtype, "batch_size": FLAGS.batch_size, "results": out}, f, indent=1)
 
 

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 from spec_jax.kernels.reference import NEG_INF
 from spec_jax.models import transformer as tfm
 from spec_jax.proposers import eagle, medusa, vocab
-from spec_jax.proposers.base import target_features as target_features_of
+from spec_jax.rows import target_features as target_features_of
 
 
 def target_features(target_params, config, tokens, feature_layers=()):
   """Final-normed hidden states [B, T, D] of the frozen target (no logits: the heads project themselves). With
   EAGLE-3 `feature_layers`, those layers' outputs follow side by side: [B, T, (1 + n) D], the first D the final
-  hidden (the teacher), the rest what the decode loop hands the head (proposers.base.target_features)."""
+  hidden (the teacher), the rest what the decode loop hands the head (spec_jax.rows.target_features)."""
   _, hidden, _, *layers = tfm.forward(target_params, tokens, cache=None, config=config, compute_logits=False,
                                       return_layers=tuple(feature_layers))
   if layers:

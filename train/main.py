@@ -13,22 +13,19 @@ data position and rng), on any mesh: a checkpoint written on one --mesh resumes 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
 import time
 
 from absl import app, flags
-from ml_collections import config_flags
+
+from spec_jax import flag_table
 
 from train.tasks import build_task  # noqa: F401  (tests and benchmarks import it from here too)
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections training config.", lock_config=True)
-flags.DEFINE_integer("stop_after", None, "Stop (without finishing) after this global step: for tests.")
-flags.DEFINE_string("mesh", "", "Device mesh 'data:N,model:M' (N*M = the device count): the batch splits over "
-                    "data, the params and optimizer state by spec_jax.sharding's table (tensor parallel over "
-                    "model). '' = one device.")
+_CONFIG = flag_table.define_config(lock_config=True)  # the training config
+flag_table.define(("stop_after", "mesh"), mesh="")
 FLAGS = flags.FLAGS
 
 

@@ -14,17 +14,11 @@ import sys
 
 import httpx
 from absl import app, flags
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "loadtest.py"),
-    "ml_collections config: server flags, arms, traffic, load points, guardrails.")
-flags.DEFINE_string("output_dir", None, "Where the report and raw files go (default: the config's output_dir).")
-flags.DEFINE_string("url", None, "Target this running server for every arm instead of starting one per arm.")
-flags.DEFINE_string("analyze_only", None, "Rebuild summary, verdict, tuned config and report from this run dir.")
-flags.DEFINE_list("only_arms", [], "Run only these speculative arms (the baseline repeats always run).")
-flags.DEFINE_bool("verify_tuned", None, "Rerun with the tuned config and check it against the baseline.")
-flags.DEFINE_bool("plots", True, "Write the PNG plots.")
+from spec_jax import flag_table
+
+_CONFIG = flag_table.define_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "loadtest.py"))
+flag_table.define(("output_dir", "url", "analyze_only", "only_arms", "verify_tuned", "plots"))
 FLAGS = flags.FLAGS
 
 

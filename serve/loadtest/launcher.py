@@ -32,7 +32,7 @@ def server_argv(flags: dict, speculative_config: Optional[dict], port: int) -> l
     if isinstance(v, bool):
       v = str(v).lower()
     argv.append(f"--{k}={v}")
-  # Always explicit: an empty flag would mean "the run config's method" (serve/spec_config.py); {} is off.
+  # Always explicit: an empty flag would mean "the run config's method" (spec_jax/spec_config.py); {} is off.
   argv.append("--speculative_config=" + json.dumps(speculative_config or {}, sort_keys=True))
   return argv
 

@@ -13,7 +13,7 @@ import random
 from typing import Optional
 
 from serve.prompts import DEFAULT_PROMPTS
-from spec_jax.datasets import REPO_ROOT as REPO, read_jsonl
+from spec_jax.datasets import read_jsonl
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import json
 from collections import defaultdict
 from typing import Optional
 
-# serve/spec_config.py's per-concurrency table: {"per_concurrency": {"<c>": {"num_speculative_tokens": k}}}; with a
+# spec_jax/spec_config.py's per-concurrency table: {"per_concurrency": {"<c>": {"num_speculative_tokens": k}}}; with a
 # busy slots the server allows the k of the entry with the largest c <= a (the smallest entry below all of them).
 K_TABLE_KEY = "per_concurrency"
 

@@ -31,7 +31,6 @@ from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from spec_jax.cache import KVCache
@@ -40,7 +39,8 @@ from spec_jax.models import transformer as tfm
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
 from spec_jax.proposers import tree_expand
-from spec_jax.proposers.base import PrefillOut, write_row
+from spec_jax.proposers.base import PrefillOut
+from spec_jax.rows import write_row
 from spec_jax.proposers.tree_expand import DynamicTree
 from spec_jax.proposers.chain import draft_chain
 

@@ -19,23 +19,26 @@ HEADS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "heads")
 
 
 @dataclasses.dataclass(frozen=True)
-class BuildArgs:
-  """What a builder gets (serve.generate's flags and vLLM's speculative-config keys map onto these)."""
-  target_config: Any
-  target_params: Any
-  k: int = 4
-  ngram_min: int = 1
-  ngram_max: int = 3
-  draft_layers: int = 0
+class Target:
+  """The model a proposer drafts for."""
+  config: Any
+  params: Any
   impl: str = "xla"
-  heads_path: Optional[str] = None  # '' or None: the checkpoint in heads/
-  topk: int = 1
-  num_draft_tokens: int = 0
-  model_path: Optional[str] = None  # the target's checkpoint
+  model_path: Optional[str] = None  # its checkpoint (qdraft quantizes it; an independent draft checks it)
   dtype: str = "float32"
-  draft_quantize: str = "int8"
-  draft_model: Optional[str] = None
-  tree: Any = None  # a DynamicTree when the method builds trees and topk > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildArgs:
+  """What a builder gets: the speculative config (spec_jax/spec_config.py), the target, and the DynamicTree the
+  registry built when the method builds trees and eagle_topk > 1."""
+  spec: Any  # SpecConfig
+  target: Target
+  tree: Any = None
+
+  @property
+  def k(self) -> int:
+    return self.spec.num_speculative_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,69 +64,74 @@ def default_heads_path(method: str) -> str:
   return os.path.normpath(os.path.join(HEADS_DIR, f"{method}_gemma3_270m"))
 
 
-def build_proposer(method: str, *, target_config, target_params, k: int = 4, topk: int = 1,
-                   num_draft_tokens: int = 0, **kw):
-  """-> (proposer, proposer_params) for a registered method; `kw`: the other BuildArgs fields. Trees (SGLang's
-  flags): k is the depth, `topk` the branching (1: chains), `num_draft_tokens` the node budget (root included;
-  0: 1 + k * topk)."""
-  if method not in METHODS:
-    raise ValueError(f"unknown method {method!r}; choose one of {tuple(METHODS)}")
-  entry = METHODS[method]
-  if method == "none":
-    return entry.build(BuildArgs(target_config, target_params, k=0))
+def build_proposer(spec, target: Target):
+  """-> (proposer, proposer_params) for a SpecConfig's method."""
+  if spec.method not in METHODS:
+    raise ValueError(f"unknown method {spec.method!r}; choose one of {tuple(METHODS)}")
+  entry = METHODS[spec.method]
+  k, topk, nodes = spec.num_speculative_tokens, spec.eagle_topk, spec.num_draft_tokens
+  if spec.method == "none":
+    return entry.build(BuildArgs(spec, target))
   if k < 1:
-    raise ValueError(f"num_speculative_tokens must be >= 1 for method {method!r}, got {k}")
-  if topk < 1 or num_draft_tokens < 0:
-    raise ValueError(f"eagle_topk must be >= 1 and num_draft_tokens >= 0, got {topk} and {num_draft_tokens}")
+    raise ValueError(f"num_speculative_tokens must be >= 1 for method {spec.method!r}, got {k}")
+  if topk < 1 or nodes < 0:
+    raise ValueError(f"eagle_topk must be >= 1 and num_draft_tokens >= 0, got {topk} and {nodes}")
   if topk > 1 and not entry.trees:
     trees = ", ".join(m for m, e in METHODS.items() if e.trees)
-    raise ValueError(f"token trees (eagle_topk > 1) are for {trees}; {method} drafts chains")
-  if topk > 1 and num_draft_tokens and num_draft_tokens < k + 1:
-    raise ValueError(f"num_draft_tokens={num_draft_tokens} cannot hold a tree of depth {k} (needs >= {k + 1})")
+    raise ValueError(f"token trees (eagle_topk > 1) are for {trees}; {spec.method} drafts chains")
+  if topk > 1 and nodes and nodes < k + 1:
+    raise ValueError(f"num_draft_tokens={nodes} cannot hold a tree of depth {k} (needs >= {k + 1})")
   tree = None
   if topk > 1 and entry.dynamic_tree:
     from spec_jax.proposers.tree_expand import DynamicTree
-    tree = DynamicTree(topk=topk, depth=k, nodes=num_draft_tokens or 1 + k * topk)
-  return entry.build(BuildArgs(target_config, target_params, k=k, topk=topk, num_draft_tokens=num_draft_tokens,
-                               tree=tree, **kw))
+    tree = DynamicTree(topk=topk, depth=k, nodes=nodes or 1 + k * topk)
+  return entry.build(BuildArgs(spec, target, tree))
+
+
+def is_checkpoint(stem: str) -> bool:
+  """Is `stem` one of our trainer's checkpoints (<stem>.safetensors beside <stem>.json)?"""
+  return os.path.isfile(stem + ".json") and os.path.isfile(stem + ".safetensors")
 
 
 def _ngram(a: BuildArgs):
-  return NgramProposer(k=a.k, ngram_min=a.ngram_min, ngram_max=a.ngram_max), {}
+  return NgramProposer(k=a.k, ngram_min=a.spec.prompt_lookup_min, ngram_max=a.spec.prompt_lookup_max), {}
 
 
 def _medusa(a: BuildArgs):
   from spec_jax.proposers.medusa import load_medusa
-  return load_medusa(a.heads_path or default_heads_path("medusa"), a.target_config, a.target_params, a.k, a.topk,
-                     a.num_draft_tokens)
+  t = a.target
+  return load_medusa(a.spec.model or default_heads_path("medusa"), t.config, t.params, a.k, a.spec.eagle_topk,
+                     a.spec.num_draft_tokens)
 
 
 def _eagle(a: BuildArgs):
   from spec_jax.proposers.eagle import load_eagle
-  return load_eagle(a.heads_path or default_heads_path("eagle"), a.target_config, a.target_params, a.k, a.impl,
-                    a.tree)
+  t = a.target
+  return load_eagle(a.spec.model or default_heads_path("eagle"), t.config, t.params, a.k, t.impl, a.tree)
 
 
 def _qdraft(a: BuildArgs):
-  """The target drafting for itself through its own weights quantized to `draft_quantize` (loaded from
-  `model_path`, cached like the target's), over all ids, or over the draft vocabulary `heads_path` names."""
+  """The target drafting for itself through its own weights quantized to `quantization` (loaded from the
+  target's checkpoint, cached like the target's), over all ids, or over the draft vocabulary `model` names."""
   from spec_jax.proposers.draft import quantized_self_draft
-  return quantized_self_draft(a.target_config, a.target_params, a.model_path, a.dtype, a.draft_quantize, a.k,
-                              a.impl, a.tree, vocab_path=a.heads_path or None)
+  t = a.target
+  return quantized_self_draft(t.config, t.params, t.model_path, t.dtype, a.spec.quantization, a.k, t.impl, a.tree,
+                              vocab_path=a.spec.model or None)
 
 
 def _draft(a: BuildArgs):
-  """The distilled draft checkpoint; with `draft_layers` = N > 0 the early-exit self-draft of the target's first
-  N layers; with `draft_model` an independent model sharing the target's vocabulary."""
+  """`model` one of our distilled draft checkpoints ('' = the one in heads/), or an independent model sharing the
+  target's vocabulary (a .gguf, an HF directory or a packaged model's name); `draft_layers` = N > 0: the
+  early-exit self-draft of the target's first N layers."""
   from spec_jax.proposers.draft import early_exit_proposer, independent_draft, load_draft
-  if a.draft_model:
-    if a.draft_layers:
-      raise ValueError("--draft_model and --draft_layers both name a draft; give one")
-    return independent_draft(a.draft_model, a.target_config, a.model_path, a.dtype, a.k, a.impl, a.tree)
-  if a.draft_layers:
-    return early_exit_proposer(a.target_config, a.target_params, a.draft_layers, a.k, a.impl, a.tree)
-  return load_draft(a.heads_path or default_heads_path("draft"), a.target_config, a.target_params, a.k, a.impl,
-                    a.tree)
+  t, model = a.target, a.spec.model
+  if a.spec.draft_layers:
+    if model:
+      raise ValueError("model and draft_layers both name a draft; give one")
+    return early_exit_proposer(t.config, t.params, a.spec.draft_layers, a.k, t.impl, a.tree)
+  if model and not is_checkpoint(model):
+    return independent_draft(model, t.config, t.model_path, t.dtype, a.k, t.impl, a.tree)
+  return load_draft(model or default_heads_path("draft"), t.config, t.params, a.k, t.impl, a.tree)
 
 
 register("none", Method(lambda a: (NoneProposer(), {})))

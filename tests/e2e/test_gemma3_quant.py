@@ -12,7 +12,8 @@ import pytest
 from spec_jax.checkpoints.load import load_model
 from spec_jax.batch import generate
 from spec_jax.models.transformer import forward
-from spec_jax.proposers.registry import build_proposer
+from spec_jax.proposers.registry import Target, build_proposer
+from spec_jax.spec_config import SpecConfig
 from spec_jax.quant import QTensor
 
 pytestmark = pytest.mark.slow
@@ -82,8 +83,7 @@ def test_quantized_logits_close_to_float32(mode, gemma3_f32, scored, f32_log_pro
 def test_qdraft_int8_is_lossless(gemma3_f32, records):
   config, params = gemma3_f32
   config = config.replace(eos_ids=())  # a fixed 32 tokens
-  proposer, pparams = build_proposer("qdraft", target_config=config, target_params=params, k=4, model_path=None,
-                                     dtype="float32", draft_quantize="int8")
+  proposer, pparams = build_proposer(SpecConfig("qdraft", 4, quantization="int8"), Target(config, params, model_path=None, dtype="float32"))
   assert proposer.name == "qdraft" and proposer.config.num_layers == config.num_layers
   assert isinstance(pparams["embed"], QTensor) and pparams["embed"].bits == 8
   prompts = [records[i]["prompt_ids"] for i in (1, 5)]  # a question, a copy task

@@ -20,7 +20,8 @@ from spec_jax.checkpoints.load import load_params, load_tokenizer
 from spec_jax.batch import generate
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.ngram import NgramProposer
-from spec_jax.proposers.registry import build_proposer
+from spec_jax.proposers.registry import Target, build_proposer
+from spec_jax.spec_config import SpecConfig
 
 pytestmark = pytest.mark.slow
 
@@ -126,8 +127,7 @@ def test_draft_and_ngram_are_lossless(paths, target, tok):
   config = config.replace(eos_ids=())  # a fixed 32 tokens per prompt
   prompts = [tok.encode(tok.apply_chat_template([p])) for p in CODING]
   plain = generate(params, config, prompts, max_new_tokens=32)
-  proposer, pparams = build_proposer("draft", target_config=config, target_params=params, k=4,
-                                     model_path=paths[TARGET], dtype="float32", draft_model=DRAFT)
+  proposer, pparams = build_proposer(SpecConfig("draft", 4, model=DRAFT), Target(config, params, model_path=paths[TARGET], dtype="float32"))
   assert proposer.config.num_layers == 24
   draft = generate(params, config, prompts, max_new_tokens=32, proposer=proposer, proposer_params=pparams,
                    adaptive_k=False)
@@ -141,5 +141,4 @@ def test_draft_of_another_vocabulary_is_refused(paths, target):
   config, params = target
   from spec_jax.checkpoints.gguf_meta import default_model_path
   with pytest.raises(ValueError, match="vocabulary of 262144 ids and the target 151936"):
-    build_proposer("draft", target_config=config, target_params=params, k=4, model_path=paths[TARGET],
-                   draft_model=default_model_path())
+    build_proposer(SpecConfig("draft", 4, model=default_model_path()), Target(config, params, model_path=paths[TARGET]))

@@ -17,7 +17,8 @@ from spec_jax.decode import decode_loop, make_spec
 from spec_jax.batch import generate
 from spec_jax.models.transformer import forward, init_params
 from spec_jax.proposers import eagle
-from spec_jax.proposers.registry import build_proposer
+from spec_jax.proposers.registry import Target, build_proposer
+from spec_jax.spec_config import SpecConfig
 from spec_jax.proposers.tree_expand import DynamicTree
 from tests.conftest import tiny_gemma_config
 
@@ -57,7 +58,7 @@ def test_fused_feature_equals_a_hand_computation():
   tokens = jnp.asarray([_prompts(0, [9])[0]], jnp.int32)
   _, _, _, layers = forward(params, tokens, config=CONFIG, compute_logits=False, return_layers=LAYERS)
   # The loop's layout: the layers' outputs side by side.
-  from spec_jax.proposers.base import target_features
+  from spec_jax.rows import target_features
   feats = np.asarray(target_features(None, layers))
   D = CONFIG.d_model
   for i in range(len(LAYERS)):
@@ -140,8 +141,7 @@ def test_trained_eagle3_head_exports_loads_and_other_layouts_are_refused(tmp_pat
   assert last["loss"] < 0.8 * first["loss"]
   final = jax.tree.map(np.asarray, final)
   head_ckpt.save_heads(str(tmp_path / "e3"), "eagle", final, config, dict(meta))
-  prop, pp = build_proposer("eagle", target_config=config, target_params=params, k=3,
-                            heads_path=str(tmp_path / "e3"))
+  prop, pp = build_proposer(SpecConfig("eagle", 3, model=str(tmp_path / "e3")), Target(config, params))
   assert prop.feature_layers == (0, 1)
   prompts = [[config.bos_id] + rng.integers(3, config.vocab_size, 6).tolist() for _ in range(2)]
   assert generate(params, config, prompts, max_new_tokens=10, proposer=prop, proposer_params=pp).token_ids == \
@@ -150,11 +150,11 @@ def test_trained_eagle3_head_exports_loads_and_other_layouts_are_refused(tmp_pat
   # does not have: clear errors, before any decoding.
   head_ckpt.save_heads(str(tmp_path / "as1"), "eagle", final, config, dict(meta, feature_layers=[]))
   with pytest.raises(ValueError, match="another feature layout"):
-    build_proposer("eagle", target_config=config, target_params=params, k=3, heads_path=str(tmp_path / "as1"))
+    build_proposer(SpecConfig("eagle", 3, model=str(tmp_path / "as1")), Target(config, params))
   plain = {k: v for k, v in final.items() if k not in ("fuse", "fuse_norm")}
   head_ckpt.save_heads(str(tmp_path / "as3"), "eagle", plain, config, dict(meta))
   with pytest.raises(ValueError, match="another feature layout"):
-    build_proposer("eagle", target_config=config, target_params=params, k=3, heads_path=str(tmp_path / "as3"))
+    build_proposer(SpecConfig("eagle", 3, model=str(tmp_path / "as3")), Target(config, params))
   head_ckpt.save_heads(str(tmp_path / "far"), "eagle", final, config, dict(meta, feature_layers=[0, 7]))
   with pytest.raises(ValueError, match="must be distinct target layers"):
-    build_proposer("eagle", target_config=config, target_params=params, k=3, heads_path=str(tmp_path / "far"))
+    build_proposer(SpecConfig("eagle", 3, model=str(tmp_path / "far")), Target(config, params))

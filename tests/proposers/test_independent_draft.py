@@ -1,4 +1,4 @@
-"""`--method=draft --draft_model=PATH`: an independent draft model, GGUF or HF safetensors, with its own config
+"""`--method=draft --speculative_model=PATH`: an independent draft model, GGUF or HF safetensors, with its own config
 and KV cache. It stays lossless, and a draft whose vocabulary differs from the target's is refused (another
 size, or the same size with other pieces) before its weights load."""
 
@@ -11,7 +11,8 @@ import pytest
 from spec_jax.checkpoints.load import load_model
 from spec_jax.batch import generate
 from spec_jax.models.transformer import init_params
-from spec_jax.proposers.registry import build_proposer
+from spec_jax.proposers.registry import Target, build_proposer
+from spec_jax.spec_config import SpecConfig
 from tests.checkpoints.gguf_writer import write_tiny_gguf
 from tests.checkpoints.hf_writer import write_hf
 from tests.checkpoints.tiny_qwen2 import CONFIG, MERGES, TEMPLATE, TOKENS, TYPES, write_tiny_qwen2
@@ -26,8 +27,8 @@ def target(tmp_path_factory):
 
 def _build(target, draft_model, **kw):
   path, config, params, _ = target
-  return build_proposer("draft", target_config=config, target_params=params, k=3, model_path=path,
-                        dtype="float32", draft_model=draft_model, **kw)
+  return build_proposer(SpecConfig("draft", 3, model=draft_model, **kw),
+                        Target(config, params, model_path=path, dtype="float32"))
 
 
 def test_safetensors_draft_is_lossless(target, tmp_path):

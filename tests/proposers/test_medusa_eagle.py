@@ -15,7 +15,8 @@ from spec_jax.models.transformer import init_params
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import eagle, medusa, vocab
 from spec_jax.proposers.base import ProposeContext
-from spec_jax.proposers.registry import build_proposer, default_heads_path
+from spec_jax.proposers.registry import Target, build_proposer, default_heads_path
+from spec_jax.spec_config import SpecConfig
 from tests.conftest import tiny_gemma_config, tiny_llama_config
 
 CONFIG = tiny_gemma_config(eos_ids=(1,))
@@ -152,8 +153,7 @@ def test_head_checkpoint_round_trip_and_errors(tmp_path):
   heads = medusa.init_params(jax.random.PRNGKey(5), CONFIG.d_model, 4, scale=1.0)
   path = head_ckpt.save_heads(str(tmp_path / "m"), "medusa", heads, CONFIG, {"num_heads": 4}, D2T)
   assert path.endswith(".safetensors") and os.path.exists(str(tmp_path / "m.json"))
-  prop, pp = build_proposer("medusa", target_config=CONFIG, target_params=params, k=3,
-                            heads_path=str(tmp_path / "m"))
+  prop, pp = build_proposer(SpecConfig("medusa", 3, model=str(tmp_path / "m")), Target(CONFIG, params))
   assert prop.reduced and prop.num_heads == 4
   np.testing.assert_array_equal(np.asarray(pp["d2t"]), np.asarray(D2T))
   bf16 = np.asarray(jnp.asarray(heads["w"], jnp.bfloat16).astype(jnp.float32))
@@ -161,37 +161,34 @@ def test_head_checkpoint_round_trip_and_errors(tmp_path):
   # Another target (different width): a clear error naming the target.
   other = CONFIG.replace(d_model=48, name="other")
   with pytest.raises(ValueError, match="trained for target 'tiny-gemma'"):
-    build_proposer("medusa", target_config=other, target_params=_params(0, other), k=3,
-                   heads_path=str(tmp_path / "m"))
+    build_proposer(SpecConfig("medusa", 3, model=str(tmp_path / "m")), Target(other, _params(0, other)))
   with pytest.raises(ValueError, match="'medusa' head checkpoint, but a 'eagle'"):
-    build_proposer("eagle", target_config=CONFIG, target_params=params, k=3, heads_path=str(tmp_path / "m"))
+    build_proposer(SpecConfig("eagle", 3, model=str(tmp_path / "m")), Target(CONFIG, params))
   # Wrong shape for the same target: the metadata says 4 heads, the weights hold 3.
   three = medusa.init_params(jax.random.PRNGKey(5), CONFIG.d_model, 3)
   head_ckpt.save_heads(str(tmp_path / "bad"), "medusa", three, CONFIG, {"num_heads": 4})
   with pytest.raises(ValueError, match="tensor 'b' has shape \\(3, 32\\), expected \\(4, 32\\)"):
-    build_proposer("medusa", target_config=CONFIG, target_params=params, k=3, heads_path=str(tmp_path / "bad"))
+    build_proposer(SpecConfig("medusa", 3, model=str(tmp_path / "bad")), Target(CONFIG, params))
   with pytest.raises(ValueError, match="at most 4 tokens"):
-    build_proposer("medusa", target_config=CONFIG, target_params=params, k=5, heads_path=str(tmp_path / "m"))
+    build_proposer(SpecConfig("medusa", 5, model=str(tmp_path / "m")), Target(CONFIG, params))
   # EAGLE round trip with its layer shapes checked.
   ecfg = eagle.layer_config(CONFIG, 48)
   w = eagle.init_params(jax.random.PRNGKey(1), ecfg)
   head_ckpt.save_heads(str(tmp_path / "e"), "eagle", w, CONFIG, {"mlp_dim": 48})
-  prop, pp = build_proposer("eagle", target_config=CONFIG, target_params=params, k=2,
-                            heads_path=str(tmp_path / "e"))
+  prop, pp = build_proposer(SpecConfig("eagle", 2, model=str(tmp_path / "e")), Target(CONFIG, params))
   assert prop.config.mlp_dim == 48 and not prop.reduced and pp["rows"].shape == (CONFIG.vocab_size, 32)
   head_ckpt.save_heads(str(tmp_path / "e2"), "eagle", w, CONFIG, {"mlp_dim": 64})
   with pytest.raises(ValueError, match="tensor 'layer/down' has shape \\(48, 32\\), expected \\(64, 32\\)"):
-    build_proposer("eagle", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "e2"))
+    build_proposer(SpecConfig("eagle", 2, model=str(tmp_path / "e2")), Target(CONFIG, params))
   # A distilled draft: its layer count comes from the metadata, its shapes are checked against the target's.
   _, dp = _distilled(params, D2T)
   w = {"layers": dp["layers"], "final_norm": dp["final_norm"]}
   head_ckpt.save_heads(str(tmp_path / "d"), "draft", w, CONFIG, {"num_layers": 1}, D2T)
-  prop, pp = build_proposer("draft", target_config=CONFIG, target_params=params, k=2,
-                            heads_path=str(tmp_path / "d"))
+  prop, pp = build_proposer(SpecConfig("draft", 2, model=str(tmp_path / "d")), Target(CONFIG, params))
   assert prop.config.num_layers == 1 and pp["rows"].shape == (len(D2T), 32)
   head_ckpt.save_heads(str(tmp_path / "d2"), "draft", w, CONFIG, {"num_layers": 2}, D2T)
   with pytest.raises(ValueError, match="tensor 'layers/attn_norm' has shape \\(1, 32\\), expected \\(2, 32\\)"):
-    build_proposer("draft", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "d2"))
+    build_proposer(SpecConfig("draft", 2, model=str(tmp_path / "d2")), Target(CONFIG, params))
 
 
 def test_int8_storage_halves_the_file_and_loads_the_stored_values(tmp_path):
@@ -218,7 +215,7 @@ def test_int8_storage_halves_the_file_and_loads_the_stored_values(tmp_path):
     assert np.all(err <= 0.5 * step + 1e-7) and np.max(err) > 0  # rounded, not stored exactly
   np.testing.assert_array_equal(np.asarray(got["layers"]["q"]),
                                 flat["layers/q"].astype(np.float32) * flat["layers/q:scale"])
-  prop, pp = build_proposer("draft", target_config=CONFIG, target_params=params, k=2, heads_path=str(tmp_path / "q8"))
+  prop, pp = build_proposer(SpecConfig("draft", 2, model=str(tmp_path / "q8")), Target(CONFIG, params))
   assert prop.config.num_layers == 1
   del flat["layers/q:scale"]
   safetensors_io.write(str(tmp_path / "bad.safetensors"), flat)
@@ -245,8 +242,7 @@ def _distill_gemma3_draft(config, params, prompts, path):
                    workdir=os.path.join(path, "work"), progress=False)
   final, _ = Trainer(task, spec, log=lambda s: None).fit(init, frozen, data_lib.Dataset(toks, mask, toks, mask))
   head_ckpt.save_heads(os.path.join(path, "draft"), "draft", final, config, meta, d2t, storage="int8")
-  return build_proposer("draft", target_config=config, target_params=params, k=4,
-                        heads_path=os.path.join(path, "draft"))
+  return build_proposer(SpecConfig("draft", 4, model=os.path.join(path, "draft")), Target(config, params))
 
 
 def gemma3_chat_prompts(tok) -> list:
@@ -268,7 +264,7 @@ def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemm
     kind, stem = method.rstrip("3"), default_heads_path(method)
     if not os.path.exists(stem + ".safetensors"):
       pytest.fail(f"the shipped {method} checkpoint is missing: {stem}")
-    runs[method] = build_proposer(kind, target_config=config, target_params=params, k=4, heads_path=stem)
+    runs[method] = build_proposer(SpecConfig(kind, 4, model=stem), Target(config, params))
   for method, (proposer, pparams) in runs.items():
     res = generate(params, config, prompts, max_new_tokens=32, proposer=proposer, proposer_params=pparams,
                    adaptive_k=False)

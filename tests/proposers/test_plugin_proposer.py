@@ -17,17 +17,18 @@ PROMPTS = ["the cat sat on the mat", "a a a a a a a a", "dog dog dog ran"]
 
 def test_the_registry_takes_it():
   import tests.proposers.toy_repeat  # noqa: F401 (registers "repeat")
-  from serve.spec_config import parse_speculative_config
   from spec_jax.proposers import registry
+  from spec_jax.proposers.registry import Target
+  from spec_jax.spec_config import SpecConfig, parse
   assert "repeat" in registry.METHODS
-  sc = parse_speculative_config('{"method": "repeat", "num_speculative_tokens": 3}', {})
+  sc = parse('{"method": "repeat", "num_speculative_tokens": 3}')
   assert (sc.method, sc.k) == ("repeat", 3)
   with pytest.raises(ValueError, match="already registered"):
     registry.register("repeat", registry.Method(lambda a: None))
   with pytest.raises(ValueError, match="repeat drafts chains"):
-    registry.build_proposer("repeat", target_config=None, target_params=None, k=3, topk=2)
-  with pytest.raises(ValueError, match="method must be one of"):
-    parse_speculative_config('{"method": "nope"}', {})
+    registry.build_proposer(SpecConfig("repeat", 3, eagle_topk=2), Target(None, None))
+  with pytest.raises(ValueError, match="unknown method 'nope'"):
+    parse('{"method": "nope"}')
 
 
 def _generate(tiny_model, tmp_path, *args):

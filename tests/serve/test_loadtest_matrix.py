@@ -58,10 +58,11 @@ class InProcessServer:
     from configs.gemma3_270m import get_config
     from serve import server as S
     from serve.api import create_app
-    cfg = {**dict(get_config()), **S.SERVER_DEFAULTS}
+    from spec_jax.spec_config import from_dict
+    cfg = {**get_config().to_dict(), **S.SERVER_DEFAULTS}
     # One step per engine iteration: every token is its own event, so ITL is a step time, not a batch of them.
     cfg.update(model=model, dtype="float32", max_num_seqs=2, max_model_len=128, served_model_name=MODEL,
-               speculative_config=json.dumps(speculative_config), adaptive=adaptive, port=free_port(),
+               spec=from_dict(speculative_config), adaptive=adaptive, port=free_port(),
                steps_per_sync=1, costs_file="", timing_probe_s=0.5)  # the tiny model has no calibrated step costs
     engine, tokenizer, _ = S.build_engine(cfg)
     if slow:
@@ -151,9 +152,9 @@ def test_matrix_slow_arm_rolls_back_identical_is_neutral(tiny_model, prompts_fil
   assert all(r["status"] == "ok" for r in records), [r["error"] for r in records if r["status"] != "ok"][:3]
   assert all(r["completion_tokens"] == r["max_tokens"] for r in records)  # the tiny model never stops early
   assert all(r["token_count_source"] == "token_ids" for r in records)
-  from serve.spec_config import parse_speculative_config
+  from spec_jax.spec_config import parse
   tuned = json.loads((tmp_path / "speculative_config.json").read_text())
-  parse_speculative_config(json.dumps(tuned), {})
+  parse(json.dumps(tuned))
   assert tuned == {}  # nothing wins here: k = 0 everywhere
 
   # Verdicts.

@@ -168,7 +168,7 @@ def test_crosscheck_reads_the_servers_own_view_of_a_run():
 
 
 def test_tuned_config_is_read_by_the_server():
-  from serve.spec_config import parse_speculative_config
+  from spec_jax.spec_config import parse
   pts = {"greedy/c1": LoadPoint("closed", 1, "c1", "greedy", "low"),
          "greedy/c4": LoadPoint("closed", 4, "c4 (peak)", "greedy", "peak"),
          "greedy/c8": LoadPoint("closed", 8, "c8 (overload)", "greedy", "overload")}
@@ -180,17 +180,17 @@ def test_tuned_config_is_read_by_the_server():
   verd = {a: {k: {"all": {"verdict": "keep" if (a, k) in tok else "roll back"}} for k in pts} for a in arms}
   t = tuner.choose(stats, verd, pts, arms, ["baseline"])
   assert t["levels"][1]["arm"] == "ng4" and t["levels"][4]["arm"] == "ng2" and t["levels"][8]["arm"] is None
-  sc = parse_speculative_config(json.dumps(t["config"]), {})
+  sc = parse(json.dumps(t["config"]))
   assert sc.method == "ngram" and sc.k == 4
   assert [sc.k_at(a) for a in (1, 3, 4, 7, 8, 16)] == [4, 4, 2, 2, 0, 0]
   # With 4 slots, concurrency 8 runs at 4 busy slots too: one entry serves both, k = 0 unless both keep.
   t4 = tuner.choose(stats, verd, pts, arms, ["baseline"], slots=4)
-  sc4 = parse_speculative_config(json.dumps(t4["config"]), {})
+  sc4 = parse(json.dumps(t4["config"]))
   assert sorted(t4["config"]["per_concurrency"]) == ["1", "4"]
   assert [sc4.k_at(a) for a in (1, 3, 4)] == [4, 4, 0] and t4["levels"][4]["chosen_k"] == 0
   none = tuner.choose(stats, {a: {k: {"all": {"verdict": "neutral"}} for k in pts} for a in arms}, pts, arms,
                       ["baseline"])
-  assert none["config"] == {} and parse_speculative_config("{}", {}).k == 0
+  assert none["config"] == {} and parse("{}").k == 0
 
 
 def test_traffic_is_deterministic_and_balanced(tmp_path):

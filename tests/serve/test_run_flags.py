@@ -19,8 +19,8 @@ def test_one_definition_serves_every_command_and_flags_override_the_config():
       server.define_flags()
       flags.FLAGS(["prog", "--method=ngram", "--num_speculative_tokens=3", "--batch_size=5", "--port=9123"])
       g, s = generate.settings(), server.settings()
-      print(json.dumps({"g": [g["method"], g["num_speculative_tokens"], g["batch_size"], g["temperature"]],
-                        "s": [s["method"], s["num_speculative_tokens"], s["port"], s["max_queue"],
+      print(json.dumps({"g": [g["spec"].method, g["spec"].k, g["batch_size"], g["temperature"]],
+                        "s": [s["spec"].method, s["spec"].k, s["port"], s["max_queue"],
                               s["served_model_name"], s["mesh"]]}))
   """)
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -37,3 +37,21 @@ def test_the_served_model_name_defaults_to_the_checkpoints_name():
   assert default_model_name("") == "gemma-3-270m"
   assert default_model_name("/models/qwen2.5-coder-0.5b-instruct-q8_0.gguf") == "qwen2.5-coder-0.5b-instruct-q8_0"
   assert default_model_name("/models/Qwen2.5-Coder-1.5B-Instruct/") == "Qwen2.5-Coder-1.5B-Instruct"
+
+
+def test_every_command_flag_is_a_row_of_the_flag_table():
+  """No command defines a flag itself: serve/, train/ and the maintained benchmarks take rows of
+  spec_jax/flag_table.py (the one-question scripts in benchmarks/probes/ are exempt), and every row a command names
+  exists (define() raises on an unknown name at import)."""
+  import pathlib
+  import re
+  root = pathlib.Path(ROOT)
+  files = [p for d in ("serve", "train", "spec_jax") for p in (root / d).rglob("*.py")] + \
+      list((root / "benchmarks").glob("*.py"))
+  own = [f"{p.relative_to(root)}: {m.group(0)}" for p in files if p.name != "flag_table.py"
+         for m in re.finditer(r"flags\.DEFINE_\w+\(\s*\"\w+\"|DEFINE_config_file\(", p.read_text())]
+  assert own == [], own
+  from spec_jax import flag_table
+  from spec_jax.spec_config import ENTRY_KEYS
+  # the speculative config's keys are flags, under one name each
+  assert {flag_table.SPEC_FLAG_NAMES.get(k, k) for k in ENTRY_KEYS} <= set(flag_table.SPEC_ROWS)

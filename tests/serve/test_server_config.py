@@ -9,22 +9,19 @@ import numpy as np
 import pytest
 
 from serve.guardrails import BASELINE, OFF, ON, PROBE, GuardrailConfig, Guardrails
-from serve.spec_config import FORBIDDEN_COST, cost_table, parse_speculative_config
-
-DEFAULTS = {"method": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, "ngram_max": 3, "heads": "",
-            "draft_layers": 0}
+from serve.setup import FORBIDDEN_COST, cost_table
+from spec_jax.spec_config import parse
 
 
 def test_vllm_keys_inline_and_from_a_file(tmp_path):
-  sc = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, '
-                                '"prompt_lookup_max": 5}', DEFAULTS)
-  assert (sc.method, sc.k, sc.ngram_min, sc.ngram_max) == ("ngram", 6, 2, 5)
+  sc = parse('{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+  assert (sc.method, sc.k, sc.prompt_lookup_min, sc.prompt_lookup_max) == ("ngram", 6, 2, 5)
   path = tmp_path / "s.json"
   path.write_text(json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": "heads/x"}))
-  sc = parse_speculative_config(str(path), DEFAULTS)
+  sc = parse(str(path))
   assert (sc.method, sc.k, sc.model) == ("draft", 3, "heads/x")
-  assert parse_speculative_config("{}", DEFAULTS).method == "none"  # empty means off
-  assert parse_speculative_config(None, DEFAULTS).k == 4  # unset: the run config's method
+  assert parse("{}").method == "none"  # empty means off
+  assert parse(json.dumps(sc.to_json())) == sc  # what a run records reads back
 
 
 @pytest.mark.parametrize("text,match", [
@@ -35,13 +32,13 @@ def test_vllm_keys_inline_and_from_a_file(tmp_path):
     ('{"per_concurrency": {"zero": {}}}', "concurrency levels"), ("{bad json", "invalid JSON")])
 def test_bad_speculative_configs_are_refused(text, match):
   with pytest.raises(ValueError, match=match):
-    parse_speculative_config(text, DEFAULTS)
+    parse(text)
 
 
 def test_per_concurrency_bands_and_cost_table():
-  sc = parse_speculative_config(json.dumps({"per_concurrency": {
+  sc = parse(json.dumps({"per_concurrency": {
       "1": {"method": "ngram", "num_speculative_tokens": 4}, "4": {"num_speculative_tokens": 2},
-      "8": {"num_speculative_tokens": 0}}}), DEFAULTS)
+      "8": {"num_speculative_tokens": 0}}}))
   assert (sc.method, sc.k) == ("ngram", 4)
   assert [sc.k_at(a) for a in (1, 2, 3, 4, 7, 8, 16)] == [4, 4, 4, 2, 2, 0, 0]
   ks = (0, 2, 4)

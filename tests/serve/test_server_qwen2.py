@@ -1,5 +1,5 @@
 """The server on a Qwen2-shaped model: a byte-level BPE vocabulary, a ChatML Jinja template from the GGUF, and
-an independent draft model (`--draft_model`) as the proposer. The server never asks which tokenizer it holds;
+an independent draft model (`--speculative_model`) as the proposer. The server never asks which tokenizer it holds;
 chat requests go through the file's own template and greedy output equals the library's plain decoding.
 
 The draft is the target's own tiny file, so every greedy draft is right: the test also sees drafts accepted."""
@@ -26,7 +26,7 @@ def qwen_model(tmp_path_factory) -> str:
 def server(qwen_model):
   s = LiveServer(f"--model={qwen_model}", "--dtype=float32", f"--served_model_name={MODEL}", "--max_model_len=256",
                  "--max_num_seqs=2", "--steps_per_sync=4", "--warmup_prompt_lens=1", "--costs_file=",
-                 "--method=draft", f"--draft_model={qwen_model}", "--num_speculative_tokens=3",
+                 "--method=draft", f"--speculative_model={qwen_model}", "--num_speculative_tokens=3",
                  "--compilation_cache_dir=")
   yield s
   assert s.stop() == 0, s.log()[-3000:]

@@ -1,0 +1,120 @@
+"""The one setup of every run command: the target, its tokenizer, the proposer of the speculative config, the loop
+that jit compiles and the adaptive controller's step costs.
+
+`serve.generate`, the server, `serve.calibrate` and `serve.evaluate` build a Setup from their run settings
+(serve/run_flags.py); the SpecConfig (spec_jax/spec_config.py) is the only thing that names the method. The
+loop's LoopSpec is what the speculative config compiles to: the proposer, the draft lengths the controller may
+pick, the stop ids, the kernel and the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import numpy as np
+
+from spec_jax.spec_config import SpecConfig
+
+log = logging.getLogger("spec_jax.setup")
+FORBIDDEN_COST = 1e9  # a step cost the adaptive controller never picks
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  config: Any  # the target's ModelConfig
+  params: Any
+  tokenizer: Any
+  impl: str  # the attention kernel
+  spec_config: SpecConfig
+  proposer: Any
+  proposer_params: Any
+  mesh: Any = None
+  settings: dict = dataclasses.field(default_factory=dict, repr=False)  # the run settings it was built from
+
+  @property
+  def stop_ids(self) -> tuple:
+    return tuple(sorted(set(self.config.eos_ids) | set(self.tokenizer.stop_ids)))
+
+  @property
+  def lookahead(self) -> int:
+    """Cache entries a step writes past the committed tokens: k for a chain, nodes - 1 for a tree."""
+    tree = self.proposer.tree
+    return max(self.proposer.k, tree.lookahead if tree is not None else 0)
+
+  def with_spec(self, spec: SpecConfig) -> "Setup":
+    """The same target with another speculative config's proposer (serve.evaluate's arms)."""
+    proposer, proposer_params = build_proposer(spec, self.config, self.params, self.impl, self.settings)
+    return dataclasses.replace(self, spec_config=spec, proposer=proposer, proposer_params=proposer_params)
+
+
+def build_proposer(spec: SpecConfig, config, params, impl: str, cfg: dict):
+  from spec_jax.proposers.registry import Target, build_proposer as build
+  return build(spec, Target(config, params, impl=impl, model_path=cfg.get("model") or None,
+                            dtype=cfg.get("dtype") or "float32"))
+
+
+def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
+  """The target (cfg's model, dtype, quantize, attention_impl, mesh) and `spec`'s proposer (default cfg["spec"])."""
+  from spec_jax import sharding
+  from spec_jax.checkpoints.load import load_model
+  from spec_jax.config import validate_sampling
+  from spec_jax.kernels import resolve_impl
+  validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
+  if cfg["max_new_tokens"] < 1:
+    raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
+  spec = cfg["spec"] if spec is None else spec
+  mesh = sharding.make_mesh(cfg.get("mesh") or "")
+  impl = resolve_impl(cfg["attention_impl"])
+  config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
+  proposer, proposer_params = build_proposer(spec, config, params, impl, cfg)
+  return Setup(config, params, tokenizer, impl, spec, proposer, proposer_params, mesh, cfg)
+
+
+def draft_lengths(setup: Setup, adaptive: bool, switchable: bool = False) -> tuple:
+  """The k the adaptive controller may pick; `switchable` adds 0 (a server can turn drafting off per row and by
+  its switch) and the speculative config's per-concurrency k."""
+  from spec_jax import adaptive as adaptive_lib
+  spec, proposer = setup.spec_config, setup.proposer
+  ks = set(adaptive_lib.option_set(proposer.k, adaptive, proposer.tree))
+  if switchable:
+    ks |= {0} | {k for _, k in spec.per_concurrency}
+  return tuple(sorted(k for k in ks if k <= max(proposer.k, 0)))
+
+
+def loop_spec(setup: Setup, ks: tuple):
+  from spec_jax.decode import LoopSpec
+  return LoopSpec(config=setup.config, proposer=setup.proposer, ks=ks, stop_ids=setup.stop_ids, impl=setup.impl,
+                  mesh=setup.mesh)
+
+
+def step_costs(cfg: dict, setup: Setup, ks: tuple, rows: int):
+  """float32[rows, len(ks)] for the adaptive controller, or None with one option: --costs_file's measured table
+  (the default cost model where it has no entry for these draft lengths), every k above the one the speculative
+  config allows at each occupancy made prohibitive, and with adaptive off only the full k."""
+  from serve.step_costs import load_costs, method_key
+  if len(ks) < 2:
+    return None
+  base = None
+  if cfg.get("costs_file") and setup.proposer.k:
+    try:
+      base = load_costs(cfg["costs_file"], method_key(setup.proposer), cfg["dtype"], ks, rows)
+    except ValueError as e:  # measured for other draft lengths (a per-concurrency file can add some)
+      log.warning("%s: %s; using the default cost model", cfg["costs_file"], e)
+  table = cost_table(setup.spec_config, ks, rows, base)
+  if setup.proposer.k and not cfg["adaptive"] and ks[0] == 0:
+    table[:, 0] = FORBIDDEN_COST  # adaptive off: always the full k while speculation is on
+  return table
+
+
+def cost_table(spec: SpecConfig, ks: tuple, rows: int, base=None) -> np.ndarray:
+  """float32[rows, len(ks)]: `base` (a measured table, or the default cost model) with every k above the one `spec`
+  allows at each occupancy made prohibitive."""
+  from spec_jax import adaptive
+  table = np.broadcast_to(np.asarray(adaptive.default_costs(ks) if base is None else base, np.float32),
+                          (rows, len(ks))).copy()
+  for a in range(1, rows + 1):
+    allowed = spec.k_at(a)
+    table[a - 1, [j for j, k in enumerate(ks) if k > allowed]] = FORBIDDEN_COST
+  return table

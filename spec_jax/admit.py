@@ -1,0 +1,85 @@
+"""Admitting prompts into rows: the one prefill path of the batch start, slot insert and the empty slot state.
+
+`prefill_rows` prefills right-padded prompts into the target's cache (spec_jax/prefill.py, in chunks) and starts
+their rows: the first token sampled from the target, the proposer's state, fresh counters. Called outside jit
+(`batch.start`: each prefill chunk is its own program) or inside one (`slots.insert`, `slots.empty_state`: they
+inline).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax import adaptive, sharding
+from spec_jax.decode import FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState, LoopSpec
+from spec_jax.models.transformer import lm_head
+from spec_jax.prefill import prefill
+from spec_jax.proposers.base import PrefillOut
+from spec_jax.rows import feature_layers
+from spec_jax.sampling import sample
+from spec_jax.stats import Stats
+
+
+def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache, *,
+                 capacity: int, chunk: int, live=None, costs=None) -> DecodeState:
+  """Prefill prompts int32[R, P] (right-padded, P a multiple of `chunk`) into `cache` and start their rows.
+
+  A whole state (`live` given) or rows to write into one (slot insert):
+  `live` bool[R]: rows that hold a request; the others are done from the start (batch padding, free slots); the
+  state takes the mesh's layout. `costs`: the adaptive controller's step costs [R, n] (None: ones).
+  """
+  needs = spec.proposer.needs_prompt_hidden
+  out = prefill(params["target"], prompt_tokens, prompt_lens, cache, config=spec.config, impl=spec.impl, chunk=chunk,
+                return_all=needs, feature_layers=feature_layers(spec.proposer), mesh=spec.mesh)
+  return _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, out[0], out[1],
+                out[2] if needs else None, live, costs, capacity=capacity, chunk=chunk)
+
+
+@sharding.settled
+@functools.partial(jax.jit, static_argnames=("spec", "capacity", "chunk"), donate_argnames=("cache",))
+def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache, hidden, prompt_hidden,
+           live, costs, *, capacity, chunk):
+  state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache, hidden,
+                     prompt_hidden, capacity, chunk)
+  if costs is not None:
+    state = state.replace(adapt=adaptive.AdaptState.init(prompt_tokens.shape[0], costs))
+  if live is None:
+    return state
+  state = state.replace(done=state.done | ~live, finish=jnp.where(live, state.finish, FINISH_ABORT))
+  return sharding.constrain_state(state, spec.mesh)
+
+
+def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache,
+               hidden, prompt_hidden, capacity: int, chunk: int) -> DecodeState:
+  """Rows right after the target's prefill: sample the first token, start the proposer, fresh counters.
+
+  prompt_tokens int32[R, P] right-padded; cache: the prefilled target cache (capacity slots); hidden [R, D] at
+  each row's last prompt token; prompt_hidden [R, P, F] (the proposer's features) or None. Traced inside jit
+  (generate and slot insert).
+  """
+  R, P = prompt_tokens.shape
+  # The proposer's features at the last prompt token: the hidden state itself, or its feature layers'.
+  feats = hidden if not feature_layers(spec.proposer) else \
+      jnp.take_along_axis(prompt_hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  key, k0 = jax.random.split(key)
+  first = sample(k0, lm_head(params["target"], hidden), sampling)
+  rows = jnp.arange(R)
+  tokens = jnp.zeros((R, capacity), jnp.int32).at[:, :P].set(prompt_tokens)
+  # Clear the padding past each prompt (slots the loop may read as "committed" must be this row's own).
+  tokens = jnp.where(jnp.arange(capacity)[None, :] < prompt_lens[:, None], tokens, 0)
+  tokens = tokens.at[rows, prompt_lens].set(first)
+  lengths = prompt_lens + 1
+  stop = jnp.isin(first, jnp.asarray(spec.stop_ids or (-1,), jnp.int32))
+  hit_len = max_new <= 1
+  finish = jnp.where(stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE)).astype(jnp.int32)
+  pre = PrefillOut(prompt_tokens=prompt_tokens, tokens=tokens, lengths=lengths, prompt_lens=prompt_lens,
+                   prompt_hidden=prompt_hidden, last_hidden=feats, chunk=chunk)
+  pstate = spec.proposer.init(params["proposer"], pre, capacity)
+  return DecodeState(
+      tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, max_new=max_new, cache=cache, pstate=pstate, key=key,
+      done=stop | hit_len, finish=finish, speculate=speculate, sampling=sampling, stats=Stats.zeros(R, spec.k_max),
+      adapt=adaptive.AdaptState.init(R, jnp.ones((1, len(spec.ks)), jnp.float32)), last_hidden=feats,
+      spec_enabled=jnp.ones((), bool), step=jnp.zeros((), jnp.int32), done_step=jnp.zeros((R,), jnp.int32))

@@ -1,0 +1,174 @@
+"""The speculative config: the one way anything names a method and its settings, with vLLM's keys.
+
+  {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+  {"method": "eagle", "num_speculative_tokens": 4, "model": "heads/eagle_gemma3_270m"}
+  {"method": "draft_model", "num_speculative_tokens": 4, "model": "qwen2.5-coder-0.5b"}
+  {}                                                   # speculation off
+  {"per_concurrency": {"1": {"method": "ngram", "num_speculative_tokens": 4}, "16": {"num_speculative_tokens": 0}}}
+
+The same keys are a config file's `speculative_config` dict, the JSON of `--speculative_config` (inline or a
+file), one flag each (serve/run_flags.py; `model` and `quantization` are `--speculative_model` and
+`--speculative_quantization` there, beside the target's `--model` and `--quantize`), the load matrix's arms and
+the tuner's output.
+
+`eagle_topk` and `num_draft_tokens` are SGLang's token-tree settings (vLLM has none): num_speculative_tokens is
+the tree's depth, eagle_topk the candidates per node (1 = chains), num_draft_tokens its node budget, root included
+(0 = 1 + depth * eagle_topk). `draft_layers` (ours): method=draft with N > 0 drafts with the target's first N layers.
+
+A per-concurrency config (what `serve.loadtest`'s tuner writes) holds one setting per concurrency level. The server
+builds one proposer with the largest k and, at occupancy a, allows the k of the entry with the largest
+concurrency <= a (the smallest entry below all of them). Entries may differ in k but not in the proposer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+# vLLM's spellings of registry names.
+METHOD_ALIASES = {"draft_model": "draft", "off": "none", "": "none"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  method: str = "none"  # a name of spec_jax/proposers/registry.py (or a vLLM alias)
+  num_speculative_tokens: int = 0  # the largest draft length (a tree's depth)
+  prompt_lookup_min: int = 1  # ngram: shortest suffix to match
+  prompt_lookup_max: int = 3  # ngram: longest suffix to match
+  model: str = ""  # heads / draft checkpoint, or an independent draft model ('' = the one in heads/)
+  draft_layers: int = 0
+  eagle_topk: int = 1
+  num_draft_tokens: int = 0
+  quantization: str = "int8"  # qdraft: the draft's weights (int8 or int4)
+  per_concurrency: tuple = ()  # ((concurrency, k), ...) sorted; empty: num_speculative_tokens everywhere
+
+  @property
+  def k(self) -> int:
+    return self.num_speculative_tokens
+
+  def k_at(self, occupancy: int) -> int:
+    """The k allowed with `occupancy` busy slots."""
+    if not self.per_concurrency:
+      return self.k
+    below = [k for c, k in self.per_concurrency if c <= occupancy]
+    return below[-1] if below else self.per_concurrency[0][1]
+
+  def describe(self) -> str:
+    if self.method == "none":
+      return "off"
+    s = f"{self.method} k={self.k}"
+    if self.eagle_topk > 1:
+      s += f" tree topk={self.eagle_topk} nodes={self.num_draft_tokens or 1 + self.k * self.eagle_topk}"
+    if self.per_concurrency:
+      s += " per concurrency " + ", ".join(f"{c}:{k}" for c, k in self.per_concurrency)
+    return s
+
+  def to_json(self) -> dict:
+    """The vLLM-style dict that `parse` reads back into this config."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "per_concurrency"}
+    if self.per_concurrency:
+      d["per_concurrency"] = {str(c): {"num_speculative_tokens": k} for c, k in self.per_concurrency}
+    return d
+
+
+ENTRY_KEYS = tuple(f.name for f in dataclasses.fields(SpecConfig) if f.name != "per_concurrency")
+_PROPOSER_KEYS = tuple(k for k in ENTRY_KEYS if k != "num_speculative_tokens")
+
+
+def read_json_arg(text: str, what: str) -> dict:
+  """Inline JSON (starting with '{') or the path of a JSON file."""
+  text = text.strip()
+  if not text.startswith("{"):
+    if not os.path.isfile(text):
+      raise ValueError(f"{what}: {text!r} is neither inline JSON nor an existing file")
+    with open(text, encoding="utf-8") as f:
+      text = f.read()
+  try:
+    obj = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{what}: invalid JSON ({e})") from None
+  if not isinstance(obj, dict):
+    raise ValueError(f"{what}: expected a JSON object, got {type(obj).__name__}")
+  return obj
+
+
+def _int(d: dict, key: str, default: int, what: str) -> int:
+  v = d.get(key, default)
+  if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    raise ValueError(f"{what}: {key} must be an integer >= 0, got {v!r}")
+  return v
+
+
+def _entry(d: dict, what: str) -> dict:
+  """One setting's fields, checked; an absent method with a k is n-gram (vLLM's default), k = 0 is off."""
+  from spec_jax.proposers.registry import METHODS  # the registry as it is now: a plugin registered after import counts
+  unknown = set(d) - set(ENTRY_KEYS)
+  if unknown:
+    raise ValueError(f"{what}: unknown keys {sorted(unknown)}; known: {sorted(ENTRY_KEYS)}")
+  method = d.get("method")
+  if method is None:
+    method = "ngram" if d.get("num_speculative_tokens") else "none"
+  name = METHOD_ALIASES.get(method.lower(), method.lower()) if isinstance(method, str) else None
+  if name not in METHODS:
+    raise ValueError(f"{what}: unknown method {method!r}; choose one of {', '.join(m for m in METHODS if m != 'none')} "
+                     "(a plugin's method: import it with --plugins)")
+  k = _int(d, "num_speculative_tokens", 4 if name != "none" else 0, what)
+  if name == "none" or k == 0:
+    name, k = "none", 0
+  model = d.get("model") or ""
+  if not isinstance(model, str):
+    raise ValueError(f"{what}: model must be a path string, got {model!r}")
+  quantization = d.get("quantization") or "int8"
+  if quantization not in ("int8", "int4"):
+    raise ValueError(f"{what}: quantization (qdraft's weights) must be int8 or int4, got {quantization!r}")
+  out = dict(method=name, num_speculative_tokens=k, prompt_lookup_min=_int(d, "prompt_lookup_min", 1, what),
+             prompt_lookup_max=_int(d, "prompt_lookup_max", 3, what), model=model,
+             draft_layers=_int(d, "draft_layers", 0, what), eagle_topk=max(1, _int(d, "eagle_topk", 1, what)),
+             num_draft_tokens=_int(d, "num_draft_tokens", 0, what), quantization=quantization)
+  if name == "ngram" and not 1 <= out["prompt_lookup_min"] <= out["prompt_lookup_max"]:
+    raise ValueError(f"{what}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {out['prompt_lookup_min']}, "
+                     f"{out['prompt_lookup_max']}")
+  return out
+
+
+def from_dict(obj: dict, what: str = "speculative_config") -> SpecConfig:
+  """A vLLM-style dict (the keys above, or {"per_concurrency": {...}} with shared keys beside it)."""
+  if not isinstance(obj, dict):
+    raise ValueError(f"{what}: expected an object, got {type(obj).__name__}")
+  if "per_concurrency" not in obj:
+    return SpecConfig(**_entry(obj, what))
+  table = obj["per_concurrency"]
+  if not isinstance(table, dict) or not table:
+    raise ValueError(f"{what}: per_concurrency must be a non-empty object {{concurrency: settings}}")
+  base = {k: v for k, v in obj.items() if k != "per_concurrency"}
+  entries = []
+  for key, d in table.items():
+    if not str(key).isdigit() or int(key) < 1:
+      raise ValueError(f"{what}: per_concurrency keys are concurrency levels >= 1, got {key!r}")
+    if not isinstance(d, dict):
+      raise ValueError(f"{what}: per_concurrency[{key}] must be an object")
+    entries.append((int(key), _entry({**base, **d}, f"{what} per_concurrency[{key}]")))
+  entries.sort(key=lambda e: e[0])
+  drafting = [e for _, e in entries if e["num_speculative_tokens"]]
+  if not drafting:
+    return SpecConfig(per_concurrency=tuple((c, 0) for c, _ in entries))
+  first = drafting[0]
+  for e in drafting[1:]:
+    for field in _PROPOSER_KEYS:
+      if e[field] != first[field]:
+        raise ValueError(f"{what}: per_concurrency entries must share one proposer; {field} differs "
+                         f"({first[field]!r} vs {e[field]!r})")
+  return SpecConfig(**{**first, "num_speculative_tokens": max(e["num_speculative_tokens"] for e in drafting)},
+                    per_concurrency=tuple((c, e["num_speculative_tokens"]) for c, e in entries))
+
+
+def parse(text: str, what: str = "--speculative_config") -> SpecConfig:
+  """Inline JSON or a JSON file."""
+  return from_dict(read_json_arg(text, what), what)
+
+
+def replace(spec: SpecConfig, **changes: Any) -> SpecConfig:
+  """`spec` with some keys changed, checked again (e.g. another method for an evaluation arm)."""
+  return from_dict({**spec.to_json(), **changes})
