@@ -1,4 +1,4 @@
-"""The serving benchmark of BENCHMARKS.md section 6 (issue 9): Gemma 3 270M, 16 slots, the baseline (first and
+"""The serving benchmark of docs/benchmark-log.md section 7 (issue 9): Gemma 3 270M, 16 slots, the baseline (first and
 last) against ngram k = 4, greedy Spec-Bench traffic, closed loop at concurrency 1, 4 and 16.
   python -m serve.loadtest --config=configs/loadtest_server_bench.py"""
 

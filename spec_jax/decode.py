@@ -254,7 +254,7 @@ def switch_in_place(index, branches, operand):
 
   Each branch runs as a while_loop of zero or one trips instead of a conditional: XLA:CPU copies every large
   buffer a conditional's branches update in place (the adaptive loop copied the whole KV cache, K and V, in every
-  branch of every step: ~20 % of a k = 0 step on Gemma 3 270M, BENCHMARKS.md section 15), while a while loop
+  branch of every step: ~20 % of a k = 0 step on Gemma 3 270M, docs/benchmark-log.md section 15), while a while loop
   updates its carry in place. The index is read once, so exactly one branch runs.
   """
   index = jnp.clip(index, 0, len(branches) - 1)  # as lax.switch clamps

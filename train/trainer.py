@@ -59,7 +59,7 @@ class TrainSpec:
   cache_features: bool = False  # run the frozen target once over the data instead of at every step
   feature_dir: str = ""  # with cache_features: also keep them on disk here, shared by runs on the same data
   # The cached features' storage dtype: "bfloat16" halves the host memory and disk of "float32"; the step reads
-  # them back as float32 either way (BENCHMARKS.md section 14 measures what the rounding costs).
+  # them back as float32 either way (docs/benchmark-log.md section 14 measures what the rounding costs).
   feature_dtype: str = "float32"
 
 

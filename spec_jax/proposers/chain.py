@@ -17,8 +17,8 @@ def draft_chain(draw: Callable, advance: Callable, carry: Any, key: jax.Array, k
 
   Unrolled (k is small and static), not a lax.scan: inside a loop XLA:CPU hoists loop-invariant converts out
   of it, so a scan over a step that gathers from the bfloat16 embedding converted the whole 262k-row table to
-  float32 (670 MB) on every propose, and the carry's caches were copied each iteration (benchmarks/draft_cost.py,
-  BENCHMARKS.md section 13)."""
+  float32 (670 MB) on every propose, and the carry's caches were copied each iteration (benchmarks/probes/draft_cost.py,
+  docs/benchmark-log.md section 13)."""
   keys = jax.random.split(key, k)
   toks, qs = [], []
   for i in range(k):
