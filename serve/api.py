@@ -91,7 +91,8 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     body.check_supported()
     return body
 
-  def engine_request(body, prompt_ids: list, max_tokens: Optional[int], output: Output):
+  def engine_request(body, prompt_ids: list, output: Output):
+    max_tokens, budget_field = body.token_budget()
     room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
     if max_tokens is None:
       max_tokens = min(cfg["max_new_tokens"], room)
@@ -99,9 +100,9 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
         raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the context of "
                        f"{engine.capacity} tokens", "prompt")
     elif max_tokens > room:
-      raise APIError(400, f"max_tokens={max_tokens} is over the limit: the prompt has {len(prompt_ids)} tokens, the "
-                     f"context {engine.capacity} (speculation needs {engine.spec.lookahead + 1} more), so at most "
-                     f"{max(room, 0)}", "max_tokens")
+      raise APIError(400, f"{budget_field}={max_tokens} is over the limit: the prompt has {len(prompt_ids)} tokens, "
+                     f"the context {engine.capacity} (speculation needs {engine.spec.lookahead + 1} more), so at "
+                     f"most {max(room, 0)}", budget_field)
     top_k = body.top_k if body.top_k is not None else cfg["top_k"]
     try:
       return engine.make_request(
@@ -188,12 +189,12 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     return StreamingResponse(gen(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-  async def complete(request: Request, body, prompt_ids: list, max_tokens: Optional[int], *, chat: bool):
+  async def complete(request: Request, body, prompt_ids: list, *, chat: bool):
     """The one path of both routes: the engine request, then a stream or the whole answer."""
     loop = asyncio.get_running_loop()
     event = asyncio.Event()
     out = Output(lambda: loop.call_soon_threadsafe(event.set))
-    req = engine_request(body, prompt_ids, max_tokens, out)
+    req = engine_request(body, prompt_ids, out)
     submit(req)
     with_ids = bool(body.return_token_ids)
     if body.stream:
@@ -221,7 +222,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       if bad:
         raise APIError(400, f"prompt token ids outside the vocabulary: {bad[:5]}", "prompt")
       prompt_ids = list(p)
-    return await complete(request, body, prompt_ids, body.max_tokens, chat=False)
+    return await complete(request, body, prompt_ids, chat=False)
 
   @guarded.post("/v1/chat/completions")
   async def chat(body: ChatRequest, request: Request):
@@ -230,8 +231,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       prompt_text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
     except (ValueError, TypeError) as e:
       raise APIError(400, f"messages: {e}", "messages")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return await complete(request, body, tokenizer.encode(prompt_text), max_tokens, chat=True)
+    return await complete(request, body, tokenizer.encode(prompt_text), chat=True)
 
   @guarded.get("/v1/models")
   async def models():

@@ -1,17 +1,20 @@
 """OpenAI request bodies (pydantic) and the response objects the server sends.
 
 Unknown fields are accepted and ignored (clients send extras), but a known field of the wrong type is a 400.
-Fields we cannot honour exactly (n > 1, logprobs, penalties, logit_bias, echo, suffix) are refused with a 400 that
-names them rather than ignored. Two extensions ride in `extra_body`: `speculate: false` turns speculation off for
-one request, and `return_token_ids: true` adds the prompt and completion token ids to the choice (as vLLM's
-`return_token_ids` does).
+Every OpenAI and vLLM request field is in one table, `FIELDS`: honoured, harmless (it does not change the tokens)
+or refused with a 400 that names it unless it has a value that changes nothing (`n: 1`, `repetition_penalty: 1.0`,
+`response_format: {"type": "text"}`, ...): nothing that changes the output is ignored. Two extensions ride in
+`extra_body`: `speculate: false` turns speculation off for one request, and `return_token_ids: true` adds the
+prompt and completion token ids to the choice (as vLLM's `return_token_ids` does).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -47,6 +50,116 @@ def integer(**bounds):
 Int, Count, TopK, TopLogprobs = integer(), integer(ge=1), integer(ge=-1), integer(ge=0, le=20)
 
 
+# ---------------------------------------------------------------------------------------- the request fields
+
+HONOURED, HARMLESS = "honoured", "harmless"
+ROUTES = ("completions", "chat")
+
+
+def _same(value, noop) -> bool:
+  """JSON equality: 1 and 1.0 are the same number, but true is not 1 and "1" is not 1."""
+  if type(value) in (int, float) and type(noop) in (int, float):
+    return value == noop
+  return type(value) is type(noop) and value == noop
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+  """A field that changes the output and that the server does not do yet: a 400 naming it, unless it is left out,
+  null, or one of `noop` (values that change nothing). `example` is a value that is refused (the tests send it);
+  `chat_noop` and `chat_example` replace them on the chat route where its defaults differ. `routes`: where the
+  field means something."""
+  noop: tuple = ()
+  example: Any = True
+  routes: tuple = ROUTES
+  chat_noop: Optional[tuple] = None
+  chat_example: Any = None
+
+  def noops(self, route: str) -> tuple:
+    return self.chat_noop if route == "chat" and self.chat_noop is not None else self.noop
+
+  def refused_example(self, route: str):
+    return self.chat_example if route == "chat" and self.chat_noop is not None else self.example
+
+  def accepts(self, value, route: str) -> bool:
+    return value is None or any(_same(value, n) for n in self.noops(route))
+
+  def message(self, name: str, route: str) -> str:
+    ok = ", ".join(["left out", "null", *(json.dumps(n) for n in self.noops(route))])
+    return f"{name} is not supported yet (accepted: {ok})"
+
+
+OFF = Refused(noop=(False,))  # a switch that is off by default
+ABSENT = Refused(example={"x": 1})  # every value changes the output: only null or left out pass
+
+# Every OpenAI (Completions, Chat Completions) and vLLM request field, and what the server does with it.
+# Honoured: the server does it (api.py's routes and engine_request). Harmless: it does not change the tokens.
+# Refused: a 400 naming it unless null, left out or a no-op value. A field in neither model nor table is ignored.
+FIELDS: dict[str, Union[str, Refused]] = {
+    # the request itself
+    "model": HONOURED, "prompt": HONOURED, "messages": HONOURED,
+    "max_tokens": HONOURED, "max_completion_tokens": HONOURED,  # the latter wins when both are sent
+    "temperature": HONOURED, "top_p": HONOURED, "top_k": HONOURED, "seed": HONOURED, "stop": HONOURED,
+    "stream": HONOURED, "stream_options": HONOURED,  # include_usage
+    "speculate": HONOURED, "return_token_ids": HONOURED,  # our extension; vLLM's
+    # what does not change the tokens
+    "user": HARMLESS, "metadata": HARMLESS, "store": HARMLESS, "service_tier": HARMLESS,
+    "prompt_cache_key": HARMLESS, "safety_identifier": HARMLESS, "request_id": HARMLESS, "cache_salt": HARMLESS,
+    "priority": HARMLESS,  # scheduling order only
+    "prediction": HARMLESS,  # OpenAI's predicted outputs: a latency hint, the tokens are the same
+    "parallel_tool_calls": HARMLESS,  # only with tools, which are refused
+    "guided_decoding_backend": HARMLESS, "guided_whitespace_pattern": HARMLESS,  # only with guided_*: refused
+    "length_penalty": HARMLESS,  # only scores beams; use_beam_search is refused
+    "return_tokens_as_token_ids": HARMLESS,  # only the logprobs' token strings; logprobs are refused
+    "include_reasoning": HARMLESS,  # no reasoning parser: nothing is split out of the text
+    "mm_processor_kwargs": HARMLESS,  # content is text only
+    # more than one choice, scores, echoes
+    "n": Refused(noop=(1,), example=2), "best_of": Refused(noop=(1,), example=2),
+    "logprobs": Refused(noop=(False,), example=1),  # completions' 0 would still return the chosen tokens'
+    "top_logprobs": Refused(noop=(0,), example=2), "prompt_logprobs": Refused(example=0),
+    "echo": OFF, "suffix": Refused(noop=("",), example="x"),
+    # penalties and token constraints
+    "presence_penalty": Refused(noop=(0,), example=0.5), "frequency_penalty": Refused(noop=(0,), example=0.5),
+    "repetition_penalty": Refused(noop=(1.0,), example=1.2), "min_p": Refused(noop=(0,), example=0.1),
+    "min_tokens": Refused(noop=(0,), example=3), "ignore_eos": OFF, "logit_bias": Refused(noop=({},), example={"5": 1}),
+    "stop_token_ids": Refused(noop=([],), example=[5]), "bad_words": Refused(noop=([],), example=["cat"]),
+    "allowed_token_ids": Refused(example=[5, 6]), "logits_processors": Refused(noop=([],), example=["m.f"]),
+    "use_beam_search": OFF, "truncate_prompt_tokens": Refused(example=4), "prompt_embeds": Refused(example="AAAA"),
+    # the text and the prompt's tokens: special tokens skipped, stop strings dropped, BOS as vLLM adds it by default
+    "include_stop_str_in_output": OFF, "skip_special_tokens": Refused(noop=(True,), example=False),
+    "spaces_between_special_tokens": Refused(noop=(True,), example=False),
+    "add_special_tokens": Refused(noop=(True,), example=False, chat_noop=(False,), chat_example=True),
+    # structured output, tools, other modalities and models
+    "response_format": Refused(noop=({"type": "text"},), example={"type": "json_object"}),
+    "guided_json": ABSENT, "guided_regex": Refused(example="[ab]+"), "guided_choice": Refused(example=["a", "b"]),
+    "guided_grammar": Refused(example='root ::= "a"'), "structured_outputs": Refused(example={"regex": "a+"}),
+    "tools": Refused(noop=([],), example=[{"type": "function", "function": {"name": "f"}}]),
+    "tool_choice": Refused(noop=("none", "auto"), example="required"),
+    "functions": Refused(noop=([],), example=[{"name": "f"}]),
+    "function_call": Refused(noop=("none", "auto"), example={"name": "f"}),
+    "modalities": Refused(noop=(["text"],), example=["text", "audio"]), "audio": ABSENT,
+    "reasoning_effort": Refused(example="low"), "verbosity": Refused(example="low"),
+    "web_search_options": Refused(example={}),
+    # the chat template
+    "add_generation_prompt": Refused(noop=(True,), example=False, routes=("chat",)),
+    "continue_final_message": Refused(noop=(False,), routes=("chat",)),
+    "chat_template": Refused(example="{{ messages }}", routes=("chat",)),
+    "chat_template_kwargs": Refused(noop=({},), example={"enable_thinking": True}, routes=("chat",)),
+    "documents": Refused(noop=([],), example=[{"text": "a"}], routes=("chat",)),
+}
+
+
+def refuse_unsupported(body: BaseModel, route: str) -> None:
+  """A 400 naming the first field of FIELDS that this route refuses and the body sets to a value that changes
+  the output. Declared fields are read as validated, the others from the body's extras."""
+  extra = body.model_extra or {}
+  for name, rule in FIELDS.items():
+    if isinstance(rule, Refused) and route in rule.routes:
+      value = getattr(body, name) if name in type(body).model_fields else extra.get(name)
+      if not rule.accepts(value, route):
+        raise APIError(400, rule.message(name, route), name)
+
+
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="allow")
   include_usage: Optional[StrictBool] = False
@@ -72,20 +185,19 @@ class _Sampling(BaseModel):
   frequency_penalty: Optional[float] = Field(0.0, ge=-2, le=2)
   logit_bias: Optional[dict[str, float]] = None
   user: Optional[StrictStr] = None
+  max_completion_tokens: Optional[Count] = None
   speculate: Optional[StrictBool] = True
   return_token_ids: Optional[StrictBool] = False
 
   def check_supported(self) -> None:
-    """What the models accept but the server cannot honour exactly yet: a 400 that names the field."""
-    if self.n not in (None, 1):
-      raise APIError(400, f"n must be 1, got {self.n}", "n")
-    if self.logprobs not in (None, False, 0):
-      raise APIError(400, "logprobs are not supported", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-      if getattr(self, name) not in (None, 0, 0.0):
-        raise APIError(400, f"{name} is not supported (only 0)", name)
-    if self.logit_bias:
-      raise APIError(400, "logit_bias is not supported", "logit_bias")
+    """What the models accept but the server cannot honour exactly yet: a 400 that names the field (FIELDS)."""
+    refuse_unsupported(self, "chat" if isinstance(self, ChatRequest) else "completions")
+
+  def token_budget(self) -> tuple[Optional[int], str]:
+    """The output budget and the field it came from: max_completion_tokens wins over max_tokens, as on vLLM."""
+    if self.max_completion_tokens is not None:
+      return self.max_completion_tokens, "max_completion_tokens"
+    return self.max_tokens, "max_tokens"
 
   def stop_list(self) -> list:
     stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -97,15 +209,6 @@ class CompletionRequest(_Sampling):
   echo: Optional[StrictBool] = False
   suffix: Optional[StrictStr] = None
   best_of: Optional[Count] = None
-
-  def check_supported(self) -> None:
-    super().check_supported()
-    if self.echo:
-      raise APIError(400, "echo is not supported", "echo")
-    if self.suffix:
-      raise APIError(400, "suffix is not supported", "suffix")
-    if self.best_of not in (None, 1):
-      raise APIError(400, "best_of must be 1", "best_of")
 
 
 class TextPart(BaseModel):
@@ -123,7 +226,6 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
   messages: Annotated[list[ChatMessage], Field(min_length=1)]
-  max_completion_tokens: Optional[Count] = None
 
 
 class SpeculationSwitch(BaseModel):
