@@ -67,6 +67,12 @@ ROWS: dict[str, Row] = {
     "eagle_topk": Row("integer", "Token trees: candidates per node (1 = chains)."),
     "num_draft_tokens": Row("integer", "Token trees: node budget, root included (0 = 1 + depth * eagle_topk)."),
     "speculative_quantization": Row("enum", "method=qdraft: the draft's weights.", None, ("int8", "int4")),
+    "suffix_decoding_max_tree_depth": Row("integer", "method=suffix: the longest suffix matched."),
+    "suffix_decoding_max_spec_factor": Row("float", "method=suffix: tokens drafted per matched token (up to k)."),
+    "suffix_history_tokens": Row("integer", "method=suffix: the shared history of committed tokens, per slot."),
+    "suffix_sharing": Row("enum", "method=suffix: tenant = a request drafts only from its own tenant's history "
+                          "(the API key, then extra_body tenant); global = from every request's, on purpose "
+                          "(speed can then show one tenant what another wrote).", None, ("tenant", "global")),
     # --- serving
     "host": Row("string", "Bind address (default 127.0.0.1: loopback only)."),
     "port": Row("integer", "Port (default 8000)."),
@@ -157,7 +163,9 @@ ROWS: dict[str, Row] = {
 }
 
 SPEC_ROWS = ("speculative_config", "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-             "speculative_model", "draft_layers", "eagle_topk", "num_draft_tokens", "speculative_quantization")
+             "speculative_model", "draft_layers", "eagle_topk", "num_draft_tokens", "speculative_quantization",
+             "suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_history_tokens",
+             "suffix_sharing")
 
 
 _config_holder = None

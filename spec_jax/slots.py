@@ -31,7 +31,8 @@ from spec_jax.stats import Stats
 class Request:
   """One request, ready for `insert`. tokens int32[P]: the prompt (BOS included) right-padded to a bucket;
   prompt_len, max_new int32[]; sampling: SamplingParams of one row; speculate bool[]: drafts allowed for it;
-  key: the PRNG key of its first token."""
+  key: the PRNG key of its first token; tenant int32[]: whose history a proposer with one may draft from
+  (spec_jax/proposers/suffix.py)."""
 
   tokens: jax.Array
   prompt_len: jax.Array
@@ -39,6 +40,7 @@ class Request:
   sampling: SamplingParams
   speculate: jax.Array
   key: jax.Array
+  tenant: jax.Array
 
 
 @struct.dataclass
@@ -67,7 +69,7 @@ class Snapshot:
 
 def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, speculate: bool = True, seed: int = 0,
-                 chunk: int = DEFAULT_CHUNK) -> Request:
+                 chunk: int = DEFAULT_CHUNK, tenant: int = 0) -> Request:
   """Host-side: check the request (ValueError with the reason) and pad it for `insert`."""
   n = len(prompt_ids)
   check_fits(spec.config, n, int(max_new), spec.lookahead, capacity)
@@ -79,7 +81,7 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
   tokens[:n] = prompt_ids
   return Request(tokens=jnp.asarray(tokens), prompt_len=jnp.int32(n), max_new=jnp.int32(max_new),
                  sampling=SamplingParams.make(1, temperature, top_k, top_p), speculate=jnp.asarray(bool(speculate)),
-                 key=jax.random.PRNGKey(seed))
+                 key=jax.random.PRNGKey(seed), tenant=jnp.int32(tenant))
 
 
 def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0) -> DecodeState:
@@ -115,11 +117,14 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.speculate[None], req.key,
                      cache, capacity=S, chunk=chunk)
   put = functools.partial(write_row, slot=slot)
+  row_pstate = row.pstate
+  if hasattr(spec.proposer, "with_tenant"):  # a proposer that drafts from other requests' text (suffix)
+    row_pstate = spec.proposer.with_tenant(row_pstate, req.tenant)
   state = state.replace(
       tokens=put(state.tokens, row.tokens), lengths=put(state.lengths, row.lengths),
       prompt_lens=put(state.prompt_lens, row.prompt_lens), max_new=put(state.max_new, row.max_new),
       cache=state.cache.insert_row(row.cache, slot),
-      pstate=spec.proposer.insert(state.pstate, slot, row.pstate),
+      pstate=spec.proposer.insert(state.pstate, slot, row_pstate),
       done=put(state.done, row.done), finish=put(state.finish, row.finish),
       speculate=put(state.speculate, row.speculate),
       sampling=write_rows_tree(state.sampling, row.sampling, slot),

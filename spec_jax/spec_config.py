@@ -14,6 +14,8 @@ the tuner's output.
 `eagle_topk` and `num_draft_tokens` are SGLang's token-tree settings (vLLM has none): num_speculative_tokens is
 the tree's depth, eagle_topk the candidates per node (1 = chains), num_draft_tokens its node budget, root included
 (0 = 1 + depth * eagle_topk). `draft_layers` (ours): method=draft with N > 0 drafts with the target's first N layers.
+`suffix_history_tokens` and `suffix_sharing` (ours) size the suffix method's shared history and choose whether
+tenants share it (spec_jax/proposers/suffix.py); vLLM's suffix cache counts requests, ours tokens.
 
 A per-concurrency config (what `serve.loadtest`'s tuner writes) holds one setting per concurrency level. The server
 builds one proposer with the largest k and, at occupancy a, allows the k of the entry with the largest
@@ -42,6 +44,10 @@ class SpecConfig:
   eagle_topk: int = 1
   num_draft_tokens: int = 0
   quantization: str = "int8"  # qdraft: the draft's weights (int8 or int4)
+  suffix_decoding_max_tree_depth: int = 24  # suffix: the longest suffix matched (vLLM's key)
+  suffix_decoding_max_spec_factor: float = 1.0  # suffix: tokens drafted per matched token (vLLM's key)
+  suffix_history_tokens: int = 2048  # suffix (ours): the shared history's ring, tokens per slot
+  suffix_sharing: str = "tenant"  # suffix (ours): history shared per tenant, or "global" on purpose
   per_concurrency: tuple = ()  # ((concurrency, k), ...) sorted; empty: num_speculative_tokens everywhere
 
   @property
@@ -127,6 +133,15 @@ def _entry(d: dict, what: str) -> dict:
              prompt_lookup_max=_int(d, "prompt_lookup_max", 3, what), model=model,
              draft_layers=_int(d, "draft_layers", 0, what), eagle_topk=max(1, _int(d, "eagle_topk", 1, what)),
              num_draft_tokens=_int(d, "num_draft_tokens", 0, what), quantization=quantization)
+  factor = d.get("suffix_decoding_max_spec_factor", 1.0)
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+    raise ValueError(f"{what}: suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
+  sharing = d.get("suffix_sharing") or "tenant"
+  if sharing not in ("tenant", "global"):
+    raise ValueError(f"{what}: suffix_sharing must be tenant or global, got {sharing!r}")
+  out.update(suffix_decoding_max_tree_depth=max(1, _int(d, "suffix_decoding_max_tree_depth", 24, what)),
+             suffix_decoding_max_spec_factor=float(factor),
+             suffix_history_tokens=max(2, _int(d, "suffix_history_tokens", 2048, what)), suffix_sharing=sharing)
   if name == "ngram" and not 1 <= out["prompt_lookup_min"] <= out["prompt_lookup_max"]:
     raise ValueError(f"{what}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {out['prompt_lookup_min']}, "
                      f"{out['prompt_lookup_max']}")

@@ -60,16 +60,33 @@ def ngram_draft(tokens, lengths, *, k: int, ngram_min: int, ngram_max: int):
   # suf[:, r] = tokens[L - 1 - r], the suffix from its last token back; clipped, as rows too short for r have no
   # valid j anyway.
   suf = jnp.take_along_axis(tokens, jnp.clip(L - 1 - jnp.arange(ngram_max)[None, :], 0, S - 1), axis=1)
-  match = jnp.ones((B, S), bool)  # the suffix's last r tokens end at j
-  best_end = jnp.full((B,), -1, jnp.int32)  # last token of the chosen match; -1: none
-  for r in range(min(ngram_max, S - 1)):  # n = r + 1 < S, as L >= n + 1
-    n = r + 1
-    # shifted[:, j] = tokens[:, j - r]; its first r columns are filler, never valid (j >= n - 1 = r).
-    shifted = jnp.pad(tokens[:, :S - r], ((0, 0), (r, 0)))
-    match = match & (shifted == suf[:, r:r + 1])
-    if n >= ngram_min:
-      end_n = jnp.max(jnp.where(match & (j >= n - 1) & (j <= L - 2), j, -1), axis=1)  # latest match of length n
-      best_end = jnp.where(end_n >= 0, end_n, best_end)  # a longer match overrides
+  best_end, _ = longest_match(tokens, suf, j <= L - 2, ngram_min=ngram_min, ngram_max=ngram_max)
   pos = best_end[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, k]
   draft = jnp.take_along_axis(tokens, jnp.clip(pos, 0, S - 1), axis=1)
   return jnp.where((best_end[:, None] >= 0) & (pos < L), draft, NO_TOKEN)
+
+
+def longest_match(corpus, suf, end_ok, *, ngram_min: int, ngram_max: int):
+  """The longest, then latest, occurrence in `corpus` of each row's query suffix (prompt lookup's core, shared
+  with the suffix proposer's history).
+
+  corpus int32[B or 1, C]; suf int32[B, ngram_max]: suf[:, r] is the query's r-th token from its end (a value no
+  corpus token has, e.g. -2, where the query is shorter); end_ok bool[B, C]: where a match may end (a
+  continuation follows). -> (best_end int32[B], -1 where none; best_n int32[B], 0 where none).
+  """
+  B = suf.shape[0]
+  C = corpus.shape[1]
+  j = jax.lax.broadcasted_iota(jnp.int32, (B, C), 1)
+  match = jnp.ones((B, C), bool)  # the suffix's last r tokens end at j
+  best_end = jnp.full((B,), -1, jnp.int32)
+  best_n = jnp.zeros((B,), jnp.int32)
+  for r in range(min(ngram_max, C - 1)):  # n = r + 1 < C: a continuation must follow
+    n = r + 1
+    # shifted[:, j] = corpus[:, j - r]; its first r columns are filler, never valid (j >= n - 1 = r).
+    shifted = jnp.pad(corpus[:, :C - r], ((0, 0), (r, 0)))
+    match = match & (shifted == suf[:, r:r + 1])
+    if n >= ngram_min:
+      end_n = jnp.max(jnp.where(match & (j >= n - 1) & end_ok, j, -1), axis=1)  # latest match of length n
+      best_end = jnp.where(end_n >= 0, end_n, best_end)  # a longer match overrides
+      best_n = jnp.where(end_n >= 0, n, best_n)
+  return best_end, best_n

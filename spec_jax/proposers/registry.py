@@ -97,6 +97,13 @@ def _ngram(a: BuildArgs):
   return NgramProposer(k=a.k, ngram_min=a.spec.prompt_lookup_min, ngram_max=a.spec.prompt_lookup_max), {}
 
 
+def _suffix(a: BuildArgs):
+  from spec_jax.proposers.suffix import SuffixProposer
+  s = a.spec
+  return SuffixProposer(k=a.k, history=s.suffix_history_tokens, max_depth=s.suffix_decoding_max_tree_depth,
+                        spec_factor=s.suffix_decoding_max_spec_factor, sharing=s.suffix_sharing), {}
+
+
 def _medusa(a: BuildArgs):
   from spec_jax.proposers.medusa import load_medusa
   t = a.target
@@ -136,6 +143,7 @@ def _draft(a: BuildArgs):
 
 register("none", Method(lambda a: (NoneProposer(), {})))
 register("ngram", Method(_ngram))
+register("suffix", Method(_suffix))
 register("draft", Method(_draft, trees=True, dynamic_tree=True))
 register("medusa", Method(_medusa, trees=True))
 register("eagle", Method(_eagle, trees=True, dynamic_tree=True))

@@ -1,0 +1,163 @@
+"""Suffix decoding (SuffixDecoding, vLLM's method "suffix"): draft from the row's own context and from a shared,
+device-resident history of what the server has already written, as tokens commit, with no model and no host
+round trip.
+
+The history is one ring buffer per slot, hist int32[B, H] (NO_TOKEN = empty or a separator), with a tenant tag per
+position, owner int32[B, H], rather than one ring per tenant: the rows of one tenant decode together, and rings
+they appended to step by step would interleave their outputs a few tokens at a time, so no continuation longer
+than one step's chunk would survive. A slot's ring holds the outputs of the requests that went through it, each
+whole, after a separator; a row drafts from every slot's ring, its own included, masked to its own tenant's
+positions (or to all of them with sharing="global"). Eviction is per slot, oldest first (slots are reused about
+round robin, so it is about the oldest overall).
+
+Each step a row takes the longest suffix match (up to max_depth tokens, latest occurrence first) of its trailing
+tokens in (a) its own committed context, as n-gram does, and (b) the history; the longer wins, the own context on
+ties. Depth follows the match as SuffixDecoding sets it: min(k, floor(spec_factor * match length)) tokens, the rest
+NO_TOKEN. A match of one token drafts one, so a chance match risks little; a long one drafts all k, since a long
+match is a repeated span that tends to go on.
+
+Chains only for now: the tree of the top continuations where the history holds several is left to a later step.
+The per-row counters (drafted_hist, accepted_hist) count draft tokens that came from the history and were
+accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from spec_jax.proposers.base import Draft
+from spec_jax.proposers.ngram_lookup import NO_TOKEN, longest_match
+from spec_jax.rows import write_row
+
+NO_QUERY = -2  # a query position before the row's start: equals no token, NO_TOKEN included
+SHARING = ("tenant", "global")
+
+
+@struct.dataclass
+class SuffixState:
+  """hist, owner int32[B, H]: slot b's ring of committed tokens and each one's tenant (-1: none); pos int32[B]:
+  where slot b writes next; tenant int32[B]: the row's tenant; from_hist bool[B], n_draft int32[B]: this step's
+  draft came from the history, and its length; drafted_hist, accepted_hist int32[B]: counters since insert."""
+
+  hist: jax.Array
+  owner: jax.Array
+  pos: jax.Array
+  tenant: jax.Array
+  from_hist: jax.Array
+  n_draft: jax.Array
+  drafted_hist: jax.Array
+  accepted_hist: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixProposer:
+  k: int = 4
+  history: int = 2048  # tokens per slot's ring
+  max_depth: int = 24  # the longest suffix matched (vLLM's suffix_decoding_max_tree_depth)
+  spec_factor: float = 1.0  # drafted tokens per matched token (vLLM's suffix_decoding_max_spec_factor)
+  sharing: str = "tenant"
+  name: str = "suffix"
+  needs_prompt_hidden = False
+  tree = None
+
+  def __post_init__(self):
+    if self.k < 1 or self.history < 2 or self.max_depth < 1 or self.spec_factor <= 0:
+      raise ValueError(f"suffix needs k >= 1, history >= 2, max_depth >= 1 and spec_factor > 0, got k={self.k}, "
+                       f"history={self.history}, max_depth={self.max_depth}, spec_factor={self.spec_factor}")
+    if self.sharing not in SHARING:
+      raise ValueError(f"suffix sharing must be one of {SHARING}, got {self.sharing!r}")
+
+  def init(self, params, prefill, capacity):
+    """A fresh history per row, starting with the row's first token (sampled at prefill: no step commits it)."""
+    R = prefill.lengths.shape[0]
+    first = jnp.take_along_axis(prefill.tokens, (prefill.lengths - 1)[:, None], axis=1)[:, 0]
+    hist = jnp.full((R, self.history), NO_TOKEN, jnp.int32).at[:, 0].set(first)
+    owner = jnp.full((R, self.history), -1, jnp.int32).at[:, 0].set(0)
+    z = jnp.zeros((R,), jnp.int32)
+    return SuffixState(hist=hist, owner=owner, pos=z + 1, tenant=z, from_hist=jnp.zeros((R,), bool), n_draft=z,
+                       drafted_hist=z, accepted_hist=z)
+
+  def with_tenant(self, row_state: SuffixState, tenant) -> SuffixState:
+    """A 1-row state (from init) for a request of `tenant` (slots.insert calls it before `insert`)."""
+    t = jnp.reshape(jnp.asarray(tenant, jnp.int32), (1,))
+    return row_state.replace(tenant=t)
+
+  def insert(self, state: SuffixState, slot, row_state: SuffixState) -> SuffixState:
+    """The row's own fields; the slot's ring keeps its past and gets a separator, then the new first token."""
+    put = functools.partial(write_row, slot=slot)
+    H = self.history
+    at = state.pos[slot]
+    cols = jnp.stack([at % H, (at + 1) % H])
+    hist = state.hist.at[slot, cols].set(jnp.stack([jnp.int32(NO_TOKEN), row_state.hist[0, 0]]))
+    owner = state.owner.at[slot, cols].set(jnp.stack([jnp.int32(-1), row_state.tenant[0]]))
+    return state.replace(hist=hist, owner=owner, pos=state.pos.at[slot].set(at + 2),
+                         tenant=put(state.tenant, row_state.tenant), from_hist=put(state.from_hist, row_state.from_hist),
+                         n_draft=put(state.n_draft, row_state.n_draft),
+                         drafted_hist=put(state.drafted_hist, row_state.drafted_hist),
+                         accepted_hist=put(state.accepted_hist, row_state.accepted_hist))
+
+  def propose(self, params, state: SuffixState, ctx, k, key):
+    tokens = ctx.tokens.astype(jnp.int32)
+    B, S = tokens.shape
+    H = self.history
+    n_max = self.max_depth
+    L = ctx.lengths.astype(jnp.int32)[:, None]
+    back = L - 1 - jnp.arange(n_max, dtype=jnp.int32)[None, :]
+    suf = jnp.where(back >= 0, jnp.take_along_axis(tokens, jnp.clip(back, 0, S - 1), axis=1), NO_QUERY)
+    # (a) the row's own context
+    j_own = jax.lax.broadcasted_iota(jnp.int32, (B, S), 1)
+    end_own, n_own = longest_match(tokens, suf, j_own <= L - 2, ngram_min=1, ngram_max=n_max)
+    # (b) every slot's ring, oldest first, side by side: [1, B * H]
+    order = (state.pos[:, None] + jnp.arange(H, dtype=jnp.int32)[None, :]) % H
+    corpus = jnp.take_along_axis(state.hist, order, axis=1).reshape(1, B * H)
+    owner = jnp.take_along_axis(state.owner, order, axis=1).reshape(1, B * H)
+    c = jnp.arange(B * H, dtype=jnp.int32)[None, :]
+    nxt = jnp.pad(corpus[:, 1:], ((0, 0), (0, 1)), constant_values=NO_TOKEN)
+    end_ok = (c % H <= H - 2) & (nxt >= 0)  # a continuation follows, in the same ring
+    if self.sharing == "tenant":
+      end_ok = end_ok & (owner == state.tenant[:, None])
+    end_hist, n_hist = longest_match(corpus, suf, end_ok, ngram_min=1, ngram_max=n_max)
+    use_hist = n_hist > n_own
+    n = jnp.maximum(n_own, n_hist)
+    depth = jnp.minimum(k, jnp.floor(self.spec_factor * n).astype(jnp.int32))
+    t = jnp.arange(k, dtype=jnp.int32)[None, :]
+    p_own = end_own[:, None] + 1 + t
+    own = jnp.where(p_own < L, jnp.take_along_axis(tokens, jnp.clip(p_own, 0, S - 1), axis=1), NO_TOKEN)
+    p_hist = end_hist[:, None] + 1 + t
+    same_ring = p_hist // H == jnp.maximum(end_hist, 0)[:, None] // H
+    from_ring = jnp.where(same_ring, corpus[0, jnp.clip(p_hist, 0, B * H - 1)], NO_TOKEN)
+    from_ring = jnp.where(jnp.cumprod(from_ring >= 0, axis=1) > 0, from_ring, NO_TOKEN)  # stop at a separator
+    draft = jnp.where(use_hist[:, None], from_ring, own)
+    draft = jnp.where((t < depth[:, None]) & (n[:, None] > 0), draft, NO_TOKEN)
+    n_draft = jnp.sum(draft >= 0, axis=1).astype(jnp.int32)
+    return Draft(tokens=draft), state.replace(from_hist=use_hist & (n_draft > 0), n_draft=n_draft)
+
+  def update(self, params, state: SuffixState, result) -> SuffixState:
+    """Append each row's committed tokens to its slot's ring; count the history's drafted and accepted tokens."""
+    B, T = result.tokens.shape
+    H = self.history
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    emitted = result.emitted.astype(jnp.int32)
+    cols = jnp.where(t < emitted[:, None], (state.pos[:, None] + t) % H, H)  # H: dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    hist = state.hist.at[rows, cols].set(result.tokens.astype(jnp.int32), mode="drop")
+    owner = state.owner.at[rows, cols].set(jnp.broadcast_to(state.tenant[:, None], (B, T)), mode="drop")
+    live = state.from_hist & (emitted > 0)
+    accepted = jnp.minimum(result.num_accepted, emitted)  # a stop token or the limit can cut accepted drafts
+    return state.replace(hist=hist, owner=owner, pos=state.pos + emitted,
+                         drafted_hist=state.drafted_hist + jnp.where(live, state.n_draft, 0),
+                         accepted_hist=state.accepted_hist + jnp.where(live, accepted, 0),
+                         from_hist=jnp.zeros_like(state.from_hist), n_draft=jnp.zeros_like(state.n_draft))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def forget_tenant(state, tenant):
+  """A DecodeState whose suffix history no longer holds `tenant`'s tokens (before its id goes to another tenant)."""
+  p = state.pstate
+  gone = p.owner == tenant
+  return state.replace(pstate=p.replace(hist=jnp.where(gone, NO_TOKEN, p.hist), owner=jnp.where(gone, -1, p.owner)))

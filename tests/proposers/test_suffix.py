@@ -1,0 +1,121 @@
+"""The suffix proposer: lossless (greedy and sampled), drafts from an earlier request's output through the shared
+history, keeps tenants apart unless sharing is global, survives its ring wrapping, and runs through
+serve.generate."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from spec_jax import slots
+from spec_jax.batch import generate
+from spec_jax.decode import decode_loop, make_spec
+from spec_jax.models.transformer import init_params
+from spec_jax.proposers.ngram import NgramProposer
+from spec_jax.proposers.suffix import SuffixProposer, forget_tenant
+from tests.conftest import tiny_gemma_config, tiny_llama_config
+from tests.distribution import assert_same_distribution, sample_plain_and_speculative
+
+CONFIG = tiny_gemma_config(eos_ids=(1,))
+CAPACITY = 128
+# The tiny Gemma repeats one token after a few (n-gram drafts that well); this tiny Llama's greedy text varies more,
+# so that what an earlier request wrote is worth something.
+LLAMA = tiny_llama_config(eos_ids=(1,))
+
+
+@functools.lru_cache(maxsize=None)
+def _params(seed=0):
+  return init_params(CONFIG, jax.random.PRNGKey(seed))
+
+
+def _prompts(rng, lengths):
+  return [[2] + rng.integers(3, CONFIG.vocab_size, n - 1).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_greedy_is_lossless(seed):
+  params = _params(seed)
+  rng = np.random.default_rng(seed)
+  span = rng.integers(3, CONFIG.vocab_size, 5).tolist()
+  prompts = [[2] + span * 3, _prompts(rng, [9])[0], [2] + span * 2 + [7], _prompts(rng, [4])[0]]
+  base = generate(params, CONFIG, prompts, max_new_tokens=24)
+  # a small ring, so that it wraps during the run
+  spec = generate(params, CONFIG, prompts, max_new_tokens=24, proposer=SuffixProposer(k=4, history=16),
+                  adaptive_k=False)
+  assert spec.token_ids == base.token_ids
+  assert spec.finish_reasons == base.finish_reasons
+  assert spec.stats["drafted_tokens"] > 0
+
+
+def test_sampling_matches_plain_distribution():
+  config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))  # a tiny vocab: repeats, so the history drafts
+  params = init_params(config, jax.random.PRNGKey(3))
+  plain, specd, rates = sample_plain_and_speculative(params, config, SuffixProposer(k=2, history=32), {}, n=500,
+                                                     calls=6)
+  assert 0.0 < np.mean(rates) < 0.95
+  assert_same_distribution(plain, specd)
+
+
+def _serial(proposer, requests, *, batch=2):
+  """Run (prompt, tenant) requests one after another through slot 0 of a slot state (greedy) -> per request
+  (tokens, drafted, accepted, accepted from the history), and the state."""
+  params = {"target": init_params(LLAMA, jax.random.PRNGKey(2)), "proposer": {}}
+  spec = make_spec(LLAMA, proposer, adaptive_k=False)
+  state = slots.empty_state(params, spec, batch=batch, capacity=CAPACITY)
+  out = []
+  for prompt, tenant in requests:
+    req = slots.make_request(prompt, max_new=40, spec=spec, capacity=CAPACITY, tenant=tenant)
+    state = slots.insert(params, state, np.int32(0), req, spec)
+    state = decode_loop(params, state, spec)
+    snap = jax.device_get(slots.snapshot(state))
+    n = int(snap.lengths[0])
+    from_hist = int(state.pstate.accepted_hist[0]) if isinstance(proposer, SuffixProposer) else 0
+    out.append((snap.tokens[0, len(prompt):n].tolist(), int(snap.drafted[0]), int(snap.accepted[0]), from_hist))
+    state = slots.release(state, np.int32(0))
+  return out, state
+
+
+def _prompt():
+  return _prompts(np.random.default_rng(8), [12])[0]
+
+
+def test_a_repeated_request_drafts_from_the_history():
+  p = _prompt()
+  (a, b), _ = _serial(SuffixProposer(k=4), [(p, 0), (p, 0)])
+  (na, nb), _ = _serial(NgramProposer(k=4, ngram_max=3), [(p, 0), (p, 0)])
+  assert a[0] == b[0] == na[0] == nb[0]  # greedy: the same answer each time
+  assert b[3] > 0 and b[3] > a[3]
+  # accepted tokens per step (tau - 1) well above prompt-only n-gram's on the same traffic
+  assert b[2] >= 0.6 * len(b[0]) and b[2] > 2 * max(nb[2], 1)
+
+
+def test_tenants_do_not_share_unless_global():
+  p = _prompt()
+  (a, b), state = _serial(SuffixProposer(k=4), [(p, 1), (p, 2)])
+  (_, own), _ = _serial(SuffixProposer(k=4), [(_prompts(np.random.default_rng(8), [12])[0], 1), (p, 2)])
+  assert b[0] == a[0]
+  assert b[3] == 0  # nothing accepted from tenant 1's history
+  assert (b[1], b[2]) == (own[1], own[2])  # as if tenant 1 had never asked
+  (_, g), _ = _serial(SuffixProposer(k=4, sharing="global"), [(p, 1), (p, 2)])
+  assert g[3] > 0 and g[2] > b[2]
+  # a tenant's id given to another after forget_tenant: the history holds nothing of the first one
+  state = forget_tenant(state, 1)
+  assert not (np.asarray(state.pstate.owner) == 1).any()
+
+
+from tests.serve.test_server import tiny_model  # noqa: E402,F401 (a fixture)
+
+
+def test_serve_generate_method_suffix(tiny_model, tmp_path):  # noqa: F811
+  import json
+  from tests.proposers.test_plugin_proposer import PROMPTS, _generate
+  out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+  r = _generate(tiny_model, tmp_path, "--method=suffix", "--num_speculative_tokens=3", "--compare", "--noadaptive",
+                "--suffix_history_tokens=64", f"--output={out}", f"--summary_json={summary}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert len(records) == len(PROMPTS)
+  assert all(x["token_ids"] == x["baseline_token_ids"] for x in records)
+  s = json.loads(summary.read_text())
+  assert s["run"]["method"] == "suffix" and s["speculative"]["drafted_tokens"] > 0
