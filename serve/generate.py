@@ -105,7 +105,8 @@ def run(cfg: dict) -> dict:
     with open(FLAGS.output, "w", encoding="utf-8") as f:
       for r in records:
         f.write(json.dumps(r, ensure_ascii=False) + "\n")
-  run_info = {"method": proposer.name, "speculative_config": setup.spec_config.to_json(), "dtype": cfg["dtype"], "batch_size": cfg["batch_size"],
+  run_info = {"method": proposer.name, "speculative_config": setup.spec_config.to_json(), "dtype": cfg["dtype"],
+              "batch_size": cfg["batch_size"],
               "num_speculative_tokens": proposer.k, "adaptive": cfg["adaptive"], "attention_impl": setup.impl,
               "costs_file": cfg.get("costs_file") or "", "step_costs": None if costs is None else
               [[round(float(c), 3) for c in row] for row in np.asarray(costs)[:1]], "repeats": FLAGS.repeats,
