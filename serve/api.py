@@ -91,6 +91,11 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     body.check_supported()
     return body
 
+  def tenant_of(body) -> str:
+    """Whose shared history a request may draft from: the API key's (one key: one identity) and within it the
+    request's extra_body `tenant`, so that a client never names itself into another key's history."""
+    return ("key/" if api_key else "") + (body.tenant or "")
+
   def engine_request(body, prompt_ids: list, output: Output):
     max_tokens, budget_field = body.token_budget()
     room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
@@ -111,7 +116,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
           top_k=0 if top_k == -1 else top_k, top_p=body.top_p if body.top_p is not None else cfg["top_p"],
           speculate=body.speculate is not False,
           seed=body.seed % (1 << 31) if body.seed is not None else secrets.randbits(31),
-          stop=body.stop_list(), output=output)
+          stop=body.stop_list(), output=output, tenant=tenant_of(body))
     except ValueError as e:
       raise APIError(400, str(e))
 

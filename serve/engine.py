@@ -34,10 +34,12 @@ from serve.guardrails import Guardrails, SpeculationSwitch
 from serve.metrics import Metrics
 from serve.engine_request import EngineRequest
 from serve.output_stream import Output, TextStream
+from serve.tenants import TenantTable
 from spec_jax import slots
 from spec_jax.slot_table import SlotTable
 
 log = logging.getLogger("spec_jax.engine")
+TENANT_IDS = 256  # tenants whose history the suffix proposer keeps apart at once (serve/tenants.py)
 
 
 class QueueFull(Exception):
@@ -58,6 +60,7 @@ class Engine:
     if max_num_seqs < 1 or max_queue < 0 or steps_per_sync < 1:
       raise ValueError("max_num_seqs and steps_per_sync must be >= 1, max_queue >= 0")
     self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed)
+    self.tenants = TenantTable(TENANT_IDS, max_num_seqs)
     self.params, self.tokenizer = params, tokenizer
     self.B, self.capacity, self.max_queue, self.steps = max_num_seqs, capacity, max_queue, steps_per_sync
     self.request_timeout_s = request_timeout_s
@@ -90,7 +93,7 @@ class Engine:
 
   def make_request(self, prompt_ids, *, max_new: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    speculate: bool = True, seed: int = 0, stop=(), output: Output | None = None,
-                   timeout_s: Optional[float] = None) -> EngineRequest:
+                   timeout_s: Optional[float] = None, tenant: str = "") -> EngineRequest:
     """Validate and pad a request (ValueError with the reason: the server answers 400)."""
     dev = slots.make_request(list(prompt_ids), max_new=max_new, spec=self.spec, capacity=self.capacity,
                              temperature=temperature, top_k=top_k, top_p=top_p, speculate=speculate, seed=seed)
@@ -98,7 +101,7 @@ class Engine:
     timeout = self.request_timeout_s if timeout_s is None else timeout_s
     return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), device_req=dev,
                          stop=tuple(s for s in stop if s), output=output or Output(), arrival=now,
-                         speculate=bool(speculate),
+                         speculate=bool(speculate), tenant=tenant,
                          deadline=now + timeout if timeout else None)
 
   def submit(self, req: EngineRequest) -> None:
@@ -189,6 +192,7 @@ class Engine:
 
   def _fresh_state(self) -> None:
     self.table.reset()
+    self.tenants.reset()
     self._applied_on = None
     self._last_uses = np.zeros(len(self.spec.ks), np.int64)
 
@@ -255,6 +259,7 @@ class Engine:
           req.fail(504, "timeout", f"request timed out after {self.request_timeout_s:g} s", self.metrics)
       if req.finished:
         self.table.release(slot)
+        self.tenants.release(req.tenant_id)
     with self._lock:
       keep = collections.deque()
       for req in self._waiting:
@@ -278,8 +283,10 @@ class Engine:
       req.stream = TextStream(req.output, self.tokenizer.stream(skip_special=True), req.stop)
       req.accepted_at = np.zeros(max(self.spec.k_max, 1), np.int64)
       try:
+        self._assign_tenant(req)
         req.slot = self.table.insert(req, req.device_req)
       except Exception as e:
+        self.tenants.release(req.tenant_id)
         log.exception("insert failed for %s", req.id)
         req.fail(500, "engine", f"insert failed: {e}", self.metrics)
         if self.table.lost():  # the donated state is gone: start again from a fresh one
@@ -290,6 +297,15 @@ class Engine:
       self.metrics.prompt_tokens.inc(len(req.prompt_ids))
       n += 1
     return n
+
+  def _assign_tenant(self, req: EngineRequest) -> None:
+    """The request's tenant id in its device request; an id taken from another tenant loses its history first."""
+    tid, evicted = self.tenants.acquire(req.tenant)
+    forget = getattr(self.spec.proposer, "forget_tenant", None)
+    if evicted is not None and forget is not None:
+      self.table.state = forget(self.table.state, evicted)
+    req.tenant_id = tid
+    req.device_req = req.device_req.replace(tenant=np.int32(tid))
 
   def _device_failure(self, e: Exception) -> None:
     """The state may be lost: fail every request holding a slot (500) and start again from a fresh state."""

@@ -30,6 +30,8 @@ class EngineRequest:
   arrival: float
   deadline: Optional[float]
   speculate: bool = True
+  tenant: str = ""  # whose shared history it may draft from (serve/tenants.py)
+  tenant_id: int = -1
   aborted: bool = False  # set by the HTTP layer (client gone)
   slot: int = -1
   finished: bool = False
@@ -42,6 +44,7 @@ class EngineRequest:
   accepted: int = 0
   drafts: int = 0
   accepted_at: Optional[np.ndarray] = None
+  accepted_from_history: int = 0
 
   def advance(self, arr, slot: int, now: float, itl: list, m: Metrics) -> tuple[int, int]:
     """Take this request's new tokens from its row of snapshot `arr`, ITL samples appended to `itl` ->
@@ -52,6 +55,10 @@ class EngineRequest:
     dd, da = drafted - self.drafted, accepted - self.accepted  # the row's counters are cumulative
     m.observe_drafts(dd, da, drafts - self.drafts, acc_at - self.accepted_at)
     self.drafted, self.accepted, self.drafts, self.accepted_at = drafted, accepted, drafts, acc_at.copy()
+    from_hist = int(arr.accepted_from_history[slot])
+    if from_hist > self.accepted_from_history:
+      m.accepted_from_history.inc(from_hist - self.accepted_from_history)
+    self.accepted_from_history = from_hist
 
     start = int(arr.prompt_lens[slot]) + self.n_tokens
     new = arr.tokens[slot, start:int(arr.lengths[slot])].tolist()

@@ -36,6 +36,10 @@ class Metrics:
                               registry=r)
     self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Tokens drafted.", registry=r)
     self.num_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+    self.accepted_from_history = Counter(f"{p}spec_decode_num_accepted_tokens_from_history",
+                                         "Of the accepted draft tokens, those drafted from other requests' text "
+                                         "(method suffix's shared history); the rest came from the request's own.",
+                                         registry=r)
     self.accepted_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted, by draft position.", ["position"], registry=r)
     for pos in range(max(k_max, 0)):

@@ -49,7 +49,8 @@ class Snapshot:
 
   tokens int32[B, S]; lengths, prompt_lens int32[B]; done bool[B]; finish int32[B] FINISH_*; per-row counters
   since insert: steps, drafted, accepted int32[B], drafted_at, accepted_at int32[B, K]; option_uses int32[n] steps
-  per option since the state was made; step int32[] loop steps so far; spec_enabled bool[].
+  per option since the state was made; step int32[] loop steps so far; spec_enabled bool[];
+  accepted_from_history int32[B]: of `accepted`, the drafts a proposer took from other requests' text (suffix).
   """
 
   tokens: jax.Array
@@ -65,6 +66,7 @@ class Snapshot:
   option_uses: jax.Array
   step: jax.Array
   spec_enabled: jax.Array
+  accepted_from_history: jax.Array
 
 
 def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
@@ -118,8 +120,9 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
                      cache, capacity=S, chunk=chunk)
   put = functools.partial(write_row, slot=slot)
   row_pstate = row.pstate
-  if hasattr(spec.proposer, "with_tenant"):  # a proposer that drafts from other requests' text (suffix)
-    row_pstate = spec.proposer.with_tenant(row_pstate, req.tenant)
+  with_tenant = getattr(spec.proposer, "with_tenant", None)  # a proposer that drafts from others' text (suffix)
+  if with_tenant is not None:
+    row_pstate = with_tenant(row_pstate, req.tenant)
   state = state.replace(
       tokens=put(state.tokens, row.tokens), lengths=put(state.lengths, row.lengths),
       prompt_lens=put(state.prompt_lens, row.prompt_lens), max_new=put(state.max_new, row.max_new),
@@ -155,7 +158,9 @@ def set_speculation(state: DecodeState, enabled) -> DecodeState:
 def snapshot(state: DecodeState) -> Snapshot:
   s = state.stats
   cp = jnp.copy
+  from_hist = getattr(state.pstate, "accepted_hist", None)  # the suffix proposer's counter
   return Snapshot(tokens=cp(state.tokens), lengths=cp(state.lengths), prompt_lens=cp(state.prompt_lens),
                   done=cp(state.done), finish=cp(state.finish), steps=cp(s.steps), drafted=cp(s.drafted),
                   accepted=cp(s.accepted), drafted_at=cp(s.drafted_at), accepted_at=cp(s.accepted_at),
-                  option_uses=cp(state.adapt.uses), step=cp(state.step), spec_enabled=cp(state.spec_enabled))
+                  option_uses=cp(state.adapt.uses), step=cp(state.step), spec_enabled=cp(state.spec_enabled),
+                  accepted_from_history=jnp.zeros_like(s.accepted) if from_hist is None else cp(from_hist))

@@ -12,6 +12,8 @@ leaves carry the batch (slot) axis, so one row can be replaced while the others 
   propose_tree(params, state, ctx, key)           -> (TreeDraft, state)   (tree proposers only)
   update(params, state, result: VerifyResult)     -> state     after verify/commit (every step, k = 0 included)
   insert(state, slot, row_state)                  -> state     write a 1-row state (from init) into row `slot`
+  with_tenant(row_state, tenant) (optional)       -> row_state the request's tenant, before insert (suffix)
+  forget_tenant(decode_state, tenant) (optional)  -> decode_state  without that tenant's shared history (suffix)
 
 `params` is the proposer's own weights (an empty dict for model-free proposers). A draft token < 0 means
 "nothing proposed here": the verifier never accepts it nor anything after it.

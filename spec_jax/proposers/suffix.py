@@ -101,6 +101,10 @@ class SuffixProposer:
                          drafted_hist=put(state.drafted_hist, row_state.drafted_hist),
                          accepted_hist=put(state.accepted_hist, row_state.accepted_hist))
 
+  def forget_tenant(self, state, tenant):
+    """The DecodeState `state` without `tenant`'s history (the server reuses its id, serve/tenants.py)."""
+    return state if self.sharing == "global" else forget_tenant(state, tenant)
+
   def propose(self, params, state: SuffixState, ctx, k, key):
     tokens = ctx.tokens.astype(jnp.int32)
     B, S = tokens.shape

@@ -119,3 +119,37 @@ def test_serve_generate_method_suffix(tiny_model, tmp_path):  # noqa: F811
   assert all(x["token_ids"] == x["baseline_token_ids"] for x in records)
   s = json.loads(summary.read_text())
   assert s["run"]["method"] == "suffix" and s["speculative"]["drafted_tokens"] > 0
+
+
+def test_the_server_keeps_tenants_apart(tiny_model):  # noqa: F811
+  from tests.serve.test_server import MODEL, metric, reference_greedy, tiny_server
+  s = tiny_server(tiny_model, '--speculative_config={"method": "suffix", "num_speculative_tokens": 4}')
+  name = "spec_jax:spec_decode_num_accepted_tokens_from_history_total"
+  prompt = "the quick brown fox jumps over a lazy dog while"
+  try:
+    with s.http() as h:
+      def ask(tenant):
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                            "return_token_ids": True, "tenant": tenant})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+      want = reference_greedy(tiny_model, prompt, 40)
+      assert ask("a") == want and ask("b") == want
+      assert metric(s.metrics(), name) == 0  # b drafted nothing from a's answer
+      assert ask("a") == want
+      assert metric(s.metrics(), name) > 0  # its own tenant's history: drafted from it
+  finally:
+    assert s.stop() == 0, s.log()[-3000:]
+
+
+def test_tenant_table_reuses_the_least_recently_used_idle_id():
+  from serve.tenants import TenantTable
+  t = TenantTable(size=3, num_slots=2)
+  assert t.acquire("a") == (0, None) and t.acquire("b") == (1, None) and t.acquire("c") == (2, None)
+  t.release(1)
+  t.release(2)
+  assert t.acquire("a") == (0, None)  # known: its id again
+  assert t.acquire("d") == (1, 1)  # a is running; b is the least recently used idle one: its id is cleared first
+  t.release(0)
+  t.release(0)
+  assert t.acquire("e") == (2, 2)  # c was used before a
