@@ -71,7 +71,8 @@ def main(argv):
   from spec_jax.checkpoints.load import load_model
   from spec_jax.decode import decode_loop, make_spec
   from spec_jax.proposers.base import NoneProposer
-  from spec_jax.proposers.registry import build_proposer
+  from spec_jax.proposers.registry import Target, build_proposer
+  from spec_jax.spec_config import SpecConfig
 
   config, params, tok = load_model(None, FLAGS.dtype)
   rng = np.random.default_rng(0)
@@ -82,8 +83,8 @@ def main(argv):
     plain_spec = make_spec(config, NoneProposer(), adaptive_k=False)
     loops["plain"] = _slot_state({"target": params, "proposer": {}}, plain_spec, rows, prompt, None)
   for method in FLAGS.methods:
-    proposer, pp = build_proposer(method, target_config=config, target_params=params, k=FLAGS.k,
-                                  draft_layers=int(FLAGS.draft_layers), dtype=FLAGS.dtype)
+    proposer, pp = build_proposer(SpecConfig(method, FLAGS.k, draft_layers=int(FLAGS.draft_layers)),
+                                  Target(config, params, dtype=FLAGS.dtype))
     spec = make_spec(config, proposer, adaptive_k=True)
     full = {"target": params, "proposer": pp}
     setups[method] = _slot_state(full, spec, rows, prompt, None)

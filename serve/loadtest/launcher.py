@@ -17,7 +17,7 @@ from typing import Optional
 
 import httpx
 
-from serve.loadtest.traffic import REPO
+from spec_jax.datasets import REPO_ROOT as REPO
 
 
 def free_port() -> int:
