@@ -24,6 +24,9 @@ def _proposer(name, params, config=CONFIG):
     return NoneProposer(), {}
   if name == "ngram":
     return NgramProposer(k=3), {}
+  if name == "suffix":  # a short ring, so that it wraps within a test
+    from spec_jax.proposers.suffix import SuffixProposer
+    return SuffixProposer(k=3, history=16), {}
   if name == "draft":
     return early_exit_proposer(config, params, 2, k=3)
   if name.endswith("_tree"):  # token trees: medusa static, eagle and draft dynamic (EAGLE-2)
@@ -50,7 +53,7 @@ def _out(state, slot):
 
 # One tree proposer here (EAGLE-2's per-row dynamic trees); the Medusa and draft trees' batch identity is in
 # tests/test_tree_decode.py (CI time: each case compiles the whole loop).
-@pytest.mark.parametrize("name", ["none", "ngram", "draft", "medusa", "eagle", "eagle_tree"])
+@pytest.mark.parametrize("name", ["none", "ngram", "suffix", "draft", "medusa", "eagle", "eagle_tree"])
 def test_insert_mid_decode_and_after_release_equals_alone(name):
   params = _params()
   proposer, pparams = _proposer(name, params)

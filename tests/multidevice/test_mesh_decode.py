@@ -51,7 +51,8 @@ def _alone(name, batch):
 
 # Every proposer at batch 8 on the mesh that splits both axes; batch 1 (rows padded to the data axis) and the
 # other two meshes on a subset: each case is a compile of the whole loop, the cost of this file.
-CASES = ([("data:2,model:4", name, 8) for name in ("none", "ngram", "draft", "medusa", "eagle", "eagle_tree")]
+CASES = ([("data:2,model:4", name, 8) for name in ("none", "ngram", "suffix", "draft", "medusa", "eagle",
+                                                                  "eagle_tree")]
          + [("data:8", "none", 1), ("data:8", "eagle", 1), ("data:4,model:2", "draft", 1)])
 
 
