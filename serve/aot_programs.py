@@ -25,9 +25,8 @@ from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.proposers import registry
 
 SDS = jax.ShapeDtypeStruct
-# The registry's methods, and eagle3 apart: serving loads EAGLE-3 heads as eagle (from the checkpoint), while from
-# shapes alone the head kind must be named.
-METHODS = (*registry.METHODS, "eagle3")
+# The registry's methods (from shapes alone, eagle builds an EAGLE-1 head and eagle3 an EAGLE-3 one).
+METHODS = tuple(registry.METHODS)
 TREE_METHODS = ("medusa", "eagle", "eagle3", "draft")
 DRAFT_VOCAB = 32000  # EAGLE-3's published heads draft over 32k ids
 
@@ -128,6 +127,9 @@ def proposer_for(method: str, config: ModelConfig, target: dict, *, k: int, topk
     return NoneProposer(), {}
   if method == "ngram":
     return NgramProposer(k=k), {}
+  if method == "suffix":  # its history is decode state (sized by the proposer), so no parameters
+    from spec_jax.proposers.suffix import SuffixProposer
+    return SuffixProposer(k=k), {}
   if method == "medusa":
     heads = abstract(medusa.param_shapes(config.d_model, k), dtype)
     static = None

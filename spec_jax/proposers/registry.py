@@ -117,6 +117,17 @@ def _eagle(a: BuildArgs):
   return load_eagle(a.spec.model or default_heads_path("eagle"), t.config, t.params, a.k, t.impl, a.tree)
 
 
+def _eagle3(a: BuildArgs):
+  """vLLM's method "eagle3": an EAGLE-3 head ('' = heads/eagle3_gemma3_270m). `eagle` loads either kind from its
+  checkpoint; this one refuses a head without feature layers, so a config that says eagle3 gets EAGLE-3."""
+  from spec_jax.proposers.eagle import load_eagle
+  t, path = a.target, a.spec.model or default_heads_path("eagle3")
+  proposer, params = load_eagle(path, t.config, t.params, a.k, t.impl, a.tree)
+  if not proposer.feature_layers:
+    raise ValueError(f"method eagle3: {path} is an EAGLE-1 head (no feature layers); use method eagle for it")
+  return proposer, params
+
+
 def _qdraft(a: BuildArgs):
   """The target drafting for itself through its own weights quantized to `quantization` (loaded from the
   target's checkpoint, cached like the target's), over all ids, or over the draft vocabulary `model` names."""
@@ -147,4 +158,5 @@ register("suffix", Method(_suffix))
 register("draft", Method(_draft, trees=True, dynamic_tree=True))
 register("medusa", Method(_medusa, trees=True))
 register("eagle", Method(_eagle, trees=True, dynamic_tree=True))
+register("eagle3", Method(_eagle3, trees=True, dynamic_tree=True))
 register("qdraft", Method(_qdraft, trees=True, dynamic_tree=True))

@@ -63,15 +63,15 @@ def _global_bytes(args) -> int:
 # The longest compiles (1.5-15 minutes each on 2 busy cores) run in `make test-aot` only, not in `make test`'s
 # budget: serve.aot's reports (benchmarks/reports/aot) compile every program at full size anyway.
 FULL = pytest.mark.aot_full
-GEMMA_TPU = ["decode_loop[none]", "decode_loop[ngram]", "decode_loop[eagle]", "decode_loop[eagle tree16]",
-             "insert[eagle, prompt 16]", pytest.param("train_step[eagle]", marks=FULL)]
+GEMMA_TPU = ["decode_loop[none]", "decode_loop[ngram]", "decode_loop[suffix]", "decode_loop[eagle]",
+             "decode_loop[eagle tree16]", "insert[eagle, prompt 16]", pytest.param("train_step[eagle]", marks=FULL)]
 
 
 @pytest.mark.parametrize("name", GEMMA_TPU)
 def test_gemma3_270m_on_one_v5e_chip(name):
   _need("libtpu", "libtpu (the TPU compiler)")
-  tgt, ps = _programs("v5e:2x2", "gemma3-270m", methods=["none", "ngram", "eagle"], slots=4, tokens=1024, topk=4,
-                      train=["eagle"])
+  tgt, ps = _programs("v5e:2x2", "gemma3-270m", methods=["none", "ngram", "suffix", "eagle"], slots=4, tokens=1024,
+                      topk=4, train=["eagle"])
   _check(tgt, ps[name], kernel=not name.startswith("train"))
 
 

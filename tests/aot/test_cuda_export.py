@@ -11,7 +11,7 @@ import pytest
 from serve import aot_compile, aot_programs as progs
 from spec_jax.models.shapes import model_shape
 
-METHODS = ["none", "ngram", "medusa", "eagle", "eagle3", "draft", "qdraft"]
+METHODS = progs.METHODS  # every registered method
 
 
 @pytest.fixture(scope="module")

@@ -143,6 +143,7 @@ def test_trained_eagle3_head_exports_loads_and_other_layouts_are_refused(tmp_pat
   head_ckpt.save_heads(str(tmp_path / "e3"), "eagle", final, config, dict(meta))
   prop, pp = build_proposer(SpecConfig("eagle", 3, model=str(tmp_path / "e3")), Target(config, params))
   assert prop.feature_layers == (0, 1)
+  assert build_proposer(SpecConfig("eagle3", 3, model=str(tmp_path / "e3")), Target(config, params))[0] == prop
   prompts = [[config.bos_id] + rng.integers(3, config.vocab_size, 6).tolist() for _ in range(2)]
   assert generate(params, config, prompts, max_new_tokens=10, proposer=prop, proposer_params=pp).token_ids == \
       generate(params, config, prompts, max_new_tokens=10).token_ids

@@ -177,6 +177,8 @@ def test_head_checkpoint_round_trip_and_errors(tmp_path):
   head_ckpt.save_heads(str(tmp_path / "e"), "eagle", w, CONFIG, {"mlp_dim": 48})
   prop, pp = build_proposer(SpecConfig("eagle", 2, model=str(tmp_path / "e")), Target(CONFIG, params))
   assert prop.config.mlp_dim == 48 and not prop.reduced and pp["rows"].shape == (CONFIG.vocab_size, 32)
+  with pytest.raises(ValueError, match="is an EAGLE-1 head"):  # vLLM's method eagle3 names EAGLE-3 heads only
+    build_proposer(SpecConfig("eagle3", 2, model=str(tmp_path / "e")), Target(CONFIG, params))
   head_ckpt.save_heads(str(tmp_path / "e2"), "eagle", w, CONFIG, {"mlp_dim": 64})
   with pytest.raises(ValueError, match="tensor 'layer/down' has shape \\(48, 32\\), expected \\(64, 32\\)"):
     build_proposer(SpecConfig("eagle", 2, model=str(tmp_path / "e2")), Target(CONFIG, params))
