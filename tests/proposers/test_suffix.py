@@ -153,3 +153,34 @@ def test_tenant_table_reuses_the_least_recently_used_idle_id():
   t.release(0)
   t.release(0)
   assert t.acquire("e") == (2, 2)  # c was used before a
+
+
+@pytest.mark.slow
+def test_gemma3_through_slots_is_lossless_and_a_repeat_drafts_from_the_history(gemma3_f32, gemma3_tokenizer):
+  """Gemma 3 270M (float32) through a long-lived slot state: four requests, the last repeating the first one's
+  prompt, each token-identical to plain greedy decoding; the repeat accepts drafts from the first one's answer."""
+  from spec_jax.slot_table import SlotTable
+  from tests.proposers.test_medusa_eagle import gemma3_chat_prompts
+  config, params = gemma3_f32
+  prompts = gemma3_chat_prompts(gemma3_tokenizer)
+  max_new, capacity = 32, 256
+  want = generate(params, config, prompts, max_new_tokens=max_new).token_ids
+  spec = make_spec(config, SuffixProposer(k=4), adaptive_k=False)
+  table = SlotTable({"target": params, "proposer": {}}, spec, num_slots=2, capacity=capacity)
+  got = {}
+  for wave in ([0, 1], [2, 0]):  # the second wave's request 0 repeats the first wave's
+    for i in wave:
+      table.insert(i, slots.make_request(prompts[i], max_new=max_new, spec=spec, capacity=capacity))
+    snap, held = table.run(max_new + 1)
+    snap = jax.device_get(snap)
+    for slot, i in held.items():
+      assert snap.done[slot]
+      got.setdefault(i, []).append((snap.tokens[slot, len(prompts[i]):snap.lengths[slot]].tolist(),
+                                    int(snap.accepted[slot]), int(snap.accepted_from_history[slot])))
+      table.release(slot)
+  for i, runs in got.items():
+    for tokens, _, _ in runs:
+      assert tokens == want[i], i
+  (first, _, first_hist), (repeat, repeat_acc, repeat_hist) = got[0]
+  assert repeat_hist > 0 and repeat_hist > first_hist
+  assert repeat_acc >= 0.5 * len(repeat)  # most of the repeat came from drafts
