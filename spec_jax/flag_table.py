@@ -160,6 +160,10 @@ ROWS: dict[str, Row] = {
                  "CPU: the script's own code, checked without a GPU (its numbers mean nothing).", False),
     "hbm_bytes_per_s": Row("float", "The device's published HBM bandwidth (H200: 4.8 TB/s).", 4.8e12),
     "runs": Row("integer", "Timed runs per measurement (median reported).", 20),
+    "traffic": Row("list", "benchmarks/suffix.py: traffic kinds (specbench, retries, retries_sampled, templated)."),
+    "requests_per_kind": Row("integer", "benchmarks/suffix.py: requests per traffic kind (retries: that many rounded "
+                             "up to whole prompts sent 3 times)."),
+    "retry_temperature": Row("float", "benchmarks/suffix.py: the temperature of the sampled retries."),
 }
 
 SPEC_ROWS = ("speculative_config", "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
