@@ -172,11 +172,11 @@ def run() -> dict:
   cfg = generate.settings()
   generate.validate(cfg)
   lead = jax.process_index() == 0
-  mesh = sharding.make_mesh(cfg.get("mesh") or "")  # the same mesh setup_lib.load makes
+  setup = setup_lib.load(cfg, SpecConfig())
+  mesh = setup.mesh
   if lead:
     print(f"evaluate: {jax.process_count()} process(es), {jax.device_count()} devices "
           f"({jax.devices()[0].platform}), mesh {sharding.describe(mesh)}", flush=True)
-  setup = setup_lib.load(cfg, SpecConfig())
   prompts, prompt_ids = generate.load_prompts(cfg, setup)
   arms = [Arm("baseline", NoneProposer(), {})]
   for m in dict.fromkeys(methods):

@@ -23,15 +23,24 @@ FORBIDDEN_COST = 1e9  # a step cost the adaptive controller never picks
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  config: Any  # the target's ModelConfig
-  params: Any
+  target: Any  # registry.Target: the model's config and params, the attention kernel, its checkpoint and dtype
   tokenizer: Any
-  impl: str  # the attention kernel
   spec_config: SpecConfig
   proposer: Any
   proposer_params: Any
   mesh: Any = None
-  settings: dict = dataclasses.field(default_factory=dict, repr=False)  # the run settings it was built from
+
+  @property
+  def config(self):
+    return self.target.config
+
+  @property
+  def params(self):
+    return self.target.params
+
+  @property
+  def impl(self) -> str:
+    return self.target.impl
 
   @property
   def stop_ids(self) -> tuple:
@@ -45,14 +54,9 @@ class Setup:
 
   def with_spec(self, spec: SpecConfig) -> "Setup":
     """The same target with another speculative config's proposer (serve.evaluate's arms)."""
-    proposer, proposer_params = build_proposer(spec, self.config, self.params, self.impl, self.settings)
+    from spec_jax.proposers.registry import build_proposer
+    proposer, proposer_params = build_proposer(spec, self.target)
     return dataclasses.replace(self, spec_config=spec, proposer=proposer, proposer_params=proposer_params)
-
-
-def build_proposer(spec: SpecConfig, config, params, impl: str, cfg: dict):
-  from spec_jax.proposers.registry import Target, build_proposer as build
-  return build(spec, Target(config, params, impl=impl, model_path=cfg.get("model") or None,
-                            dtype=cfg.get("dtype") or "float32"))
 
 
 def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
@@ -61,6 +65,7 @@ def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
   from spec_jax.checkpoints.load import load_model
   from spec_jax.config import validate_sampling
   from spec_jax.kernels import resolve_impl
+  from spec_jax.proposers.registry import Target, build_proposer
   validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
   if cfg["max_new_tokens"] < 1:
     raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
@@ -68,8 +73,9 @@ def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
   mesh = sharding.make_mesh(cfg.get("mesh") or "")
   impl = resolve_impl(cfg["attention_impl"])
   config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
-  proposer, proposer_params = build_proposer(spec, config, params, impl, cfg)
-  return Setup(config, params, tokenizer, impl, spec, proposer, proposer_params, mesh, cfg)
+  target = Target(config, params, impl=impl, model_path=cfg["model"] or None, dtype=cfg["dtype"])
+  proposer, proposer_params = build_proposer(spec, target)
+  return Setup(target, tokenizer, spec, proposer, proposer_params, mesh)
 
 
 def draft_lengths(setup: Setup, adaptive: bool, switchable: bool = False) -> tuple:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
 
 # vLLM's spellings of registry names.
 METHOD_ALIASES = {"draft_model": "draft", "off": "none", "": "none"}
@@ -182,8 +181,3 @@ def from_dict(obj: dict, what: str = "speculative_config") -> SpecConfig:
 def parse(text: str, what: str = "--speculative_config") -> SpecConfig:
   """Inline JSON or a JSON file."""
   return from_dict(read_json_arg(text, what), what)
-
-
-def replace(spec: SpecConfig, **changes: Any) -> SpecConfig:
-  """`spec` with some keys changed, checked again (e.g. another method for an evaluation arm)."""
-  return from_dict({**spec.to_json(), **changes})
