@@ -214,7 +214,7 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
         req = slots.Request(tokens=SDS((P_,), jnp.int32), prompt_len=SDS((), jnp.int32),
                             max_new=SDS((), jnp.int32),
                             sampling=jax.eval_shape(lambda: SamplingParams.make(1)),
-                            speculate=SDS((), jnp.bool_), key=SDS((2,), jnp.uint32),
+                            draft_cap=SDS((), jnp.int32), key=SDS((2,), jnp.uint32),
                             tenant=SDS((), jnp.int32))
         out.append(Program(f"insert[{label}, prompt {P_}]", slots.insert,
                            (params, state, place.replicated(SDS((), jnp.int32)), place.replicated(req), spec),

@@ -23,7 +23,7 @@ from spec_jax.sampling import sample
 from spec_jax.stats import Stats
 
 
-def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache, *,
+def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, *,
                  capacity: int, chunk: int, live=None, costs=None) -> DecodeState:
   """Prefill prompts int32[R, P] (right-padded, P a multiple of `chunk`) into `cache` and start their rows.
 
@@ -34,15 +34,15 @@ def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sa
   needs = spec.proposer.needs_prompt_hidden
   out = prefill(params["target"], prompt_tokens, prompt_lens, cache, config=spec.config, impl=spec.impl, chunk=chunk,
                 return_all=needs, feature_layers=feature_layers(spec.proposer), mesh=spec.mesh)
-  return _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, out[0], out[1],
+  return _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, out[0], out[1],
                 out[2] if needs else None, live, costs, capacity=capacity, chunk=chunk)
 
 
 @sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec", "capacity", "chunk"), donate_argnames=("cache",))
-def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache, hidden, prompt_hidden,
+def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, hidden, prompt_hidden,
            live, costs, *, capacity, chunk):
-  state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache, hidden,
+  state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, hidden,
                      prompt_hidden, capacity, chunk)
   if costs is not None:
     state = state.replace(adapt=adaptive.AdaptState.init(prompt_tokens.shape[0], costs))
@@ -52,7 +52,7 @@ def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, speculat
   return sharding.constrain_state(state, spec.mesh)
 
 
-def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, speculate, key, cache,
+def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache,
                hidden, prompt_hidden, capacity: int, chunk: int) -> DecodeState:
   """Rows right after the target's prefill: sample the first token, start the proposer, fresh counters.
 
@@ -80,6 +80,6 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   pstate = spec.proposer.init(params["proposer"], pre, capacity)
   return DecodeState(
       tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, max_new=max_new, cache=cache, pstate=pstate, key=key,
-      done=stop | hit_len, finish=finish, speculate=speculate, sampling=sampling, stats=Stats.zeros(R, spec.k_max),
+      done=stop | hit_len, finish=finish, draft_cap=draft_cap, sampling=sampling, stats=Stats.zeros(R, spec.k_max),
       adapt=adaptive.AdaptState.init(R, jnp.ones((1, len(spec.ks)), jnp.float32)), last_hidden=feats,
       spec_enabled=jnp.ones((), bool), step=jnp.zeros((), jnp.int32), done_step=jnp.zeros((R,), jnp.int32))

@@ -91,9 +91,9 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   buf, prompt_lens, max_new, sampling = sharding.rows((buf, prompt_lens, max_new, sampling), mesh)
   costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)
   key, costs = sharding.replicated((np.asarray(jax.random.PRNGKey(seed)), costs), mesh)
-  speculate, live = sharding.rows((np.ones((B,), bool), np.arange(B) < n), mesh)
+  draft_cap, live = sharding.rows((np.full((B,), spec.k_max, np.int32), np.arange(B) < n), mesh)
   return prefill_rows(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new), sampling,
-                      jnp.asarray(speculate), jnp.asarray(key), cache, capacity=S, chunk=chunk,
+                      jnp.asarray(draft_cap), jnp.asarray(key), cache, capacity=S, chunk=chunk,
                       live=jnp.asarray(live), costs=jnp.asarray(costs))
 
 

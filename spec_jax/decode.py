@@ -78,7 +78,8 @@ class DecodeState:
   cache: the target's KVCache (cache.lengths == lengths - 1).
   pstate: the proposer's state (a pytree whose leaves carry the slot axis).
   key: PRNG key (one stream for the whole batch).
-  done bool[B]; finish int32[B] FINISH_*; speculate bool[B]: the row lets the proposer draft for it.
+  done bool[B]; finish int32[B] FINISH_*; draft_cap int32[B]: the most tokens the proposer may draft for
+  the row per step (0: none; a row drafts min(the step's k, its cap): the segment policy's per-request k).
   sampling: SamplingParams [B]. stats: Stats [B] counters. adapt: AdaptState (per-row acceptance, cost table).
   last_hidden [B, F]: the proposer's target features (spec_jax.rows.target_features; the final-normed hidden,
   F = D, for all but EAGLE-3) at the position that predicted the last committed token.
@@ -95,7 +96,7 @@ class DecodeState:
   key: jax.Array
   done: jax.Array
   finish: jax.Array
-  speculate: jax.Array
+  draft_cap: jax.Array
   sampling: SamplingParams
   stats: Stats
   adapt: adaptive.AdaptState
@@ -154,7 +155,8 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   if k > 0:
     ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
     draft, pstate = spec.proposer.propose(params["proposer"], pstate, ctx, k, k_draft)
-    draft_tokens = jnp.where(state.speculate[:, None], draft.tokens.astype(jnp.int32), -1)
+    pos = jnp.arange(k, dtype=jnp.int32)[None, :]
+    draft_tokens = jnp.where(pos < state.draft_cap[:, None], draft.tokens.astype(jnp.int32), -1)
     draft_probs = draft.probs
   else:
     draft_tokens, draft_probs = jnp.zeros((B, 0), jnp.int32), None
@@ -191,12 +193,13 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
   draft, pstate = spec.proposer.propose_tree(params["proposer"], state.pstate, ctx, k_draft)
   node = jnp.arange(N, dtype=jnp.int32)[None, :]
-  # Node 0 is the root (the last committed token); a row that may not draft keeps only its root.
-  tree_tokens = jnp.where(node == 0, last[:, None],
-                          jnp.where(state.speculate[:, None], draft.tokens.astype(jnp.int32), -1))
   parents = draft.parents.astype(jnp.int32)
   mask = tree.ancestor_mask(parents)
   depths = tree.mask_depths(mask)
+  # Node 0 is the root (the last committed token); a row keeps the nodes no deeper than its draft cap (a row that
+  # may not draft keeps only its root).
+  tree_tokens = jnp.where(node == 0, last[:, None],
+                          jnp.where(depths <= state.draft_cap[:, None], draft.tokens.astype(jnp.int32), -1))
   positions = (state.lengths - 1)[:, None] + depths
   logits, hidden, cache, *layers = forward(params["target"], jnp.maximum(tree_tokens, 0), positions, state.cache,
                                            config=spec.config, impl=spec.impl, tree_mask=mask,
@@ -233,7 +236,7 @@ def _step_done(params, state: DecodeState, spec: LoopSpec, option: int, committe
   new_hidden = jnp.take_along_axis(path_hidden, pick, axis=1)[:, 0]
   last_hidden = jnp.where((n_emit > 0)[:, None], new_hidden, state.last_hidden)
   active = ~state.done
-  adapt = adaptive.observe(state.adapt, option, k, active & state.speculate, n_acc)
+  adapt = adaptive.observe(state.adapt, option, k, active & (state.draft_cap > 0), n_acc)
   pstate = spec.proposer.update(params["proposer"], pstate, VerifyResult(out, n_acc, n_emit, lengths, path_hidden))
   done_step = jnp.where(done & ~state.done, state.step + 1, state.done_step)
   return state.replace(tokens=tokens, lengths=lengths, cache=cache, pstate=pstate, key=key, done=done,
@@ -245,7 +248,7 @@ def choose_option(state: DecodeState, spec: LoopSpec):
   """int32[]: the index into spec.ks that the next step drafts with (adaptive speculation)."""
   if len(spec.ks) == 1:
     return jnp.zeros((), jnp.int32)
-  drafting = ~state.done & state.speculate & state.spec_enabled
+  drafting = ~state.done & (state.draft_cap > 0) & state.spec_enabled
   return adaptive.choose(state.adapt, ~state.done, drafting, spec.ks, spec.probe_every)
 
 

@@ -67,6 +67,10 @@ class SlotTable:
   def set_speculation(self, enabled: bool) -> None:
     self.state = slots.set_speculation(self.state, enabled)
 
+  def set_draft_caps(self, caps) -> None:
+    """int32[num_slots]: each row's draft-length cap (free rows' caps do not matter)."""
+    self.state = slots.set_draft_caps(self.state, np.asarray(caps, np.int32))
+
   def lost(self) -> bool:
     """Whether the donated state is gone (a call failed after donating it): then only `reset` helps."""
     try:

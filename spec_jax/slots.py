@@ -30,7 +30,8 @@ from spec_jax.stats import Stats
 @struct.dataclass
 class Request:
   """One request, ready for `insert`. tokens int32[P]: the prompt (BOS included) right-padded to a bucket;
-  prompt_len, max_new int32[]; sampling: SamplingParams of one row; speculate bool[]: drafts allowed for it;
+  prompt_len, max_new int32[]; sampling: SamplingParams of one row; draft_cap int32[]: the most tokens the
+  proposer may draft for it per step (0: none);
   key: the PRNG key of its first token; tenant int32[]: whose history a proposer with one may draft from
   (spec_jax/proposers/suffix.py)."""
 
@@ -38,7 +39,7 @@ class Request:
   prompt_len: jax.Array
   max_new: jax.Array
   sampling: SamplingParams
-  speculate: jax.Array
+  draft_cap: jax.Array
   key: jax.Array
   tenant: jax.Array
 
@@ -70,9 +71,10 @@ class Snapshot:
 
 
 def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, speculate: bool = True, seed: int = 0,
+                 top_k: int = 0, top_p: float = 1.0, draft_cap: int | None = None, seed: int = 0,
                  chunk: int = DEFAULT_CHUNK, tenant: int = 0) -> Request:
-  """Host-side: check the request (ValueError with the reason) and pad it for `insert`."""
+  """Host-side: check the request (ValueError with the reason) and pad it for `insert`. draft_cap: the row's
+  draft-length cap (None: the loop's largest k; 0: never drafts)."""
   n = len(prompt_ids)
   check_fits(spec.config, n, int(max_new), spec.lookahead, capacity)
   validate_sampling(temperature, top_k, top_p)
@@ -82,7 +84,8 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
   tokens = np.zeros((P,), np.int32)
   tokens[:n] = prompt_ids
   return Request(tokens=jnp.asarray(tokens), prompt_len=jnp.int32(n), max_new=jnp.int32(max_new),
-                 sampling=SamplingParams.make(1, temperature, top_k, top_p), speculate=jnp.asarray(bool(speculate)),
+                 sampling=SamplingParams.make(1, temperature, top_k, top_p), 
+                 draft_cap=jnp.int32(spec.k_max if draft_cap is None else min(max(int(draft_cap), 0), spec.k_max)),
                  key=jax.random.PRNGKey(seed), tenant=jnp.int32(tenant))
 
 
@@ -103,7 +106,7 @@ def _empty(params, spec, batch, capacity, costs, key):
   prompt = jnp.zeros((batch, P), jnp.int32).at[:, 0].set(spec.config.bos_id)
   lens = jnp.ones((batch,), jnp.int32)
   cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype)
-  return prefill_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), bool), key,
+  return prefill_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), jnp.int32), key,
                       cache, capacity=capacity, chunk=chunk, live=jnp.zeros((batch,), bool), costs=costs)
 
 
@@ -116,7 +119,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   _, chunk = bucket(P)
   prompt, lens = req.tokens[None], req.prompt_len[None]
   cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
-  row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.speculate[None], req.key,
+  row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.draft_cap[None], req.key,
                      cache, capacity=S, chunk=chunk)
   put = functools.partial(write_row, slot=slot)
   row_pstate = row.pstate
@@ -129,7 +132,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
       cache=state.cache.insert_row(row.cache, slot),
       pstate=spec.proposer.insert(state.pstate, slot, row_pstate),
       done=put(state.done, row.done), finish=put(state.finish, row.finish),
-      speculate=put(state.speculate, row.speculate),
+      draft_cap=put(state.draft_cap, row.draft_cap),
       sampling=write_rows_tree(state.sampling, row.sampling, slot),
       stats=write_rows_tree(state.stats, Stats.zeros(1, spec.k_max), slot),
       adapt=state.adapt.reset_row(slot), last_hidden=put(state.last_hidden, row.last_hidden),
@@ -151,6 +154,14 @@ def release(state: DecodeState, slot) -> DecodeState:
 def set_speculation(state: DecodeState, enabled) -> DecodeState:
   """The global switch: off, every step drafts k = 0; requests in flight continue exactly."""
   return state.replace(spec_enabled=jnp.asarray(enabled, bool))
+
+
+def set_draft_caps(state: DecodeState, caps) -> DecodeState:
+  """Each row's draft-length cap int32[B] (0: the row does not draft): the segment policy, its guardrails and the
+  switchback windows, set by the host between loop calls; requests in flight continue exactly. Host-side: the
+  new leaf takes the old one's layout, so the loop does not recompile."""
+  caps = np.asarray(caps, np.int32).reshape(state.draft_cap.shape)
+  return state.replace(draft_cap=sharding.put(caps, state.draft_cap.sharding))
 
 
 @sharding.settled

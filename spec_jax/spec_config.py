@@ -27,6 +27,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Optional
+
+from spec_jax.spec_policy import Canary, Policy, parse_canary, parse_policy
 
 # vLLM's spellings of registry names.
 METHOD_ALIASES = {"draft_model": "draft", "off": "none", "": "none"}
@@ -48,6 +51,8 @@ class SpecConfig:
   suffix_history_tokens: int = 2048  # suffix (ours): the shared history's ring, tokens per slot
   suffix_sharing: str = "tenant"  # suffix (ours): history shared per tenant, or "global" on purpose
   per_concurrency: tuple = ()  # ((concurrency, k), ...) sorted; empty: num_speculative_tokens everywhere
+  policy: Optional[Policy] = None  # per-request caps by segment (spec_jax/spec_policy.py); None: k for all
+  canary: Optional[Canary] = None  # a new policy for a share of the requests
 
   @property
   def k(self) -> int:
@@ -68,17 +73,26 @@ class SpecConfig:
       s += f" tree topk={self.eagle_topk} nodes={self.num_draft_tokens or 1 + self.k * self.eagle_topk}"
     if self.per_concurrency:
       s += " per concurrency " + ", ".join(f"{c}:{k}" for c, k in self.per_concurrency)
+    if self.policy is not None:
+      s += " policy " + ", ".join(f"{r.name}:{r.k}" for r in self.policy.rules)
+    if self.canary is not None:
+      s += f" canary {self.canary.fraction:g}"
     return s
 
   def to_json(self) -> dict:
     """The vLLM-style dict that `parse` reads back into this config."""
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "per_concurrency"}
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _TABLE_KEYS}
     if self.per_concurrency:
       d["per_concurrency"] = {str(c): {"num_speculative_tokens": k} for c, k in self.per_concurrency}
+    if self.policy is not None:
+      d["policy"] = self.policy.to_json()
+    if self.canary is not None:
+      d["canary"] = self.canary.to_json()
     return d
 
 
-ENTRY_KEYS = tuple(f.name for f in dataclasses.fields(SpecConfig) if f.name != "per_concurrency")
+_TABLE_KEYS = ("per_concurrency", "policy", "canary")
+ENTRY_KEYS = tuple(f.name for f in dataclasses.fields(SpecConfig) if f.name not in _TABLE_KEYS)
 _PROPOSER_KEYS = tuple(k for k in ENTRY_KEYS if k != "num_speculative_tokens")
 
 
@@ -147,10 +161,33 @@ def _entry(d: dict, what: str) -> dict:
   return out
 
 
+def _with_policy(obj: dict, what: str) -> SpecConfig:
+  """A config with `policy` (and maybe `canary`): its num_speculative_tokens defaults to the largest rule k."""
+  base = {k: v for k, v in obj.items() if k not in ("policy", "canary")}
+  raw = [obj.get("policy"), (obj.get("canary") or {}).get("policy") if isinstance(obj.get("canary"), dict) else None]
+  ks = [r.get("num_speculative_tokens") for p in raw if isinstance(p, list) for r in p if isinstance(r, dict)]
+  ks = [k for k in ks if isinstance(k, int) and not isinstance(k, bool)]
+  if "num_speculative_tokens" not in base and ks:
+    base["num_speculative_tokens"] = max(ks)
+  entry = _entry(base, what)
+  k = entry["num_speculative_tokens"]
+  policy = parse_policy(obj["policy"], f"{what}: policy", k) if "policy" in obj else None
+  canary = parse_canary(obj["canary"], f"{what}: canary", k) if "canary" in obj else None
+  if canary is not None and policy is None:
+    raise ValueError(f"{what}: canary needs a policy beside it (the one the other requests keep)")
+  return SpecConfig(**entry, policy=policy, canary=canary)
+
+
 def from_dict(obj: dict, what: str = "speculative_config") -> SpecConfig:
-  """A vLLM-style dict (the keys above, or {"per_concurrency": {...}} with shared keys beside it)."""
+  """A vLLM-style dict (the keys above, or {"per_concurrency": {...}} with shared keys beside it, or "policy"
+  with its rules beside the proposer's keys)."""
   if not isinstance(obj, dict):
     raise ValueError(f"{what}: expected an object, got {type(obj).__name__}")
+  if "policy" in obj or "canary" in obj:
+    if "per_concurrency" in obj:
+      raise ValueError(f"{what}: per_concurrency and policy are two ways to say the same; use policy (its "
+                       "busy_slots match key)")
+    return _with_policy(obj, what)
   if "per_concurrency" not in obj:
     return SpecConfig(**_entry(obj, what))
   table = obj["per_concurrency"]

@@ -128,7 +128,7 @@ def test_speculation_switch_and_per_request_opt_out_stay_exact():
   state = slots.insert(both, state, 0, slots.make_request(prompts[0], max_new=30, spec=spec, capacity=CAPACITY),
                        spec)
   state = slots.insert(both, state, 1, slots.make_request(prompts[1], max_new=30, spec=spec, capacity=CAPACITY,
-                                                          speculate=False), spec)
+                                                          draft_cap=0), spec)
   state = decode_loop(both, state, spec, 3)
   state = slots.set_speculation(state, False)
   drafted = np.asarray(state.stats.drafted).copy()
@@ -139,6 +139,35 @@ def test_speculation_switch_and_per_request_opt_out_stay_exact():
   assert _out(state, 0) == alone[0] and _out(state, 1) == alone[1]
   assert int(state.stats.drafted[1]) == 0  # the request that opted out was never drafted for
   assert int(state.stats.drafted[0]) > 0
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle_tree"])  # both draft their whole chain / tree every step
+def test_per_row_draft_caps_bound_each_rows_drafts_and_stay_exact(name):
+  """The segment policy's per-request k: a row drafts at most its cap per step (a tree keeps nodes no deeper than
+  it), caps change between loop calls (slots.set_draft_caps), and every row's output is plain greedy's."""
+  params = _params(1)
+  proposer, pparams = _proposer(name, params)
+  spec = make_spec(CONFIG, proposer, adaptive_k=False)
+  both = {"target": params, "proposer": pparams}
+  prompts = _prompts(3, [9, 5, 12])  # none ends at its first token
+  alone = [generate(params, CONFIG, [p], max_new_tokens=24).token_ids[0] for p in prompts]
+  state = slots.empty_state(both, spec, batch=3, capacity=CAPACITY)
+  for slot, (p, cap) in enumerate(zip(prompts, (None, 1, 2))):
+    state = slots.insert(both, state, slot, slots.make_request(p, max_new=24, spec=spec, capacity=CAPACITY,
+                                                               draft_cap=cap), spec)
+  state = decode_loop(both, state, spec, 4)
+  at = np.asarray(state.stats.drafted_at)  # [B, K]: steps that drafted position j, per row
+  assert at[0, 2] > 0, "the uncapped row drafts its whole chain or tree"
+  assert at[1, 0] > 0 and at[1, 1:].sum() == 0, "cap 1: only the first position"
+  assert at[2, 1] > 0 and at[2, 2:].sum() == 0, "cap 2: no third position"
+  before = at.copy()
+  state = slots.set_draft_caps(state, [0, 3, 2])
+  state = _run_to_end(both, state, spec)
+  after = np.asarray(state.stats.drafted_at)
+  assert (after[0] == before[0]).all(), "cap 0 from here on: nothing more drafted"
+  assert after[1, 2] > 0, "the raised cap drafts deeper"
+  for slot in range(3):
+    assert _out(state, slot) == alone[slot]
 
 
 def test_bad_requests_are_refused_on_the_host():
