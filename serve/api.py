@@ -116,7 +116,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
           top_k=0 if top_k == -1 else top_k, top_p=body.top_p if body.top_p is not None else cfg["top_p"],
           speculate=body.speculate is not False,
           seed=body.seed % (1 << 31) if body.seed is not None else secrets.randbits(31),
-          stop=body.stop_list(), output=output, tenant=tenant_of(body))
+          stop=body.stop_list(), output=output, tenant=tenant_of(body), tag=body.segment or "")
     except ValueError as e:
       raise APIError(400, str(e))
 
@@ -246,6 +246,10 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
   @guarded.get("/admin/speculation")
   async def speculation_status():
     return engine.status()
+
+  @guarded.get("/admin/speculation/report")
+  async def speculation_report():
+    return engine.live_report()
 
   @guarded.post("/admin/speculation")
   async def speculation_switch(body: SpeculationSwitch):

@@ -31,6 +31,14 @@ class EngineRequest:
   deadline: Optional[float]
   speculate: bool = True
   tenant: str = ""  # whose shared history it may draft from (serve/tenants.py)
+  features: Optional[tuple] = None  # (temperature, max_new, tag): what the policy matches, with prompt and busy
+  segment: str = "default"  # its rule of the speculative config's policy (set at admission)
+  policy_k: int = 0  # that rule's draft cap
+  canary: Optional[bool] = None  # in the canary arm (None: no canary)
+  canary_segment: str = ""  # the canary policy's rule for it, whichever arm it is in
+  arms: set = dataclasses.field(default_factory=set)  # switchback arms its tokens came from
+  failed: bool = False
+  ended_counted: bool = False
   tenant_id: int = -1
   aborted: bool = False  # set by the HTTP layer (client gone)
   slot: int = -1
@@ -43,12 +51,16 @@ class EngineRequest:
   drafted: int = 0
   accepted: int = 0
   drafts: int = 0
+  steps: int = 0
   accepted_at: Optional[np.ndarray] = None
   accepted_from_history: int = 0
 
-  def advance(self, arr, slot: int, now: float, itl: list, m: Metrics) -> tuple[int, int]:
+  def advance(self, arr, slot: int, now: float, itl: list, m: Metrics) -> tuple[int, int, int, int]:
     """Take this request's new tokens from its row of snapshot `arr`, ITL samples appended to `itl` ->
-    (drafted, accepted) token increments."""
+    (drafted, accepted, tokens, verify steps) increments."""
+    steps = int(arr.steps[slot])
+    ds, self.steps = steps - self.steps, steps
+    n0 = self.n_tokens
     drafted, accepted = int(arr.drafted[slot]), int(arr.accepted[slot])
     drafts = int(arr.drafted_at[slot, 0]) if arr.drafted_at.shape[1] else 0
     acc_at = np.asarray(arr.accepted_at[slot], np.int64)[:len(self.accepted_at)]
@@ -68,7 +80,7 @@ class EngineRequest:
       self._deliver(new, now, itl, m, ends_with_stop_token=(reason == "stop"))
     if done and not self.finished:
       self.finish(reason, now, m)
-    return dd, da
+    return dd, da, self.n_tokens - n0, ds
 
   def _deliver(self, ids: list, now: float, itl: list, m: Metrics, ends_with_stop_token: bool) -> None:
     n = len(ids)
@@ -102,7 +114,7 @@ class EngineRequest:
   def fail(self, status: int, kind: str, message: str, m: Metrics) -> None:
     if self.finished:
       return
-    self.finished = True
+    self.finished = self.failed = True
     m.errors.labels(kind=kind).inc()
     self.output.put(error=(status, kind, message), usage=self.usage())
 

@@ -2,16 +2,21 @@
 
   --guardrails='{"acceptance_floor": 0.3, "acceptance_for_s": 10, "itl_p95_ratio": 1.0, "baseline_every_s": 60}'
 
-Two trips, each optional (a key that is absent disables it):
+Three trips, each optional (a key that is absent disables it):
 - acceptance: the acceptance rate (accepted / drafted tokens) over the last `acceptance_window_s` stays below
   `acceptance_floor` for `acceptance_for_s` seconds (windows with fewer than `min_drafted` drafted tokens say
   nothing).
 - latency: the p95 inter-token latency over the last `itl_window_s` exceeds `itl_p95_ratio` x the baseline's.
   The baseline's p95 is measured on the live traffic in short k = 0 windows (`baseline_window_s` long, every
   `baseline_every_s`), because a number measured at another load or on another day does not compare.
+- live A/B (`"live_ab": true`, with the server's `--switchback` windows, serve/live_ab.py): the segment's live
+  verdict says roll back.
+The guardrails act per segment of the speculative config's policy (one state machine each; without a policy, one
+segment, "default"): a segment that trips is switched off alone, and its k = 0 baseline windows hold only its rows.
 After a trip speculation stays off for `cooldown_s`, then a probe turns it on for `probe_s` and judges the same
 two conditions over the probe alone: it passes (speculation stays on) or speculation goes off for another
-cool-down. The engine logs and counts every switch (`spec_jax:speculation_switches_total{enabled, reason}`).
+cool-down. The engine logs and counts every switch (`spec_jax:speculation_switches_total{segment, enabled,
+reason}`).
 
 This class is pure bookkeeping over (time, observations): the engine feeds it and applies its decisions.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from typing import Optional
 
 import numpy as np
 
@@ -43,6 +49,7 @@ class GuardrailConfig:
   baseline_window_s: float = 2.0
   cooldown_s: float = 60.0
   probe_s: float = 5.0
+  live_ab: bool = False
 
   @classmethod
   def parse(cls, text: str | None) -> "GuardrailConfig | None":
@@ -57,11 +64,15 @@ class GuardrailConfig:
     for key, v in obj.items():
       if v is None and key in ("acceptance_floor", "itl_p95_ratio"):
         continue
+      if key == "live_ab":
+        if not isinstance(v, bool):
+          raise ValueError(f"--guardrails: live_ab must be true or false, got {v!r}")
+        continue
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
         raise ValueError(f"--guardrails: {key} must be a number >= 0, got {v!r}")
     cfg = cls(**obj)
-    if cfg.acceptance_floor is None and cfg.itl_p95_ratio is None:
-      raise ValueError("--guardrails: set acceptance_floor and/or itl_p95_ratio")
+    if cfg.acceptance_floor is None and cfg.itl_p95_ratio is None and not cfg.live_ab:
+      raise ValueError("--guardrails: set acceptance_floor, itl_p95_ratio and/or live_ab")
     return cfg
 
 
@@ -120,9 +131,12 @@ class Guardrails:
         high = p95(xs) > c.itl_p95_ratio * self.baseline_p95
     return low, high
 
-  def decide(self, now: float):
-    """-> (enabled, reason) when speculation should switch (or a probe passed), else None."""
+  def decide(self, now: float, live: Optional[dict] = None):
+    """-> (enabled, reason) when speculation should switch (or a probe passed), else None. live: the segment's
+    live A/B verdict (serve/live_ab.py), consulted with `live_ab`."""
     c = self.cfg
+    if self.mode == ON and c.live_ab and live is not None and live["verdict"] == "roll back":
+      return self._go(OFF, now, False, f"live_ab_{live['metric']}")
     if self.mode == ON:
       low, high = self._failing(now, c.acceptance_window_s, c.itl_window_s)
       if low:
@@ -170,55 +184,78 @@ class Guardrails:
 
 
 class SpeculationSwitch:
-  """Whether the loop speculates now: the admin switch (off is sticky: the guardrails cannot turn it back on; on
-  hands control back to them), the guardrails, and the tuned config's band for the current occupancy. The engine
-  holds its lock around `set_admin` and `tick` (the HTTP thread and the engine thread both call in)."""
+  """Whether rows may speculate now: the admin switch (off is sticky: the guardrails cannot turn it back on; on
+  hands control back to them), one guardrail state machine per policy segment, and the tuned config's band for the
+  current occupancy. The engine holds its lock around `set_admin` and `tick` (the HTTP thread and the engine
+  thread both call in)."""
 
-  def __init__(self, guard: "Guardrails | None", spec_config, k_max: int, metrics):
-    self.guard, self.spec_config, self.k_max, self.metrics = guard, spec_config, k_max, metrics
+  def __init__(self, guard_cfg: "GuardrailConfig | None", spec_config, k_max: int, metrics, segments=("default",),
+               now: float = 0.0):
+    self.spec_config, self.k_max, self.metrics = spec_config, k_max, metrics
+    self.guards = {s: Guardrails(guard_cfg, now) for s in segments} if guard_cfg is not None else {}
     self.admin_on = True
+    for s in segments:
+      metrics.segment_enabled.labels(segment=s).set(1.0)
 
   def set_admin(self, enabled: bool, now: float) -> bool:
     """-> whether it changed."""
     if enabled == self.admin_on:
       return False
     self.admin_on = enabled
-    if enabled and self.guard is not None:
-      self.guard.reset(now)
+    if enabled:
+      for g in self.guards.values():
+        g.reset(now)
     log.info("speculation %s (admin)", "on" if enabled else "off")
-    self.metrics.speculation_switches.labels(enabled=str(enabled).lower(), reason="admin").inc()
+    self.metrics.speculation_switches.labels(segment="all", enabled=str(enabled).lower(), reason="admin").inc()
     return True
 
   def allowed(self) -> bool:
-    """The admin switch and the guardrails (what `spec_jax:speculation_enabled` shows)."""
-    return self.admin_on and (self.guard is None or self.guard.speculation_on)
+    """The admin switch (what `spec_jax:speculation_enabled` shows; segments have their own gauge)."""
+    return self.admin_on and self.k_max > 0
 
-  def wanted(self, busy: int) -> bool:
-    """Speculate at `busy` running requests?"""
-    on = self.allowed()
-    if on and self.spec_config is not None and busy:
-      on = self.spec_config.k_at(busy) > 0
-    return on and self.k_max > 0
+  def segment_on(self, segment: str) -> bool:
+    g = self.guards.get(segment)
+    return self.allowed() and (g is None or g.speculation_on)
 
-  def tick(self, now: float) -> None:
-    """Let the guardrails decide; log and count a switch."""
-    if self.guard is None or not self.admin_on or self.k_max == 0:
-      return
-    event = self.guard.decide(now)
-    if event is None:
-      return
-    enabled, reason = event
-    if reason == "probe_passed":
-      log.info("guardrails: probe passed, speculation stays on")
-      return
-    base = self.guard.baseline_p95
-    log.info("guardrails: speculation %s (%s)%s", "on" if enabled else "off", reason,
-             f", baseline p95 ITL {base * 1e3:.1f} ms" if base else "")
-    self.metrics.speculation_switches.labels(enabled=str(enabled).lower(), reason=reason).inc()
-    if base is not None:
-      self.metrics.baseline_itl_p95.set(base)
+  def k_at(self, busy: int) -> int:
+    """The per-concurrency table's k at `busy` running requests (the loop's largest k without one)."""
+    if self.spec_config is not None and busy:
+      return min(self.spec_config.k_at(busy), self.k_max)
+    return self.k_max
+
+  def observe(self, segment: str, now: float, drafted: int, accepted: int, itl: list) -> None:
+    g = self.guards.get(segment)
+    if g is not None:
+      g.observe(now, drafted, accepted, itl)
+
+  def tick(self, now: float, live=None) -> list:
+    """Let each segment's guardrails decide (live: segment -> its live verdict, or None); log and count a switch.
+    -> [(segment, enabled, reason)] of the switches made."""
+    if not self.admin_on or self.k_max == 0:
+      return []
+    events = []
+    for seg, g in self.guards.items():
+      verdict = live(seg) if live is not None and g.cfg.live_ab else None
+      event = g.decide(now, verdict)
+      if event is None:
+        continue
+      enabled, reason = event
+      if reason == "probe_passed":
+        log.info("guardrails[%s]: probe passed, speculation stays on", seg)
+        continue
+      base = g.baseline_p95
+      log.info("guardrails[%s]: speculation %s (%s)%s", seg, "on" if enabled else "off", reason,
+               f": {verdict['detail']}" if reason.startswith("live_ab") else
+               f", baseline p95 ITL {base * 1e3:.1f} ms" if base else "")
+      self.metrics.speculation_switches.labels(segment=seg, enabled=str(enabled).lower(), reason=reason).inc()
+      self.metrics.segment_enabled.labels(segment=seg).set(1.0 if g.speculation_on else 0.0)
+      if base is not None:
+        self.metrics.baseline_itl_p95.set(base)
+      events.append((seg, enabled, reason))
+    return events
 
   def status(self, busy: int) -> dict:
-    g = self.guard
-    return {"admin_enabled": self.admin_on, "enabled": self.wanted(busy),
-            "guardrails": None if g is None else {"mode": g.mode, "baseline_itl_p95_s": g.baseline_p95}}
+    guards = {s: {"mode": g.mode, "baseline_itl_p95_s": g.baseline_p95} for s, g in self.guards.items()}
+    return {"admin_enabled": self.admin_on, "enabled": self.allowed() and self.k_at(busy) > 0
+            and any(self.segment_on(s) for s in (self.guards or {"default": 0})),
+            "guardrails": guards or None}

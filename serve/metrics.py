@@ -10,6 +10,12 @@ layer can send them. One engine iteration can hand a request several tokens at o
 k + 1 per step, and a loop call runs several steps), so an inter-token latency is per token: a hand-over of n
 tokens dt after the previous one adds n samples of dt / n. Time per output token is per request:
 (last token time - first token time) / (tokens - 1).
+
+Per segment and arm (`spec_jax:segment_*{segment, arm}`): the same measurements split by the request's segment of
+the speculative config's policy (its rule's name, "default" without one; never request text, so the label set is
+bounded by the policy) and by the arm that produced them: "on" / "off" for switchback windows (serve/live_ab.py),
+"on" when there are none; a request's TPOT is credited to one arm only when all its tokens came from it ("mixed"
+otherwise).
 """
 
 from __future__ import annotations
@@ -47,9 +53,30 @@ class Metrics:
     self.steps_by_k = Counter(f"{p}spec_decode_steps", "Engine loop steps, by the number of tokens drafted (k).",
                               ["k"], registry=r)
     self.speculation_enabled = Gauge(f"{p}speculation_enabled",
-                                     "1 when speculation is on (admin switch and guardrails), else 0.", registry=r)
-    self.speculation_switches = Counter(f"{p}speculation_switches", "Speculation switched on or off.",
-                                        ["enabled", "reason"], registry=r)
+                                     "1 when speculation is on (the admin switch and the guardrails of some segment), else 0.", registry=r)
+    self.speculation_switches = Counter(f"{p}speculation_switches", "Speculation switched on or off, per segment "
+                                        "(\"all\": the admin switch).", ["segment", "enabled", "reason"], registry=r)
+    self.segment_enabled = Gauge(f"{p}segment_speculation_enabled", "1 when a segment's guardrails let it speculate.",
+                                 ["segment"], registry=r)
+    # Per segment and arm (see the module docstring).
+    sa = ["segment", "arm"]
+    self.seg_ttft = Histogram(f"{p}segment_time_to_first_token_seconds", "Arrival to first token.", sa,
+                              buckets=_LATENCY, registry=r)
+    self.seg_itl = Histogram(f"{p}segment_inter_token_latency_seconds", "Per-token gap between token hand-overs.", sa,
+                             buckets=_LATENCY, registry=r)
+    self.seg_tpot = Histogram(f"{p}segment_request_time_per_output_token_seconds",
+                              "(last token - first token) / (tokens - 1), per request.", sa, buckets=_LATENCY,
+                              registry=r)
+    self.seg_tokens = Counter(f"{p}segment_generation_tokens", "Tokens handed to requests.", sa, registry=r)
+    self.seg_steps = Counter(f"{p}segment_verify_steps", "Verify steps of the segment's rows (tokens / steps = "
+                             "acceptance length).", sa, registry=r)
+    self.seg_draft_tokens = Counter(f"{p}segment_spec_decode_num_draft_tokens", "Tokens drafted.", sa, registry=r)
+    self.seg_accepted_tokens = Counter(f"{p}segment_spec_decode_num_accepted_tokens", "Draft tokens accepted.", sa,
+                                       registry=r)
+    self.seg_requests = Counter(f"{p}segment_requests", "Requests ended, by outcome (finished or failed).",
+                                sa + ["outcome"], registry=r)
+    self.switchback_windows = Counter(f"{p}switchback_windows", "Switchback windows begun, by arm.", ["arm"],
+                                      registry=r)
     self.baseline_itl_p95 = Gauge(f"{p}baseline_itl_p95_seconds",
                                   "p95 inter-token latency measured in the last k = 0 window (guardrails).",
                                   registry=r)

@@ -3,10 +3,11 @@
 Unknown fields are accepted and ignored (clients send extras), but a known field of the wrong type is a 400.
 Every OpenAI and vLLM request field is in one table, `FIELDS`: honoured, harmless (it does not change the tokens)
 or refused with a 400 that names it unless it has a value that changes nothing (`n: 1`, `repetition_penalty: 1.0`,
-`response_format: {"type": "text"}`, ...): nothing that changes the output is ignored. Three extensions ride in
+`response_format: {"type": "text"}`, ...): nothing that changes the output is ignored. Four extensions ride in
 `extra_body`: `speculate: false` turns speculation off for one request, `return_token_ids: true` adds the
 prompt and completion token ids to the choice (as vLLM's `return_token_ids` does), and `tenant` names whose shared
-history the suffix method may draft from (within the API key's, where --api_key is set).
+history the suffix method may draft from (within the API key's, where --api_key is set), and `segment` tags the
+request for the speculative config's policy (a rule's `segment` match key; spec_jax/spec_policy.py).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "stream": HONOURED, "stream_options": HONOURED,  # include_usage
     "speculate": HONOURED, "return_token_ids": HONOURED,  # our extension; vLLM's
     "tenant": HONOURED,  # ours: whose shared history the suffix method drafts from
+    "segment": HONOURED,  # ours: the traffic tag a speculative policy rule may match
     # what does not change the tokens
     "user": HARMLESS, "metadata": HARMLESS, "store": HARMLESS, "service_tier": HARMLESS,
     "prompt_cache_key": HARMLESS, "safety_identifier": HARMLESS, "request_id": HARMLESS, "cache_salt": HARMLESS,
@@ -191,6 +193,7 @@ class _Sampling(BaseModel):
   speculate: Optional[StrictBool] = True
   return_token_ids: Optional[StrictBool] = False
   tenant: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
+  segment: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
 
   def check_supported(self) -> None:
     """What the models accept but the server cannot honour exactly yet: a 400 that names the field (FIELDS)."""

@@ -23,7 +23,7 @@ from serve import run_flags
 
 
 SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "steps_per_sync", "timing_probe_s",
-                "api_key", "served_model_name", "guardrails", "request_timeout_s", "drain_timeout_s",
+                "api_key", "served_model_name", "guardrails", "switchback", "request_timeout_s", "drain_timeout_s",
                 "warmup_prompt_lens", "log_level", "compilation_cache_dir")
 
 
@@ -38,7 +38,7 @@ FLAGS = flags.FLAGS
 SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64,
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
                        served_model_name=None,
-                       guardrails=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
+                       guardrails=None, switchback=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
                        warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
                        mesh="")
 log = logging.getLogger("spec_jax.server")
@@ -67,6 +67,7 @@ def build_engine(cfg: dict):
   from serve import setup as setup_lib
   from serve.engine import Engine
   from serve.guardrails import GuardrailConfig
+  from serve.live_ab import SwitchbackConfig
   from spec_jax import backend, sharding
 
   for name in ("max_num_seqs", "steps_per_sync", "max_model_len", "max_new_tokens"):
@@ -75,8 +76,12 @@ def build_engine(cfg: dict):
   if cfg["timing_probe_s"] < 0:
     raise ValueError(f"--timing_probe_s must be >= 0, got {cfg['timing_probe_s']}")
   guard = GuardrailConfig.parse(cfg["guardrails"])
+  switchback = SwitchbackConfig.parse(cfg.get("switchback"))
   setup = setup_lib.load(cfg)
   sc = setup.spec_config
+  if switchback is not None and sc.k == 0:
+    raise ValueError("--switchback compares speculation on and off: set a speculative method with "
+                     "num_speculative_tokens > 0")
   # k = 0 is always an option, so the global switch (and a request's speculate=false) can turn drafting off.
   ks = setup_lib.draft_lengths(setup, cfg["adaptive"], switchable=True)
   # the state's rows (the engine adds one for bf16 x 1 on CPU, and pads to a multiple of the mesh's data axis)
@@ -88,7 +93,7 @@ def build_engine(cfg: dict):
   engine = Engine(both, spec, setup.tokenizer, max_num_seqs=cfg["max_num_seqs"],
                   capacity=capacity, max_queue=cfg["max_queue"], steps_per_sync=cfg["steps_per_sync"], costs=costs,
                   spec_config=sc, guardrails=guard, request_timeout_s=cfg["request_timeout_s"], seed=cfg["seed"],
-                  timing_probe_s=cfg["timing_probe_s"])
+                  timing_probe_s=cfg["timing_probe_s"], switchback=switchback)
   return engine, setup.tokenizer, sc
 
 

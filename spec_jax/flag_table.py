@@ -86,6 +86,9 @@ ROWS: dict[str, Row] = {
     "served_model_name": Row("string", "The model id clients send (default: the --model file's or directory's name "
                              "without extension; gemma-3-270m for the packaged model)."),
     "guardrails": Row("string", "Automatic rollback, JSON inline or a file (serve/guardrails.py)."),
+    "switchback": Row("string", "The live A/B: short speculation-off windows in a random order, JSON inline or a "
+                      "file, e.g. '{\"window_s\": 5, \"off_share\": 0.25}' (serve/live_ab.py); the report is GET "
+                      "/admin/speculation/report."),
     "request_timeout_s": Row("float", "A request still unfinished after this long fails with 504."),
     "drain_timeout_s": Row("float", "SIGTERM: how long running requests may take to finish."),
     "warmup_prompt_lens": Row("list", "Compile insert for these prompt lengths before serving."),

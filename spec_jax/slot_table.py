@@ -68,8 +68,11 @@ class SlotTable:
     self.state = slots.set_speculation(self.state, enabled)
 
   def set_draft_caps(self, caps) -> None:
-    """int32[num_slots]: each row's draft-length cap (free rows' caps do not matter)."""
-    self.state = slots.set_draft_caps(self.state, np.asarray(caps, np.int32))
+    """int32[num_slots]: each slot's draft-length cap (free slots' caps do not matter; padding rows get 0)."""
+    rows = self.state.draft_cap.shape[0]
+    full = np.zeros((rows,), np.int32)
+    full[:len(caps)] = np.asarray(caps, np.int32)
+    self.state = slots.set_draft_caps(self.state, full)
 
   def lost(self) -> bool:
     """Whether the donated state is gone (a call failed after donating it): then only `reset` helps."""

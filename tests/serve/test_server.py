@@ -369,5 +369,5 @@ def test_admin_switch_rolls_back_without_restart(server):
     on = c.completions.create(model=MODEL, prompt=COPY_PROMPT, max_tokens=30, temperature=0)
     assert on.choices[0].text == ref.choices[0].text and on.usage.model_extra["drafted_tokens"] > 0
   m = server.metrics()
-  assert metric(m, "spec_jax:speculation_switches_total", enabled="false", reason="admin") >= 1
-  assert metric(m, "spec_jax:speculation_switches_total", enabled="true", reason="admin") >= 1
+  assert metric(m, "spec_jax:speculation_switches_total", segment="all", enabled="false", reason="admin") >= 1
+  assert metric(m, "spec_jax:speculation_switches_total", segment="all", enabled="true", reason="admin") >= 1

@@ -78,7 +78,8 @@ def test_guardrails_trip_and_the_probe_fails(ops_server):
     end = time.time() + 60
     while time.time() < end:
       m = ops_server.metrics()
-      sw = lambda enabled, reason: metric(m, "spec_jax:speculation_switches_total", enabled=enabled, reason=reason)
+      sw = lambda enabled, reason: metric(m, "spec_jax:speculation_switches_total", segment="default",
+                                          enabled=enabled, reason=reason)
       if sw("false", "probe_failed_acceptance") + sw("false", "probe_failed_itl_p95") >= 1:
         break
       time.sleep(0.2)
@@ -95,7 +96,7 @@ def test_guardrails_trip_and_the_probe_fails(ops_server):
   r = c.completions.create(model=MODEL, prompt="the the the", max_tokens=40, temperature=0)
   assert r.usage.model_extra["drafted_tokens"] == 0
   log = ops_server.log()
-  assert "guardrails: speculation off" in log and "guardrails: speculation on (probe)" in log
+  assert "guardrails[default]: speculation off" in log and "guardrails[default]: speculation on (probe)" in log
   # The calibrated costs file was applied: while speculation was on, k = 4 was drafted and k = 2 never.
   steps = lambda k: metric(m, "spec_jax:spec_decode_steps_total", k=k)
   assert steps(4) > 0 and steps(2) == 0
