@@ -357,6 +357,9 @@ class Engine:
     else:
       rule = policy.pick(f)
       req.segment, req.policy_k = rule.name, rule.k
+    if not req.speculate:
+      req.policy_k = 0
+    req.device_req = req.device_req.replace(draft_cap=np.int32(min(req.policy_k, self.spec.k_max)))
 
   def _reap(self, now: float) -> None:
     """Free slots of finished, aborted and timed-out requests; drop aborted and timed-out waiting ones."""
@@ -403,6 +406,7 @@ class Engine:
         if self.table.lost():  # the donated state is gone: start again from a fresh one
           self._device_failure(e)
         continue
+      self._applied_caps = None  # the insert wrote the row's own cap: set them all again before the dispatch
       req.admitted_at = now
       self.metrics.queue_time.observe(now - req.arrival)
       self.metrics.prompt_tokens.inc(len(req.prompt_ids))

@@ -47,13 +47,16 @@ ROWS: dict[str, Row] = {
     "limit": Row("integer", "Use only the first N prompts (0: all)."),
     "output": Row("string", "Where the command writes its result (a file, or the AOT report's directory)."),
     "output_dir": Row("string", "Where the report and raw files go."),
+    "steady_seconds": Row("float", "serve.loadtest.steady: how long the steady mixed traffic runs.", 600.0),
+    "steady_clients": Row("integer", "serve.loadtest.steady: closed-loop clients of the steady traffic.", 4),
     "repeats": Row("integer", "Run everything this many times (interleaved) and report the spread.", 1),
     "progress": Row("bool", "Progress bar on stderr.", True),
     "methods": Row("list", "Methods to run, each with the other speculative settings (names of "
                    "spec_jax/proposers/registry.py; benchmarks/specbench.py also takes method=checkpoint)."),
     # --- speculation: the speculative config (spec_jax/spec_config.py)
     "speculative_config": Row("string", "vLLM-style JSON, inline or a file: method, num_speculative_tokens, "
-                              "prompt_lookup_min/max, model, ...; or {\"per_concurrency\": {\"1\": {...}, ...}}. "
+                              "prompt_lookup_min/max, model, ..., and a per-request \"policy\" (spec_jax/spec_policy.py); or "
+                              "{\"per_concurrency\": {\"1\": {...}, ...}}. "
                               "'{}' = off. Unset: the config file's; the flags below override single keys."),
     "method": Row("string", "Draft source, a name of spec_jax/proposers/registry.py (qdraft: the target's own "
                   "weights quantized to --speculative_quantization; draft_model is vLLM's name of draft)."),
