@@ -52,8 +52,8 @@ class Metrics:
       self.accepted_per_pos.labels(position=str(pos))
     self.steps_by_k = Counter(f"{p}spec_decode_steps", "Engine loop steps, by the number of tokens drafted (k).",
                               ["k"], registry=r)
-    self.speculation_enabled = Gauge(f"{p}speculation_enabled",
-                                     "1 when speculation is on (the admin switch and the guardrails of some segment), else 0.", registry=r)
+    self.speculation_enabled = Gauge(f"{p}speculation_enabled", "1 when speculation is on (the admin switch and "
+                                     "the guardrails of some segment), else 0.", registry=r)
     self.speculation_switches = Counter(f"{p}speculation_switches", "Speculation switched on or off, per segment "
                                         "(\"all\": the admin switch).", ["segment", "enabled", "reason"], registry=r)
     self.segment_enabled = Gauge(f"{p}segment_speculation_enabled", "1 when a segment's guardrails let it speculate.",

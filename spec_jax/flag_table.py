@@ -56,7 +56,8 @@ ROWS: dict[str, Row] = {
     # --- speculation: the speculative config (spec_jax/spec_config.py)
     "speculative_config": Row("string", "vLLM-style JSON, inline or a file: method, num_speculative_tokens, "
                               "prompt_lookup_min/max, model, ..., and a per-request \"policy\" "
-                              "(spec_jax/spec_policy.py); or {\"per_concurrency\": {\"1\": {...}, ...}}. '{}' = off. Unset: the config file's; the flags below override single keys."),
+                              "(spec_jax/spec_policy.py); or {\"per_concurrency\": {\"1\": {...}, ...}}. '{}' = off. "
+                              "Unset: the config file's; the flags below override single keys."),
     "method": Row("string", "Draft source, a name of spec_jax/proposers/registry.py (qdraft: the target's own "
                   "weights quantized to --speculative_quantization; draft_model is vLLM's name of draft)."),
     "num_speculative_tokens": Row("integer", "Tokens drafted per step (the largest k; a tree's depth)."),
