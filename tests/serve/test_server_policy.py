@@ -64,6 +64,28 @@ def test_policy_drafts_only_for_its_segments_and_greedy_stays_exact(tiny_model):
     assert s.stop() == 0, s.log()[-3000:]
 
 
+def test_sampled_requests_the_policy_turns_off_equal_a_server_without_speculation(tiny_model):  # noqa: F811
+  """The engine's sampling stream is one per batch (a request's seed draws its first token), so two fresh servers
+  given the same sampled requests in the same order produce the same tokens: with the policy's "sampled: off" they
+  equal a server that never speculates."""
+  outs = []
+  for spec in (POLICY, {}):
+    s = tiny_server(tiny_model, f"--speculative_config={json.dumps(spec)}", "--noadaptive")
+    try:
+      with s.http() as h:
+        got = []
+        for i, p in enumerate(PROMPTS):
+          r = h.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 20, "temperature": 1.0,
+                                              "seed": 100 + i, "return_token_ids": True}).json()
+          assert r["usage"]["drafted_tokens"] == 0
+          got.append(r["choices"][0]["token_ids"])
+        outs.append(got)
+    finally:
+      assert s.stop() == 0, s.log()[-3000:]
+  assert outs[0] == outs[1]
+  assert len({tuple(x) for x in outs[0]}) == len(PROMPTS)  # really sampled: different prompts, different text
+
+
 def test_an_invalid_policy_is_an_error_at_start_naming_the_rule(tiny_model):  # noqa: F811
   bad = {"method": "ngram", "policy": [{"match": {"temperature": "warm"}, "num_speculative_tokens": 4},
                                        {"match": {}, "num_speculative_tokens": 0}]}
