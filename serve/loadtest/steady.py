@@ -5,8 +5,7 @@ server's live verdict per segment beside the offline load matrix's.
       --steady_seconds=600 --steady_clients=4 --switchback='{"window_s": 5, "off_share": 0.25}'
 
 The server runs the run config's server flags with the output directory's tuned `speculative_config.json` (or
---speculative_config). The traffic is the run config's prompts, the held-apart split where the config names one
-(`tuned_prompt_split`), greedy and sampled requests alternating (the config's `samplings`), closed loop with
+--speculative_config). The traffic is the run config's prompts (its `prompt_split`: the held-apart one), greedy and sampled requests alternating (the config's `samplings`), closed loop with
 `--steady_clients` clients for `--steady_seconds`. At the end it reads GET /admin/speculation/report and writes
 `live_report.json` and `live_ab.md` (the live verdict per segment, next to the offline evidence behind each rule
 of the policy, from `summary.json`) into the output directory.
@@ -89,7 +88,7 @@ def main(argv):
   from serve.live_ab import SwitchbackConfig
   from serve.loadtest import loadgen
   from serve.loadtest.launcher import ServerProcess
-  from serve.loadtest.traffic import LoadPoint, load_prompts
+  from serve.loadtest.traffic import LoadPoint, load_prompts, split_prompts
   from spec_jax.spec_config import from_dict, read_json_arg
 
   cfg = _CONFIG.value.to_dict()
@@ -100,10 +99,8 @@ def main(argv):
     from_dict(spec)  # a bad file fails here, before a server starts
     switchback = FLAGS.switchback or '{"window_s": 5, "off_share": 0.25}'
     SwitchbackConfig.parse(switchback)
-    split = cfg.get("tuned_prompt_split") or ""
-    prompts = load_prompts(cfg["prompts"], int(cfg.get("prompt_limit", 0)), tuple(cfg.get("categories", ())))
-    if split in ("odd", "even"):
-      prompts = [p for p in prompts if p.index % 2 == (1 if split == "odd" else 0)]
+    prompts = split_prompts(load_prompts(cfg["prompts"], int(cfg.get("prompt_limit", 0)),
+                                         tuple(cfg.get("categories", ()))), cfg.get("prompt_split") or "")
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -94,6 +94,19 @@ def load_prompts(path: Optional[str], limit: int = 0, categories=()) -> list[Pro
   return out
 
 
+def split_prompts(prompts: list[PromptRec], split: str) -> list[PromptRec]:
+  """'even' / 'odd': the prompts at even / odd positions of the file (a tuning split and a held-apart one, so a
+  tuned policy is checked on prompts its tuner never saw); '' = all."""
+  if split in ("", None):
+    return prompts
+  if split not in ("even", "odd"):
+    raise ValueError(f"prompt_split must be '', 'even' or 'odd', got {split!r}")
+  out = [p for p in prompts if p.index % 2 == (1 if split == "odd" else 0)]
+  if not out:
+    raise ValueError(f"no prompts in the {split} split")
+  return out
+
+
 def build_requests(prompts: list[PromptRec], n: int, sampling: dict, output_lengths, seed: int) -> list[Request]:
   """n requests cycling through a seeded shuffle of the prompts. The output budget is output_lengths[i % m] for
   prompt i of the file, so every budget sees a balanced, fixed subset of prompts."""
