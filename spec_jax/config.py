@@ -44,6 +44,9 @@ class ModelConfig:
   rope_base_local: float = GEMMA3["rope_base_local"]  # sliding-window layers
   sliding_window: Optional[int] = GEMMA3["sliding_window"]  # None: every layer is global
   global_every: int = GEMMA3["global_every"]  # layer i is global when (i + 1) % global_every == 0
+  # None: plain RoPE. ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+  # Llama 3.1's frequency scaling (models/transformer.rope_frequencies), applied to every layer's base.
+  rope_scaling: Optional[tuple] = None
   # The attention scale is this ** -0.5; None: head_dim ** -0.5.
   query_pre_attn_scalar: Optional[float] = GEMMA3["query_pre_attn_scalar"]
   embed_scale: bool = GEMMA3["embed_scale"]  # multiply embeddings by sqrt(d_model)

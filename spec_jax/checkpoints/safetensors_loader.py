@@ -109,11 +109,12 @@ class _TensorIndex:
 # ---------------------------------------------------------------------------------------------- config
 
 
-def _rope_spec(cfg: dict, path: str, default_theta: float, default_local: float):
-  """-> (global theta, local theta), from the transformers 4 keys or 5's `rope_parameters`.
+def _rope_spec(cfg: dict, path: str, default_theta: float, default_local: float, allow_llama3: bool = False):
+  """-> (global theta, local theta, scaling), from the transformers 4 keys or 5's `rope_parameters`.
 
-  Only plain RoPE is supported: any scaling (linear, llama3, yarn, ...) changes the frequencies in ways one
-  base cannot express, so it is refused rather than silently ignored.
+  Plain RoPE, and (where `allow_llama3`, the Llama family) Llama 3.1's `llama3` frequency scaling, which comes back
+  as ModelConfig.rope_scaling's tuple. Any other scaling (linear, yarn, ...) changes the frequencies in ways this
+  model does not compute, so it is refused rather than silently ignored.
   """
   rp = cfg.get("rope_parameters") or {}
   if not isinstance(rp, dict):
@@ -122,13 +123,26 @@ def _rope_spec(cfg: dict, path: str, default_theta: float, default_local: float)
     full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
   else:
     full, local = rp, {}
+  scaling = None
   for spec in (full, local, cfg.get("rope_scaling") or {}):
+    if not isinstance(spec, dict):
+      raise ValueError(f"{path}: RoPE parameters must be an object, got {spec!r}")
     kind = spec.get("rope_type", spec.get("type", "default"))
-    if kind not in (None, "default"):
-      raise ValueError(f"{path}: RoPE scaling {spec!r} is not supported (only plain RoPE)")
+    if kind == "llama3" and allow_llama3 and spec is not local:
+      try:
+        scaling = ("llama3", float(spec["factor"]), float(spec["low_freq_factor"]), float(spec["high_freq_factor"]),
+                   float(spec["original_max_position_embeddings"]))
+      except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: llama3 RoPE scaling {spec!r} needs factor, low_freq_factor, high_freq_factor "
+                         f"and original_max_position_embeddings: {e!r}") from e
+      if scaling[2] == scaling[3]:
+        raise ValueError(f"{path}: llama3 RoPE scaling with low_freq_factor == high_freq_factor is not supported")
+    elif kind not in (None, "default"):
+      supported = "plain RoPE or llama3 scaling" if allow_llama3 else "only plain RoPE"
+      raise ValueError(f"{path}: RoPE scaling {spec!r} is not supported ({supported})")
   theta = float(full.get("rope_theta", cfg.get("rope_theta", default_theta)))
   local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", default_local)))
-  return theta, local_theta
+  return theta, local_theta, scaling
 
 
 def _global_every(cfg: dict, num_layers: int, path: str) -> int:
@@ -210,7 +224,7 @@ def config_from_hf(cfg: dict, path: str = "config.json", name: str = "hf") -> Mo
     act = text.get("hidden_activation") or text.get("hidden_act") or defaults["hidden_activation"]
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
       raise ValueError(f"{path}: hidden_activation {act!r} is not supported for Gemma 3 (gelu_pytorch_tanh)")
-    theta, local_theta = _rope_spec(text, path, defaults["rope_theta"], defaults["rope_local_base_freq"])
+    theta, local_theta, _ = _rope_spec(text, path, defaults["rope_theta"], defaults["rope_local_base_freq"])
     window = text.get("sliding_window", defaults["sliding_window"])
     tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", defaults["tie_word_embeddings"]))
     return family_config(
@@ -228,11 +242,12 @@ def config_from_hf(cfg: dict, path: str = "config.json", name: str = "hf") -> Mo
                      "schedule differs from Gemma's); only full attention")
   if text.get("mlp_bias"):
     raise ValueError(f"{path}: mlp_bias=true is not supported")
-  theta, _ = _rope_spec(text, path, 10_000.0, 10_000.0)
+  theta, _, scaling = _rope_spec(text, path, 10_000.0, 10_000.0, allow_llama3=model_type == "llama")
   return family_config(
       "qwen2" if model_type == "qwen2" else "llama", **common,
       qkv_bias=model_type == "qwen2" or bool(text.get("attention_bias", False)),
       rope_base=theta, rope_base_local=theta, tie_embeddings=bool(text.get("tie_word_embeddings", False)),
+      rope_scaling=scaling,
   )
 
 

@@ -63,10 +63,28 @@ def rms_norm(x, w, eps):
   return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, positions, base):
-  """Rotate-half RoPE. x [B, T, H, d]; positions [B, T]; base a (traced) scalar."""
-  d = x.shape[-1]
+def rope_frequencies(d: int, base, scaling=None):
+  """The d/2 inverse frequencies of RoPE with base `base` (traced), with Llama 3.1's scaling when `scaling` is
+  ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings): wavelengths longer
+  than original / low are divided by factor, shorter than original / high kept, and the band between blended."""
   inv_freq = jnp.exp(-jnp.log(base) * (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [d/2]
+  if scaling is None:
+    return inv_freq
+  kind, factor, low, high, original = scaling
+  if kind != "llama3":
+    raise ValueError(f"unknown RoPE scaling {kind!r}")
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+  smooth = (original / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= original / high) & (wavelen <= original / low)
+  return jnp.where(medium, blended, scaled)
+
+
+def rope(x, positions, base, scaling=None):
+  """Rotate-half RoPE. x [B, T, H, d]; positions [B, T]; base a (traced) scalar; scaling: rope_frequencies'."""
+  d = x.shape[-1]
+  inv_freq = rope_frequencies(d, base, scaling)
   ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, d/2]
   cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
   x32 = x.astype(jnp.float32)
@@ -89,9 +107,10 @@ def _activation(name):
   return jax.nn.silu
 
 
-def layer_qkv(c: ModelConfig, x, p, positions, base):
-  """A layer's attention inputs: q [B, T, H, d], k and v [B, T, K, d], RoPE applied."""
-  h = rms_norm(x, p["attn_norm"], c.norm_eps)
+def layer_qkv(c: ModelConfig, x, p, positions, base, attn_input=None):
+  """A layer's attention inputs: q [B, T, H, d], k and v [B, T, K, d], RoPE applied. `attn_input`: what the
+  projections read instead of rms_norm(x, attn_norm) (published EAGLE heads: no input norm, or a wider input)."""
+  h = rms_norm(x, p["attn_norm"], c.norm_eps) if attn_input is None else attn_input
   q = dot("btd,dhk->bthk", h, p["q"])
   k = dot("btd,dhk->bthk", h, p["k"])
   v = dot("btd,dhk->bthk", h, p["v"])
@@ -99,7 +118,7 @@ def layer_qkv(c: ModelConfig, x, p, positions, base):
     q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
   if c.qk_norm:
     q, k = rms_norm(q, p["q_norm"], c.norm_eps), rms_norm(k, p["k_norm"], c.norm_eps)
-  return rope(q, positions, base), rope(k, positions, base), v
+  return rope(q, positions, base, c.rope_scaling), rope(k, positions, base, c.rope_scaling), v
 
 
 def layer_finish(c: ModelConfig, x, attn, p):
@@ -117,18 +136,19 @@ def layer_finish(c: ModelConfig, x, attn, p):
 
 
 def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, base, positions, lengths, *,
-                  impl: str = "xla", tree_mask=None, mesh=None):
+                  impl: str = "xla", tree_mask=None, mesh=None, attn_input=None):
   """One decoder layer over x [B, T, D] at positions [B, T] -> (x, k_new, v_new [B, T, K, d]).
 
   It reads the committed slots (< lengths[b]) of layer `layer` of the stacked cache k_cache/v_cache
   [L, B, K, S, d], and does not write it: the caller writes k_new/v_new at slots lengths[b] .. (write_rows).
   With k_cache = v_cache = None it attends over the T tokens only (causal, windowed by position), as training's
   cache-free forward does. `tree_mask` bool [B, T, T] (or [T, T]) replaces the causal mask among the T new tokens
-  (a token tree). `mesh`: the device mesh a Pallas kernel runs per shard on (kernels.attention).
+  (a token tree). `mesh`: the device mesh a Pallas kernel runs per shard on (kernels.attention). `attn_input`:
+  what the Q/K/V projections read instead of the normed x (layer_qkv); the residual stays x.
   """
   c = config
   B, T = positions.shape
-  q, k, v = layer_qkv(c, x, p, positions, base)
+  q, k, v = layer_qkv(c, x, p, positions, base, attn_input)
   if k_cache is None:
     # An empty cache beside the new tokens; always the XLA form, the one training differentiates (the Pallas
     # kernels have no backward pass).

@@ -108,22 +108,82 @@ def layer_input(params: dict, cfg: ModelConfig, feats, toks):
   return tfm.dot("btd,de->bte", jnp.concatenate([f, e], axis=-1), params["fc"])
 
 
-def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache: KVCache, impl: str = "xla",
-                  mesh=None):
-  """feats [B, T, D], toks [B, T] at positions [B, T], written at cache.lengths .. ->
-  (predicted features [B, T, D] (final-normed, in the target's feature space), cache with the new K/V).
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """A head in a published layout (spec_jax/checkpoints/published.py loads them), computing that layout's forward
+  exactly; None on the proposer is this project's own layout (above).
+  - kind "eagle1" (EAGLE-1/2 as its authors publish it): x = fc([embedding; feature]) (+ bias), one decoder layer
+    whose attention reads x without an input norm; x is fed back as it is and projected by the target's head.
+  - kind "eagle3" (SafeAILab / SpecForge / speculators): a committed position's feature is the aux layers side by
+    side through `fuse` (after per-part norms when `fuse_norm` is present); the layer's attention reads
+    [input_layernorm(embedding); hidden_norm(h)] (2 D wide) and its residual is h (hidden_norm(h) with
+    `norm_before_residual`); the output is fed back before the final norm (after it with `norm_output`), and the
+    draft logits are lm_head(norm(output)) over the draft vocabulary."""
+  kind: str
+  norm_before_residual: bool = False
+  norm_output: bool = False
 
-  params needs "embed" (the target's frozen token embedding) beside the EAGLE weights.
+
+def _embed(params: dict, cfg: ModelConfig, toks, dtype):
+  return tfm.embed({"embed": params["embed"], "final_norm": jnp.zeros((), dtype)}, toks, cfg).astype(dtype)
+
+
+def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, v_cache, lengths, *,
+               published: Optional[Published] = None, impl: str = "xla", tree_mask=None, mesh=None):
+  """The head's layer over (feature, token) pairs -> (the layer's output x [B, T, D], k_new, v_new)."""
+  run = functools.partial(tfm.decoder_layer, cfg, p=params["layer"], k_cache=k_cache, v_cache=v_cache,
+                          layer=jnp.int32(0), window=jnp.int32(0), base=jnp.float32(cfg.rope_base),
+                          positions=positions, lengths=lengths, impl=impl, tree_mask=tree_mask, mesh=mesh)
+  if published is None:
+    return run(layer_input(params, cfg, feats, toks))
+  dtype = params["layer"]["q"].dtype
+  e = _embed(params, cfg, toks, dtype)
+  if published.kind == "eagle1":
+    x = tfm.dot("btd,de->bte", jnp.concatenate([e, feats.astype(dtype)], axis=-1), params["fc"])
+    if "fc_bias" in params:
+      x = x + params["fc_bias"].astype(x.dtype)
+    return run(x, attn_input=x)
+  h = feats.astype(dtype)
+  if h.shape[-1] != cfg.d_model:  # a committed position: the aux layers, fused
+    if "fuse_norm" in params:
+      h = fuse_features(params, cfg, h)
+    else:
+      h = tfm.dot("...f,fd->...d", h, params["fuse"])
+  hn = tfm.rms_norm(h, params["layer"]["hidden_norm"], cfg.norm_eps)
+  attn_in = jnp.concatenate([tfm.rms_norm(e, params["layer"]["attn_norm"], cfg.norm_eps), hn], axis=-1)
+  return run(hn if published.norm_before_residual else h, attn_input=attn_in)
+
+
+def out_feature(params: dict, cfg: ModelConfig, x, published: Optional[Published] = None):
+  """The layer's output -> the feature fed back at the next drafted position."""
+  if published is None or (published.kind == "eagle3" and published.norm_output):
+    return tfm.rms_norm(x, params["out_norm"], cfg.norm_eps)
+  return x
+
+
+def head_logits(params: dict, cfg: ModelConfig, feat, published: Optional[Published] = None):
+  """A fed-back feature -> float32 draft logits over the draft vocabulary (params["rows"])."""
+  if published is not None and published.kind == "eagle3" and not published.norm_output:
+    feat = tfm.rms_norm(feat, params["out_norm"], cfg.norm_eps)
+  return vocab.project(feat, params["rows"])
+
+
+def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache: KVCache, impl: str = "xla",
+                  mesh=None, published: Optional[Published] = None):
+  """feats [B, T, D], toks [B, T] at positions [B, T], written at cache.lengths .. ->
+  (predicted features [B, T, D] (what is fed back: final-normed in this project's layout, in the target's
+  feature space), cache with the new K/V).
+
+  params needs "embed" (the target's frozen token embedding, or a published head's own) beside the EAGLE weights.
   """
-  x = layer_input(params, cfg, feats, toks)
-  x, k_new, v_new = tfm.decoder_layer(cfg, x, params["layer"], cache.k, cache.v, jnp.int32(0), jnp.int32(0),
-                                      jnp.float32(cfg.rope_base), positions, cache.lengths, impl=impl, mesh=mesh)
+  x, k_new, v_new = layer_step(params, cfg, feats, toks, positions, cache.k, cache.v, cache.lengths,
+                               published=published, impl=impl, mesh=mesh)
   # The rows are written after the layer has read the cache: with nothing ordering the attention call and the
   # row loop, XLA:GPU's copy insertion copied the whole cache around the loop (7 copies a step on an H200).
   x, ck, cv = jax.lax.optimization_barrier((x, cache.k, cache.v))
   cache = cache.replace(k=tfm.write_rows(ck, k_new[None], cache.lengths, mesh),
                         v=tfm.write_rows(cv, v_new[None], cache.lengths, mesh))
-  return tfm.rms_norm(x, params["out_norm"], cfg.norm_eps), cache
+  return out_feature(params, cfg, x, published), cache
 
 
 @struct.dataclass
@@ -147,6 +207,7 @@ class EagleProposer:
   tree: Optional[DynamicTree] = None  # EAGLE-2 dynamic trees (k = tree.depth); None: chains
   feature_layers: tuple = ()  # EAGLE-3: the target layers it reads, fused; () = the final-normed hidden
   mesh: Any = None  # set by the loop (LoopSpec): where a Pallas kernel runs per shard
+  published: Optional[Published] = None  # a published layout's forward; None: this project's
   needs_prompt_hidden: ClassVar[bool] = True
 
   def __post_init__(self):
@@ -158,11 +219,12 @@ class EagleProposer:
     pair is the last prompt token's feature with the first sampled token."""
     prompt, lens, hidden = prefill.prompt_tokens, prefill.prompt_lens, prefill.prompt_hidden
     B, P = prompt.shape
-    dtype = params["fc"].dtype
+    dtype = params["layer"]["q"].dtype
     cache = KVCache.init(self.config, B, capacity, dtype)
     nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    _, cache = eagle_forward(params, self.config, hidden, nxt, pos, cache, impl=self.impl, mesh=self.mesh)
+    _, cache = eagle_forward(params, self.config, hidden, nxt, pos, cache, impl=self.impl, mesh=self.mesh,
+                             published=self.published)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     first = jnp.take_along_axis(prefill.tokens, (prefill.lengths - 1)[:, None], axis=1)[:, 0]
     return EagleState(cache=cache.replace(lengths=(lens - 1).astype(jnp.int32)), pend_feat=last.astype(dtype),
@@ -175,14 +237,16 @@ class EagleProposer:
 
   def propose(self, params, state: EagleState, ctx, k, key):
     d2t = params.get("d2t")
-    run = functools.partial(eagle_forward, params, self.config, impl=self.impl, mesh=self.mesh)
+    run = functools.partial(eagle_forward, params, self.config, impl=self.impl, mesh=self.mesh,
+                            published=self.published)
     cache = state.cache.replace(lengths=ctx.lengths - 2)
     # The pending pair, read from ctx (identical to the state's after update).
     tok0 = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
     feat, cache = run(ctx.last_hidden[:, None], tok0, cache.lengths[:, None], cache)
 
     def draw(carry, key):
-      return vocab.draw(key, vocab.project(carry[0], params["rows"]), ctx.sampling, d2t, self.vocab_size)
+      logits = head_logits(params, self.config, carry[0], self.published)
+      return vocab.draw(key, logits, ctx.sampling, d2t, self.vocab_size)
 
     def advance(carry, tok):
       feat, cache = carry
@@ -201,16 +265,15 @@ class EagleProposer:
     cache = state.cache.replace(lengths=ctx.lengths - 2)
     tok0 = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
     feat, cache = eagle_forward(params, self.config, ctx.last_hidden[:, None], tok0, cache.lengths[:, None], cache,
-                                impl=self.impl, mesh=self.mesh)
+                                impl=self.impl, mesh=self.mesh, published=self.published)
     cache = cache.replace(lengths=ctx.lengths - 1)
-    logp = lambda f: jax.nn.log_softmax(vocab.project(f, params["rows"]), axis=-1)
+    logp = lambda f: jax.nn.log_softmax(head_logits(params, self.config, f, self.published), axis=-1)
 
     def score(tokens, parent_feat, depths, mask):
-      x = layer_input(params, self.config, parent_feat, tokens)
-      x, _, _ = tfm.decoder_layer(self.config, x, params["layer"], cache.k, cache.v, jnp.int32(0), jnp.int32(0),
-                                  jnp.float32(self.config.rope_base), (ctx.lengths - 2)[:, None] + depths,
-                                  cache.lengths, impl=self.impl, tree_mask=mask, mesh=self.mesh)
-      out = tfm.rms_norm(x, params["out_norm"], self.config.norm_eps)
+      x, _, _ = layer_step(params, self.config, parent_feat, tokens, (ctx.lengths - 2)[:, None] + depths, cache.k,
+                           cache.v, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask,
+                           mesh=self.mesh)
+      out = out_feature(params, self.config, x, self.published)
       return logp(out), out
 
     to_target = None if d2t is None else (lambda i: jnp.take(d2t, i))
@@ -226,7 +289,7 @@ class EagleProposer:
     toks = jnp.concatenate([state.pend_tok[:, None], result.tokens], axis=1)
     pos = (L - 2)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     _, cache = eagle_forward(params, self.config, feats, toks, pos, state.cache.replace(lengths=L - 2),
-                             impl=self.impl, mesh=self.mesh)
+                             impl=self.impl, mesh=self.mesh, published=self.published)
     last = jnp.clip(e - 1, 0, T - 2)
     new_feat = jnp.take_along_axis(result.hidden, last[:, None, None], axis=1)[:, 0]
     new_tok = jnp.take_along_axis(result.tokens, last[:, None], axis=1)[:, 0]

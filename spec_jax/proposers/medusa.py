@@ -41,11 +41,28 @@ def init_params(key, d_model: int, num_heads: int, dtype=jnp.float32, scale: flo
 
 
 def head_features(heads: dict, hidden: jax.Array) -> jax.Array:
-  """hidden [..., D] -> [..., K, D]: every head's residual block."""
+  """hidden [..., D] -> [..., K, D]: every head's residual block. Published Medusa-1 heads (w [K, NL, D, D],
+  b [K, NL, D]) run their NL blocks in turn."""
+  if heads["w"].ndim == 4:
+    h = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (heads["w"].shape[0], hidden.shape[-1]))
+    for j in range(heads["w"].shape[1]):
+      z = jnp.einsum("...kd,kde->...ke", h, heads["w"][:, j].astype(h.dtype),
+                     preferred_element_type=jnp.float32) + heads["b"][:, j].astype(jnp.float32)
+      h = (h.astype(jnp.float32) + jax.nn.silu(z)).astype(hidden.dtype)
+    return h
   h = hidden[..., None, :]
   z = jnp.einsum("...d,kde->...ke", hidden, heads["w"].astype(hidden.dtype),
                  preferred_element_type=jnp.float32) + heads["b"].astype(jnp.float32)
   return (h.astype(jnp.float32) + jax.nn.silu(z)).astype(hidden.dtype)
+
+
+def project(feats: jax.Array, rows) -> jax.Array:
+  """feats [..., k, D] -> float32 logits [..., k, N]: the shared output rows [N, D], or a published head's own
+  matrix per head ([K, N, D], the first k used)."""
+  if getattr(rows, "ndim", 2) == 3:
+    k = feats.shape[-2]
+    return jnp.einsum("...kd,knd->...kn", feats.astype(rows.dtype), rows[:k], preferred_element_type=jnp.float32)
+  return vocab.project(feats, rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +73,7 @@ class MedusaProposer(Stateless):
   reduced: bool = False  # project to the d2t rows only
   name: str = "medusa"
   tree: Optional[StaticTree] = None  # None: chains of k; else k = tree.depth
+  num_layers: int = 0  # a published Medusa-1 head's residual blocks per head (own head matrices); 0: ours
 
   def __post_init__(self):
     if self.tree is not None and self.k != self.tree.depth:
@@ -65,7 +83,7 @@ class MedusaProposer(Stateless):
 
   def propose(self, params, state, ctx, k, key):
     feats = head_features(params["heads"], ctx.last_hidden)[:, :k]  # [B, k, D]
-    logits = vocab.project(feats, params["rows"])
+    logits = project(feats, params["rows"])
     tokens, q = vocab.draw(key, logits, ctx.sampling, params.get("d2t"), self.vocab_size)
     return Draft(tokens=tokens, probs=q), state
 
@@ -73,7 +91,7 @@ class MedusaProposer(Stateless):
     t = self.tree
     parents, depths, ranks = t.arrays()
     feats = head_features(params["heads"], ctx.last_hidden)[:, :t.depth]  # [B, D, Dm]
-    _, top = jax.lax.top_k(vocab.project(feats, params["rows"]), t.ranks)  # [B, D, R]
+    _, top = jax.lax.top_k(project(feats, params["rows"]), t.ranks)  # [B, D, R]
     if "d2t" in params:
       top = jnp.take(params["d2t"], top)
     B = top.shape[0]

@@ -89,7 +89,8 @@ def build_proposer(spec, target: Target):
 
 
 def is_checkpoint(stem: str) -> bool:
-  """Is `stem` one of our trainer's checkpoints (<stem>.safetensors beside <stem>.json)?"""
+  """Is `stem` one of our trainer's checkpoints (<stem>.safetensors beside <stem>.json)? (A published head is a
+  directory: spec_jax/checkpoints/published.py.)"""
   return os.path.isfile(stem + ".json") and os.path.isfile(stem + ".safetensors")
 
 
@@ -104,9 +105,25 @@ def _suffix(a: BuildArgs):
                         spec_factor=s.suffix_decoding_max_spec_factor, sharing=s.suffix_sharing), {}
 
 
+def _published(a: BuildArgs):
+  """A published head directory (spec_jax/checkpoints/published.py detects its format), or None."""
+  from spec_jax.checkpoints import published
+  model = a.spec.model
+  if not model or is_checkpoint(model) or not published.is_published(model):
+    return None
+  if a.spec.method == "medusa" and a.spec.eagle_topk > 1:
+    raise ValueError(f"{model}: a published Medusa head has no per-rank accuracy to choose a tree from; "
+                     "use eagle_topk=1 (chains)")
+  t = a.target
+  return published.load(model, a.spec.method, t.config, t.params, a.k, t.impl, a.tree)
+
+
 def _medusa(a: BuildArgs):
   from spec_jax.proposers.medusa import load_medusa
   t = a.target
+  loaded = _published(a)
+  if loaded is not None:
+    return loaded
   return load_medusa(a.spec.model or default_heads_path("medusa"), t.config, t.params, a.k, a.spec.eagle_topk,
                      a.spec.num_draft_tokens)
 
@@ -114,15 +131,20 @@ def _medusa(a: BuildArgs):
 def _eagle(a: BuildArgs):
   from spec_jax.proposers.eagle import load_eagle
   t = a.target
+  loaded = _published(a)
+  if loaded is not None:
+    return loaded
   return load_eagle(a.spec.model or default_heads_path("eagle"), t.config, t.params, a.k, t.impl, a.tree)
 
 
 def _eagle3(a: BuildArgs):
-  """vLLM's method "eagle3": an EAGLE-3 head ('' = heads/eagle3_gemma3_270m). `eagle` loads either kind from its
-  checkpoint; this one refuses a head without feature layers, so a config that says eagle3 gets EAGLE-3."""
+  """vLLM's method "eagle3": an EAGLE-3 head ('' = heads/eagle3_gemma3_270m), ours or a published one's
+  directory. `eagle` loads either kind from its checkpoint; this one refuses a head without feature layers, so a
+  config that says eagle3 gets EAGLE-3."""
   from spec_jax.proposers.eagle import load_eagle
   t, path = a.target, a.spec.model or default_heads_path("eagle3")
-  proposer, params = load_eagle(path, t.config, t.params, a.k, t.impl, a.tree)
+  loaded = _published(a)
+  proposer, params = loaded or load_eagle(path, t.config, t.params, a.k, t.impl, a.tree)
   if not proposer.feature_layers:
     raise ValueError(f"method eagle3: {path} is an EAGLE-1 head (no feature layers); use method eagle for it")
   return proposer, params

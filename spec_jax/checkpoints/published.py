@@ -1,0 +1,446 @@
+"""Draft heads as others publish them, loaded into this project's proposers without conversion by hand.
+
+A published head is a directory. `detect(dir)` says which format it holds, from its files and config.json:
+- "speculators": vLLM's speculators format (config.json with `speculators_model_type`; EAGLE-3: `layers.0.*`,
+  `fc`, `norm`, `lm_head`, `d2t`, `t2d`, `eagle_aux_hidden_state_layer_ids`, `speculators_config.verifier`);
+- "medusa": Medusa-1 as FasterDecoding publishes it (`medusa_lm_head.safetensors|.pt|.bin`, config.json with
+  `medusa_num_heads`, `medusa_num_layers`; per head `{h}.{j}.linear.weight|bias` residual SiLU blocks and
+  `{h}.{medusa_num_layers}.weight`, its own head matrix);
+- "eagle3": EAGLE-3 as SafeAILab and SpecForge publish it (`midlayer.*` or `layers.0.hidden_norm`, the fused
+  `fc` [D, 3 Dt], `norm`, `lm_head` over the draft vocabulary, `d2t` holding offsets: target id = draft id +
+  d2t[draft id], `t2d` a mask over the target's ids);
+- "eagle1": EAGLE-1/2 as its authors publish it (`fc` [D, 2 D] (+ bias) over [embedding; hidden], one Llama
+  decoder layer `layers.0.*` without `input_layernorm`).
+Weights come from `model.safetensors` (or any `*.safetensors`) or `pytorch_model.bin`, the latter read without
+torch (`read_torch_bin`: the zip's pickle, with only tensors and dicts allowed).
+
+Aux hidden-state layer ids (EAGLE-3) follow vLLM's convention: id i is the residual stream at the *input* of
+target layer i, so this project's feature layer (a layer's output) is i - 1. Without ids in the config the
+conventional default is (2, L // 2, L - 3).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import zipfile
+from typing import Optional
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from spec_jax.checkpoints import safetensors_io
+from spec_jax.config import ModelConfig
+
+FORMATS = ("speculators", "medusa", "eagle3", "eagle1")
+MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+_TORCH_DTYPES = {
+    "FloatStorage": np.float32, "HalfStorage": np.float16, "BFloat16Storage": ml_dtypes.bfloat16,
+    "DoubleStorage": np.float64, "LongStorage": np.int64, "IntStorage": np.int32, "ShortStorage": np.int16,
+    "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+}
+
+
+class _Storage:
+  def __init__(self, dtype):
+    self.dtype = dtype
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+  arr = storage
+  if not size:
+    return arr[offset:offset + 1].reshape(())
+  item = arr.itemsize
+  return np.lib.stride_tricks.as_strided(arr[offset:], shape=tuple(size), strides=tuple(s * item for s in stride)).copy()
+
+
+def read_torch_bin(path: str) -> dict:
+  """A `torch.save` zip file of a flat {name: tensor} dict -> {name: numpy array}, without torch. Anything in the
+  pickle other than tensors, storages and dicts is refused (no code runs)."""
+  try:
+    zf = zipfile.ZipFile(path)
+  except (zipfile.BadZipFile, OSError) as e:
+    raise ValueError(f"{path}: not a readable torch checkpoint (zip): {e}") from e
+  with zf:
+    names = zf.namelist()
+    pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+      raise ValueError(f"{path}: not a torch zip checkpoint (no single data.pkl among {names[:5]})")
+    root = pkl[0][:-len("data.pkl")]
+
+    class Unpickler(pickle.Unpickler):
+      def find_class(self, module, name):
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+          return _rebuild_tensor
+        if module == "collections" and name == "OrderedDict":
+          import collections
+          return collections.OrderedDict
+        if module == "torch" and name in _TORCH_DTYPES:
+          return _Storage(_TORCH_DTYPES[name])
+        raise ValueError(f"{path}: the checkpoint's pickle names {module}.{name}, which a weights file does not "
+                         "need; refused")
+
+      def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+          raise ValueError(f"{path}: unexpected persistent id {pid!r}")
+        _, kind, key, _, numel = pid
+        try:
+          raw = zf.read(f"{root}data/{key}")
+        except (KeyError, zipfile.BadZipFile, OSError, EOFError) as e:
+          raise ValueError(f"{path}: storage {key} is missing or truncated: {e}") from e
+        dtype = np.dtype(kind.dtype)
+        if len(raw) < numel * dtype.itemsize:
+          raise ValueError(f"{path}: storage {key} holds {len(raw)} bytes, expected {numel * dtype.itemsize} "
+                           "(truncated file?)")
+        return np.frombuffer(raw, dtype, count=numel)
+
+    try:
+      with zf.open(pkl[0]) as f:
+        obj = Unpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as e:
+      raise ValueError(f"{path}: the checkpoint's pickle cannot be read (truncated file?): {e}") from e
+  if not isinstance(obj, dict) or not all(isinstance(v, np.ndarray) for v in obj.values()):
+    raise ValueError(f"{path}: expected a dict of tensors")
+  return dict(obj)
+
+
+def read_weights(directory: str, names: tuple = ()) -> tuple[dict, str]:
+  """-> ({name: array}, the file(s) read): `names` if given, else model.safetensors / *.safetensors, else
+  pytorch_model.bin."""
+  candidates = [os.path.join(directory, n) for n in names] if names else (
+      sorted(glob.glob(os.path.join(directory, "*.safetensors"))) or
+      [os.path.join(directory, "pytorch_model.bin")])
+  found = [p for p in candidates if os.path.isfile(p)]
+  if not found:
+    want = ", ".join(os.path.basename(p) for p in candidates) if names else "*.safetensors or pytorch_model.bin"
+    raise FileNotFoundError(f"{directory}: no weights file ({want})")
+  path = found[0]
+  out = {}
+  for p in (found if path.endswith(".safetensors") and not names else [path]):
+    try:
+      out.update(read_torch_bin(p) if not p.endswith(".safetensors") else safetensors_io.read(p))
+    except ValueError:
+      raise
+    except Exception as e:  # the safetensors package's own errors (a truncated header or body)
+      raise ValueError(f"{p}: cannot read the weights file (truncated or not safetensors?): {e}") from e
+  return out, path
+
+
+def read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      cfg = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  if not isinstance(cfg, dict):
+    raise ValueError(f"{path} is not a JSON object")
+  return cfg
+
+
+def detect(directory: str) -> str:
+  """Which published format `directory` holds (FORMATS), or a ValueError naming what is missing."""
+  directory = str(directory)
+  cfg_path = os.path.join(directory, "config.json")
+  cfg = read_json(cfg_path) if os.path.isfile(cfg_path) else None
+  if cfg is not None and "speculators_model_type" in cfg:
+    return "speculators"
+  if any(os.path.isfile(os.path.join(directory, n)) for n in MEDUSA_FILES) or (cfg or {}).get("medusa_num_heads"):
+    return "medusa"
+  if cfg is None:
+    raise ValueError(f"{directory}: not a published draft head: config.json is missing (expected config.json with "
+                     f"weights, or {MEDUSA_FILES[0]})")
+  if any("eagle3" in str(a).lower() for a in cfg.get("architectures") or ()) or "draft_vocab_size" in cfg:
+    return "eagle3"
+  weights, _ = read_weights(directory)
+  if any(k.startswith("midlayer.") or k.endswith("hidden_norm.weight") for k in weights):
+    return "eagle3"
+  if "fc.weight" in weights and any(k.startswith("layers.0.") for k in weights):
+    return "eagle1"
+  raise ValueError(f"{directory}: config.json and weights are not a known draft head format: expected "
+                   "speculators_model_type (speculators), medusa_lm_head.* (Medusa-1), midlayer.* / "
+                   "layers.0.hidden_norm (EAGLE-3) or fc + layers.0.* (EAGLE-1/2); found tensors "
+                   f"{sorted(weights)[:8]}")
+
+
+def is_published(path: str) -> bool:
+  """Is `path` a directory that looks like a published head (not one of our trainer's checkpoints)?"""
+  if not path or not os.path.isdir(path):
+    return False
+  return any(os.path.isfile(os.path.join(path, n)) for n in ("config.json",) + MEDUSA_FILES)
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+class _Tensors:
+  def __init__(self, weights: dict, where: str):
+    self.w, self.where, self.used = weights, where, set()
+
+  def has(self, name):
+    return name in self.w
+
+  def get(self, name, shape=None):
+    if name not in self.w:
+      raise ValueError(f"{self.where}: tensor {name!r} is missing (expected shape {shape}); tensors present: "
+                       f"{sorted(self.w)[:12]}")
+    a = np.asarray(self.w[name])
+    if shape is not None and tuple(a.shape) != tuple(shape):
+      raise ValueError(f"{self.where}: tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    self.used.add(name)
+    return a
+
+  def linear(self, name, n_in, n_out):
+    """A torch Linear weight [out, in] -> ours [in, out] (float32)."""
+    return self.get(name, (n_out, n_in)).astype(np.float32).T
+
+
+def _layer_config(cfg: dict, target: ModelConfig, where: str) -> ModelConfig:
+  """The head's decoder layer, from its (Llama) config: its own sizes and RoPE, Llama conventions."""
+  from spec_jax.checkpoints.safetensors_loader import _rope_spec
+  mt = cfg.get("model_type", "llama")
+  if mt not in ("llama", None):
+    raise ValueError(f"{where}: the head's layer is model_type {mt!r}; only Llama-style layers are supported")
+  if cfg.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
+  try:
+    D, H = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    theta, _, scaling = _rope_spec(cfg, where, 10_000.0, 10_000.0, allow_llama3=True)
+    return target.replace(
+        d_model=D, num_layers=1, num_heads=H, num_kv_heads=int(cfg.get("num_key_value_heads") or H),
+        head_dim=int(cfg.get("head_dim") or D // H), mlp_dim=int(cfg["intermediate_size"]), activation="silu",
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), post_norms=False, qk_norm=False,
+        qkv_bias=bool(cfg.get("attention_bias", False)), rope_base=theta, rope_base_local=theta,
+        rope_scaling=scaling, sliding_window=None, query_pre_attn_scalar=None, name=f"{target.name}-eagle")
+  except KeyError as e:
+    raise ValueError(f"{where}: config key {e.args[0]!r} is missing") from e
+
+
+def _decoder_layer(t: _Tensors, prefix: str, cfg: ModelConfig, in_width: int, input_norm: bool) -> dict:
+  D, H, K, d, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  p = {
+      "q": t.linear(f"{prefix}self_attn.q_proj.weight", in_width, H * d).reshape(in_width, H, d),
+      "k": t.linear(f"{prefix}self_attn.k_proj.weight", in_width, K * d).reshape(in_width, K, d),
+      "v": t.linear(f"{prefix}self_attn.v_proj.weight", in_width, K * d).reshape(in_width, K, d),
+      "o": t.linear(f"{prefix}self_attn.o_proj.weight", H * d, D).reshape(H, d, D),
+      "mlp_norm": t.get(f"{prefix}post_attention_layernorm.weight", (D,)),
+      "gate": t.linear(f"{prefix}mlp.gate_proj.weight", D, F),
+      "up": t.linear(f"{prefix}mlp.up_proj.weight", D, F),
+      "down": t.linear(f"{prefix}mlp.down_proj.weight", F, D),
+  }
+  if cfg.qkv_bias:
+    p.update(q_bias=t.get(f"{prefix}self_attn.q_proj.bias", (H * d,)).reshape(H, d),
+             k_bias=t.get(f"{prefix}self_attn.k_proj.bias", (K * d,)).reshape(K, d),
+             v_bias=t.get(f"{prefix}self_attn.v_proj.bias", (K * d,)).reshape(K, d))
+  # A layer without its input norm (EAGLE-1's first layer) still gets the row: decoder_layer is then handed its
+  # attention input directly and never reads it.
+  p["attn_norm"] = t.get(f"{prefix}input_layernorm.weight", (D,)) if input_norm else np.ones((D,), np.float32)
+  return p
+
+
+def _check_unused(t: _Tensors, ignore=()) -> None:
+  extra = sorted(k for k in t.w if k not in t.used and not any(k.startswith(i) for i in ignore))
+  if extra:
+    raise ValueError(f"{t.where}: unexpected tensors {extra[:8]} (a layout this loader does not know)")
+
+
+def _embed(t: _Tensors, target_params: dict, cfg: ModelConfig, target: ModelConfig, dtype):
+  """The head's own embedding when it ships one, else the target's (it must then be as wide as the layer)."""
+  if t.has("embed_tokens.weight"):
+    return jnp.asarray(t.get("embed_tokens.weight", (target.vocab_size, cfg.d_model)), dtype)
+  if target.d_model != cfg.d_model:
+    raise ValueError(f"{t.where}: no embed_tokens.weight and the target's width {target.d_model} differs from "
+                     f"the head's {cfg.d_model}")
+  return target_params["embed"]
+
+
+def _to_params(tree, dtype):
+  import jax
+  return jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32), dtype), tree)
+
+
+# ------------------------------------------------------------------------------------------- EAGLE
+
+
+def aux_layer_ids(ids, target: ModelConfig, where: str) -> tuple:
+  """vLLM's aux hidden-state ids (inputs of target layers) -> this project's feature layers (layer outputs)."""
+  L = target.num_layers
+  ids = tuple(int(i) for i in (ids if ids else (2, L // 2, L - 3)))
+  if any(not 1 <= i <= L for i in ids) or len(set(ids)) != len(ids):
+    raise ValueError(f"{where}: aux hidden-state layer ids {list(ids)} must be distinct and in [1, {L}] for a "
+                     f"{L}-layer target (id 0, the embeddings, is not supported)")
+  return tuple(i - 1 for i in ids)
+
+
+def _d2t(t: _Tensors, n: int, target: ModelConfig) -> Optional[np.ndarray]:
+  """Published d2t offsets -> this project's absolute draft-to-target ids (None: the full vocabulary)."""
+  if not t.has("d2t"):
+    if n != target.vocab_size:
+      raise ValueError(f"{t.where}: a {n}-id draft vocabulary needs a d2t tensor")
+    return None
+  off = t.get("d2t", (n,)).astype(np.int64)
+  ids = np.arange(n, dtype=np.int64) + off
+  if ids.min() < 0 or ids.max() >= target.vocab_size:
+    bad = int(np.argmax((ids < 0) | (ids >= target.vocab_size)))
+    raise ValueError(f"{t.where}: d2t is out of range: draft id {bad} + offset {int(off[bad])} = {int(ids[bad])}, "
+                     f"outside the target's vocabulary [0, {target.vocab_size})")
+  if len(np.unique(ids)) != n:
+    raise ValueError(f"{t.where}: d2t maps two draft ids to one target id")
+  if t.has("t2d"):
+    mask = t.get("t2d", (target.vocab_size,)).astype(bool)
+    if not np.array_equal(np.flatnonzero(mask), np.sort(ids)):
+      raise ValueError(f"{t.where}: t2d does not mark exactly the target ids d2t maps to")
+  if n == target.vocab_size and np.array_equal(ids, np.arange(n)):
+    return None
+  return ids.astype(np.int32)
+
+
+def load_eagle3(directory: str, target: ModelConfig, target_params: dict, fmt: str, k: int, impl: str, tree):
+  """An EAGLE-3 head (SafeAILab / SpecForge, or speculators) -> (EagleProposer, params)."""
+  from spec_jax.proposers import eagle, vocab
+  where = os.path.join(directory, "config.json")
+  cfg = read_json(where)
+  if fmt == "speculators":
+    layer_cfg = cfg.get("transformer_layer_config")
+    if not isinstance(layer_cfg, dict):
+      raise ValueError(f"{where}: speculators EAGLE-3 config needs a transformer_layer_config object")
+    for flag in ("norm_before_fc",):
+      if cfg.get(flag):
+        raise ValueError(f"{where}: {flag}=true is not supported")
+    if int(layer_cfg.get("num_hidden_layers", 1)) != 1:
+      raise ValueError(f"{where}: {layer_cfg['num_hidden_layers']} draft layers; only 1 is supported")
+    ids, n = cfg.get("eagle_aux_hidden_state_layer_ids"), int(cfg.get("draft_vocab_size", target.vocab_size))
+    published = eagle.Published("eagle3", bool(cfg.get("norm_before_residual", False)),
+                                bool(cfg.get("norm_output", False)))
+    prefix, fc_norm = "layers.0.", bool(cfg.get("fc_norm", False))
+    target_hidden = cfg.get("target_hidden_size")
+  else:
+    layer_cfg = cfg
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+      raise ValueError(f"{where}: {cfg['num_hidden_layers']} draft layers; only 1 is supported")
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    n = int(cfg.get("draft_vocab_size", target.vocab_size))
+    # SpecForge's `norm_output` (default true) means "logits through the final norm", which is this layout.
+    published, prefix, fc_norm = eagle.Published("eagle3"), None, bool(cfg.get("fc_norm", False))
+    target_hidden = cfg.get("target_hidden_size")
+  lcfg = _layer_config(layer_cfg, target, where)
+  weights, wpath = read_weights(directory)
+  t = _Tensors(weights, wpath)
+  if prefix is None:
+    prefix = "midlayer." if any(k.startswith("midlayer.") for k in weights) else "layers.0."
+  Dt = int(target_hidden or lcfg.d_model)
+  if Dt != target.d_model:
+    raise ValueError(f"{where}: the head reads target features of width {Dt}, the target's hidden size is "
+                     f"{target.d_model}")
+  layers = aux_layer_ids(ids, target, where)
+  nf, D = len(layers), lcfg.d_model
+  fc_w = t.get("fc.weight")
+  if fc_w.shape != (D, nf * Dt):
+    raise ValueError(f"{wpath}: tensor 'fc.weight' has shape {tuple(fc_w.shape)}, expected {(D, nf * Dt)} "
+                     f"({nf} aux layers of hidden size {Dt}: a head made for another target?)")
+  layer = _decoder_layer(t, prefix, lcfg, 2 * D, input_norm=True)
+  layer["hidden_norm"] = t.get(f"{prefix}hidden_norm.weight", (D,))
+  w = {"fuse": t.linear("fc.weight", nf * Dt, D), "layer": layer, "out_norm": t.get("norm.weight", (D,))}
+  if fc_norm:
+    w["fuse_norm"] = np.stack([t.get(f"fc_norm.{i}.weight", (Dt,)) for i in range(nf)])
+  lm = t.get("lm_head.weight", (n, D))
+  d2t = _d2t(t, n, target)
+  dtype = target_params["final_norm"].dtype
+  params = _to_params(w, dtype)
+  params.update(embed=_embed(t, target_params, lcfg, target, dtype), rows=jnp.asarray(lm, dtype))
+  if d2t is not None:
+    params["d2t"] = jnp.asarray(d2t, jnp.int32)
+  _check_unused(t, ignore=("verifier_", "embed_tokens.weight"))
+  proposer = eagle.EagleProposer(config=lcfg, vocab_size=target.vocab_size, k=k, reduced=d2t is not None,
+                                 impl=impl, tree=tree, feature_layers=layers, published=published)
+  del vocab
+  return proposer, params
+
+
+def load_eagle1(directory: str, target: ModelConfig, target_params: dict, k: int, impl: str, tree):
+  """An EAGLE-1/2 head as its authors publish it -> (EagleProposer, params)."""
+  from spec_jax.proposers import eagle, vocab
+  where = os.path.join(directory, "config.json")
+  cfg = read_json(where)
+  if int(cfg.get("num_hidden_layers", 1)) != 1:
+    raise ValueError(f"{where}: {cfg['num_hidden_layers']} draft layers; only 1 is supported")
+  lcfg = _layer_config(cfg, target, where)
+  if lcfg.d_model != target.d_model:
+    raise ValueError(f"{where}: hidden_size {lcfg.d_model} differs from the target's {target.d_model} (a head "
+                     "made for another target?)")
+  weights, wpath = read_weights(directory)
+  t = _Tensors(weights, wpath)
+  D = lcfg.d_model
+  w = {"fc": t.linear("fc.weight", 2 * D, D), "layer": _decoder_layer(t, "layers.0.", lcfg, D, input_norm=False)}
+  if t.has("fc.bias"):
+    w["fc_bias"] = t.get("fc.bias", (D,))
+  dtype = target_params["final_norm"].dtype
+  params = _to_params(w, dtype)
+  params.update(embed=_embed(t, target_params, lcfg, target, dtype), rows=vocab.output_rows(target_params))
+  _check_unused(t, ignore=("embed_tokens.weight",))
+  proposer = eagle.EagleProposer(config=lcfg, vocab_size=target.vocab_size, k=k, impl=impl, tree=tree,
+                                 published=eagle.Published("eagle1"))
+  return proposer, params
+
+
+# ------------------------------------------------------------------------------------------ Medusa
+
+
+def load_medusa(directory: str, target: ModelConfig, target_params: dict, k: int):
+  """Medusa-1 heads as FasterDecoding publishes them -> (MedusaProposer, params)."""
+  from spec_jax.proposers import medusa
+  where = os.path.join(directory, "config.json")
+  cfg = read_json(where) if os.path.isfile(where) else {}
+  try:
+    K, NL = int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
+  except KeyError as e:
+    raise ValueError(f"{where}: config key 'medusa_num_heads' is missing") from e
+  for key, want in (("hidden_size", target.d_model), ("vocab_size", target.vocab_size)):
+    if key in cfg and int(cfg[key]) != want:
+      raise ValueError(f"{where}: {key} is {cfg[key]}, the target's is {want} (a head made for another target?)")
+  weights, wpath = read_weights(directory, MEDUSA_FILES)
+  t = _Tensors(weights, wpath)
+  D, V = target.d_model, target.vocab_size
+  if t.has("0.0.linear.weight") and t.w["0.0.linear.weight"].shape != (D, D):
+    raise ValueError(f"{wpath}: tensor '0.0.linear.weight' has shape {tuple(t.w['0.0.linear.weight'].shape)}, "
+                     f"expected {(D, D)} (hidden size {D}: a head made for another target?)")
+  w = np.stack([np.stack([t.linear(f"{h}.{j}.linear.weight", D, D) for j in range(NL)]) for h in range(K)])
+  b = np.stack([np.stack([t.get(f"{h}.{j}.linear.bias", (D,)) for j in range(NL)]) for h in range(K)])
+  rows = np.stack([t.get(f"{h}.{NL}.weight", (V, D)) for h in range(K)])
+  _check_unused(t)
+  dtype = target_params["final_norm"].dtype
+  params = {"heads": _to_params({"w": w, "b": b}, dtype), "rows": jnp.asarray(rows, dtype)}
+  return medusa.MedusaProposer(vocab_size=V, num_heads=K, k=k, num_layers=NL), params
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+
+def load(directory: str, method: str, target: ModelConfig, target_params: dict, k: int, impl: str = "xla",
+         tree=None):
+  """The registry's entry: a published head directory for `method` -> (proposer, params)."""
+  fmt = detect(directory)
+  if fmt == "speculators":
+    kind = read_json(os.path.join(directory, "config.json")).get("speculators_model_type")
+    if kind != "eagle3":
+      raise ValueError(f"{directory}: speculators_model_type {kind!r} is not supported (eagle3 is)")
+    fmt_kind = "eagle3"
+  else:
+    fmt_kind = fmt
+  allowed = {"eagle": ("eagle1", "eagle3"), "eagle3": ("eagle3",), "medusa": ("medusa",)}.get(method, ())
+  if fmt_kind not in allowed:
+    raise ValueError(f"{directory} holds a {fmt_kind} head ({fmt} format); method {method!r} takes "
+                     f"{', '.join(allowed) or 'no published head'}")
+  if fmt_kind == "medusa":
+    return load_medusa(directory, target, target_params, k)
+  if fmt_kind == "eagle1":
+    return load_eagle1(directory, target, target_params, k, impl, tree)
+  return load_eagle3(directory, target, target_params, fmt, k, impl, tree)
