@@ -24,7 +24,7 @@ from serve import run_flags
 
 SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "steps_per_sync", "timing_probe_s",
                 "api_key", "served_model_name", "guardrails", "switchback", "request_timeout_s", "drain_timeout_s",
-                "warmup_prompt_lens", "log_level", "compilation_cache_dir")
+                "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict")
 
 
 def define_flags() -> None:
@@ -40,7 +40,7 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64
                        served_model_name=None,
                        guardrails=None, switchback=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
                        warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
-                       mesh="")
+                       mesh="", strict=False)
 log = logging.getLogger("spec_jax.server")
 
 

@@ -59,23 +59,40 @@ class Setup:
     return dataclasses.replace(self, spec_config=spec, proposer=proposer, proposer_params=proposer_params)
 
 
-def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
-  """The target (cfg's model, dtype, quantize, attention_impl, mesh) and `spec`'s proposer (default cfg["spec"])."""
+def load_target(cfg: dict):
+  """-> (Target, tokenizer, mesh): cfg's model, dtype, quantize, attention_impl and mesh, without a proposer."""
   from spec_jax import sharding
   from spec_jax.checkpoints.load import load_model
   from spec_jax.config import validate_sampling
   from spec_jax.kernels import resolve_impl
-  from spec_jax.proposers.registry import Target, build_proposer
+  from spec_jax.proposers.registry import Target
   validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
   if cfg["max_new_tokens"] < 1:
     raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
-  spec = cfg["spec"] if spec is None else spec
   mesh = sharding.make_mesh(cfg.get("mesh") or "")
   impl = resolve_impl(cfg["attention_impl"])
   config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
-  target = Target(config, params, impl=impl, model_path=cfg["model"] or None, dtype=cfg["dtype"])
+  return Target(config, params, impl=impl, model_path=cfg["model"] or None, dtype=cfg["dtype"]), tokenizer, mesh
+
+
+def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
+  """The target (load_target) and `spec`'s proposer (default cfg["spec"]), after the static pair check
+  (check_pair)."""
+  from spec_jax.proposers.registry import build_proposer
+  spec = cfg["spec"] if spec is None else spec
+  target, tokenizer, mesh = load_target(cfg)
+  check_pair(cfg, spec, target, tokenizer)
   proposer, proposer_params = build_proposer(spec, target)
   return Setup(target, tokenizer, spec, proposer, proposer_params, mesh)
+
+
+def check_pair(cfg: dict, spec: SpecConfig, target, tokenizer) -> list:
+  """The static pair check (spec_jax/pair_check.py) before the head loads: a head that cannot fit the target is
+  refused with a message naming the mismatch; a verifier that differs is a warning (an error with cfg["strict"])."""
+  from spec_jax import pair_check
+  findings = pair_check.static_check(spec, target.config, tokenizer, cfg.get("model") or None)
+  pair_check.enforce(findings, strict=bool(cfg.get("strict")), what=f"the {spec.method} head")
+  return findings
 
 
 def draft_lengths(setup: Setup, adaptive: bool, switchable: bool = False) -> tuple:

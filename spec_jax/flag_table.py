@@ -103,6 +103,15 @@ ROWS: dict[str, Row] = {
     "summary_json": Row("string", "Write aggregate metrics here."),
     "categories": Row("list", "Keep only prompts of these categories.", []),
     "compare": Row("bool", "Run the baseline and the method on the same prompts, interleaved batch by batch.", False),
+    # --- serve.check_pair (and the server's start-up check)
+    "strict": Row("bool", "The pair check: a verifier named by the head that is not the loaded target (by name or "
+                  "architecture) is an error, not a warning (serve.check_pair; the server refuses to start).", False),
+    "check_temperatures": Row("list", "serve.check_pair: the temperatures the pair runs at.", ["0", "0.7"]),
+    "cost_reps": Row("integer", "serve.check_pair: timed repeats of one propose and of a step (best kept).", 5),
+    # --- train.export
+    "heads": Row("string", "train.export: the head checkpoint stem to export (<stem>.json + <stem>.safetensors)."),
+    "format": Row("enum", "train.export: the published format to write.", None,
+                  ("eagle", "eagle3", "medusa", "speculators")),
     # --- serve.calibrate
     "output_costs": Row("string", "The calibration file to update.", "configs/costs/gemma3_270m_cpu.json"),
     "calibrate_batch": Row("integer", "Rows of the state the costs are for (occupancies 1..batch); serve.generate "
