@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from spec_jax import sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
+from spec_jax.controls import Controls
 from spec_jax.proposers import registry
 
 SDS = jax.ShapeDtypeStruct
@@ -215,7 +216,7 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
                             max_new=SDS((), jnp.int32),
                             sampling=jax.eval_shape(lambda: SamplingParams.make(1)),
                             draft_cap=SDS((), jnp.int32), key=SDS((2,), jnp.uint32),
-                            tenant=SDS((), jnp.int32))
+                            tenant=SDS((), jnp.int32), controls=jax.eval_shape(lambda: Controls.make(1)))
         out.append(Program(f"insert[{label}, prompt {P_}]", slots.insert,
                            (params, state, place.replicated(SDS((), jnp.int32)), place.replicated(req), spec),
                            **cache_info))

@@ -122,11 +122,10 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "logprobs": Refused(noop=(False,), example=1),  # completions' 0 would still return the chosen tokens'
     "top_logprobs": Refused(noop=(0,), example=2), "prompt_logprobs": Refused(example=0),
     "echo": OFF, "suffix": Refused(noop=("",), example="x"),
-    # penalties and token constraints
-    "presence_penalty": Refused(noop=(0,), example=0.5), "frequency_penalty": Refused(noop=(0,), example=0.5),
-    "repetition_penalty": Refused(noop=(1.0,), example=1.2), "min_p": Refused(noop=(0,), example=0.1),
-    "min_tokens": Refused(noop=(0,), example=3), "ignore_eos": OFF, "logit_bias": Refused(noop=({},), example={"5": 1}),
-    "stop_token_ids": Refused(noop=([],), example=[5]), "bad_words": Refused(noop=([],), example=["cat"]),
+    # penalties and token constraints: exact at every verified position (spec_jax/controls.py)
+    "presence_penalty": HONOURED, "frequency_penalty": HONOURED, "repetition_penalty": HONOURED, "min_p": HONOURED,
+    "min_tokens": HONOURED, "ignore_eos": HONOURED, "logit_bias": HONOURED, "stop_token_ids": HONOURED,
+    "bad_words": Refused(noop=([],), example=["cat"]),
     "allowed_token_ids": Refused(example=[5, 6]), "logits_processors": Refused(noop=([],), example=["m.f"]),
     "use_beam_search": OFF, "truncate_prompt_tokens": Refused(example=4), "prompt_embeds": Refused(example="AAAA"),
     # the text and the prompt's tokens: special tokens skipped, stop strings dropped, BOS as vLLM adds it by default
@@ -188,6 +187,11 @@ class _Sampling(BaseModel):
   presence_penalty: Optional[float] = Field(0.0, ge=-2, le=2)
   frequency_penalty: Optional[float] = Field(0.0, ge=-2, le=2)
   logit_bias: Optional[dict[str, float]] = None
+  repetition_penalty: Optional[float] = Field(None, gt=0)
+  min_p: Optional[float] = Field(None, ge=0, le=1)
+  min_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None
+  ignore_eos: Optional[StrictBool] = None
+  stop_token_ids: Optional[Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=16)]] = None
   user: Optional[StrictStr] = None
   max_completion_tokens: Optional[Count] = None
   speculate: Optional[StrictBool] = True

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import adaptive, sharding
+from spec_jax import controls as ctl
+from spec_jax.controls import Controls
 from spec_jax.decode import FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState, LoopSpec
 from spec_jax.models.transformer import lm_head
 from spec_jax.prefill import prefill
@@ -24,26 +26,29 @@ from spec_jax.stats import Stats
 
 
 def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, *,
-                 capacity: int, chunk: int, live=None, costs=None) -> DecodeState:
+                 capacity: int, chunk: int, live=None, costs=None, controls=None) -> DecodeState:
   """Prefill prompts int32[R, P] (right-padded, P a multiple of `chunk`) into `cache` and start their rows.
 
   A whole state (`live` given) or rows to write into one (slot insert):
   `live` bool[R]: rows that hold a request; the others are done from the start (batch padding, free slots); the
-  state takes the mesh's layout. `costs`: the adaptive controller's step costs [R, n] (None: ones).
+  state takes the mesh's layout. `costs`: the adaptive controller's step costs [R, n] (None: ones). `controls`:
+  the rows' sampling controls (spec_jax/controls.py; None: none).
   """
+  if controls is None:
+    controls = Controls.make(prompt_tokens.shape[0])
   needs = spec.proposer.needs_prompt_hidden
   out = prefill(params["target"], prompt_tokens, prompt_lens, cache, config=spec.config, impl=spec.impl, chunk=chunk,
                 return_all=needs, feature_layers=feature_layers(spec.proposer), mesh=spec.mesh)
   return _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, out[0], out[1],
-                out[2] if needs else None, live, costs, capacity=capacity, chunk=chunk)
+                out[2] if needs else None, live, costs, controls, capacity=capacity, chunk=chunk)
 
 
 @sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec", "capacity", "chunk"), donate_argnames=("cache",))
 def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, hidden, prompt_hidden,
-           live, costs, *, capacity, chunk):
+           live, costs, controls, *, capacity, chunk):
   state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, hidden,
-                     prompt_hidden, capacity, chunk)
+                     prompt_hidden, capacity, chunk, controls)
   if costs is not None:
     state = state.replace(adapt=adaptive.AdaptState.init(prompt_tokens.shape[0], costs))
   if live is None:
@@ -53,7 +58,7 @@ def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_ca
 
 
 def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache,
-               hidden, prompt_hidden, capacity: int, chunk: int) -> DecodeState:
+               hidden, prompt_hidden, capacity: int, chunk: int, controls=None) -> DecodeState:
   """Rows right after the target's prefill: sample the first token, start the proposer, fresh counters.
 
   prompt_tokens int32[R, P] right-padded; cache: the prefilled target cache (capacity slots); hidden [R, D] at
@@ -64,15 +69,21 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   # The proposer's features at the last prompt token: the hidden state itself, or its feature layers'.
   feats = hidden if not feature_layers(spec.proposer) else \
       jnp.take_along_axis(prompt_hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  controls = Controls.make(R) if controls is None else controls
   key, k0 = jax.random.split(key)
-  first = sample(k0, lm_head(params["target"], hidden), sampling)
   rows = jnp.arange(R)
   tokens = jnp.zeros((R, capacity), jnp.int32).at[:, :P].set(prompt_tokens)
   # Clear the padding past each prompt (slots the loop may read as "committed" must be this row's own).
   tokens = jnp.where(jnp.arange(capacity)[None, :] < prompt_lens[:, None], tokens, 0)
+  # The first token's controls see the prompt and no output (one position, no drafts).
+  none = jnp.full((R, 1), -1, jnp.int32)
+  logits = ctl.apply(lm_head(params["target"], hidden)[:, None, :], controls, sampling.temperature, tokens,
+                     prompt_lens, prompt_lens, none, jnp.ones((R, 1, 1), jnp.bool_), jnp.zeros((R, 1), jnp.int32),
+                     spec.stop_ids)[:, 0]
+  first = sample(k0, logits, sampling)
   tokens = tokens.at[rows, prompt_lens].set(first)
   lengths = prompt_lens + 1
-  stop = jnp.isin(first, jnp.asarray(spec.stop_ids or (-1,), jnp.int32))
+  stop = ctl.is_stop(first[:, None], controls, spec.stop_ids)[:, 0]
   hit_len = max_new <= 1
   finish = jnp.where(stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE)).astype(jnp.int32)
   pre = PrefillOut(prompt_tokens=prompt_tokens, tokens=tokens, lengths=lengths, prompt_lens=prompt_lens,
@@ -80,6 +91,7 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   pstate = spec.proposer.init(params["proposer"], pre, capacity)
   return DecodeState(
       tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, max_new=max_new, cache=cache, pstate=pstate, key=key,
-      done=stop | hit_len, finish=finish, draft_cap=draft_cap, sampling=sampling, stats=Stats.zeros(R, spec.k_max),
+      done=stop | hit_len, finish=finish, draft_cap=draft_cap, sampling=sampling, controls=controls,
+      stats=Stats.zeros(R, spec.k_max),
       adapt=adaptive.AdaptState.init(R, jnp.ones((1, len(spec.ks)), jnp.float32)), last_hidden=feats,
       spec_enabled=jnp.ones((), bool), step=jnp.zeros((), jnp.int32), done_step=jnp.zeros((R,), jnp.int32))

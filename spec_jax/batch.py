@@ -16,6 +16,7 @@ import numpy as np
 from spec_jax import adaptive, sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
+from spec_jax.controls import Controls
 from spec_jax.admit import prefill_rows
 from spec_jax.decode import FINISH_NAMES, DecodeState, LoopSpec, decode_loop, make_spec
 from spec_jax.prefill import DEFAULT_CHUNK, bucket
@@ -55,11 +56,12 @@ def capacity_for(prompt_bucket: int, need: int) -> int:
 
 def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_tokens,
           sampling: Optional[SamplingParams] = None, costs=None, seed: int = 0, num_slots: Optional[int] = None,
-          prefill_chunk: int = DEFAULT_CHUNK) -> DecodeState:
+          prefill_chunk: int = DEFAULT_CHUNK, controls: Optional[Controls] = None) -> DecodeState:
   """Prefill a batch of token-id prompts (BOS included) of different lengths into a fresh state.
 
   `max_new_tokens` is an int or one per prompt. Slots past the prompts (`num_slots` > len(prompts)) stay free.
   `costs`: the adaptive controller's step costs (see adaptive.AdaptState); None is the default model.
+  `controls`: per-prompt sampling controls (spec_jax/controls.py), None: none.
   """
   n = len(prompts)
   if n == 0:
@@ -83,18 +85,22 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
     buf[i, :len(p)] = p
   prompt_lens = np.array(lens + [1] * (B - n), np.int32)
   max_new = np.concatenate([max_new, np.ones(B - n, np.int32)])
-  sampling = jax.tree.map(lambda x: np.concatenate([np.asarray(x), np.repeat(np.asarray(x)[-1:], B - n)]), sampling)
+  pad = lambda x: np.concatenate([np.asarray(x), np.repeat(np.asarray(x)[-1:], B - n, axis=0)])
+  sampling = jax.tree.map(pad, sampling)
+  controls = jax.tree.map(pad, controls if controls is not None else Controls.make(n))
+  if controls.presence.shape != (B,):
+    raise ValueError(f"controls are for {controls.presence.shape[0] - (B - n)} rows, but there are {n} prompts")
   params_t = params["target"]
   mesh = spec.mesh
   cache = init_cache(config, B, S, params_t["final_norm"].dtype, mesh)
   # Host inputs become arrays split over `data` (global arrays on a multi-host mesh; plain ones without a mesh).
-  buf, prompt_lens, max_new, sampling = sharding.rows((buf, prompt_lens, max_new, sampling), mesh)
+  buf, prompt_lens, max_new, sampling, controls = sharding.rows((buf, prompt_lens, max_new, sampling, controls), mesh)
   costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)
   key, costs = sharding.replicated((np.asarray(jax.random.PRNGKey(seed)), costs), mesh)
   draft_cap, live = sharding.rows((np.full((B,), spec.k_max, np.int32), np.arange(B) < n), mesh)
   return prefill_rows(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new), sampling,
                       jnp.asarray(draft_cap), jnp.asarray(key), cache, capacity=S, chunk=chunk,
-                      live=jnp.asarray(live), costs=jnp.asarray(costs))
+                      live=jnp.asarray(live), costs=jnp.asarray(costs), controls=controls)
 
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None) -> KVCache:
@@ -124,7 +130,7 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
              sampling: Optional[SamplingParams] = None, proposer=NoneProposer(), proposer_params=None,
              adaptive_k: bool = True, costs=None, stop_ids: Sequence[int] = (), seed: int = 0, impl: str = "xla",
              prefill_chunk: int = DEFAULT_CHUNK, probe_every: int = 16, num_slots: Optional[int] = None,
-             mesh=None) -> GenerationResult:
+             mesh=None, controls: Optional[Controls] = None) -> GenerationResult:
   """Prefill plus the loop to the end: tokens, finish reasons and acceptance counters for each prompt.
 
   A seeded run is reproducible: nothing here reads a clock (the adaptive controller's step costs are an input).
@@ -134,6 +140,6 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
   params = {"target": target_params, "proposer": proposer_params if proposer_params is not None else {}}
   params = sharding.shard_params(params, mesh)  # a no-op when already placed
   state = start(params, spec, prompts, max_new_tokens=max_new_tokens, sampling=sampling, costs=costs, seed=seed,
-                num_slots=num_slots, prefill_chunk=prefill_chunk)
+                num_slots=num_slots, prefill_chunk=prefill_chunk, controls=controls)
   state = decode_loop(params, state, spec)
   return result(state, len(prompts), spec)

@@ -22,6 +22,8 @@ import numpy as np
 from flax import struct
 
 from spec_jax import adaptive, sharding, tree
+from spec_jax import controls as ctl
+from spec_jax.controls import Controls
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.models.transformer import forward
@@ -80,7 +82,8 @@ class DecodeState:
   key: PRNG key (one stream for the whole batch).
   done bool[B]; finish int32[B] FINISH_*; draft_cap int32[B]: the most tokens the proposer may draft for
   the row per step (0: none; a row drafts min(the step's k, its cap): the segment policy's per-request k).
-  sampling: SamplingParams [B]. stats: Stats [B] counters. adapt: AdaptState (per-row acceptance, cost table).
+  sampling: SamplingParams [B]; controls: Controls [B] (logit_bias, penalties, min_p, min_tokens, stop ids;
+  spec_jax/controls.py). stats: Stats [B] counters. adapt: AdaptState (per-row acceptance, cost table).
   last_hidden [B, F]: the proposer's target features (spec_jax.rows.target_features; the final-normed hidden,
   F = D, for all but EAGLE-3) at the position that predicted the last committed token.
   spec_enabled bool[]: the global speculation switch (off: every step drafts k = 0).
@@ -98,6 +101,7 @@ class DecodeState:
   finish: jax.Array
   draft_cap: jax.Array
   sampling: SamplingParams
+  controls: Controls
   stats: Stats
   adapt: adaptive.AdaptState
   last_hidden: jax.Array
@@ -117,7 +121,7 @@ def _commit(state: DecodeState, spec: LoopSpec, active, out, n_acc):
   B, T = out.shape
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
   n_emit = n_acc + 1
-  is_stop = jnp.isin(out, jnp.asarray(spec.stop_ids or (-1,), jnp.int32)) & (t < n_emit[:, None])
+  is_stop = ctl.is_stop(out, state.controls, spec.stop_ids) & (t < n_emit[:, None])
   has_stop = is_stop.any(axis=1)
   first_stop = jnp.argmax(is_stop, axis=1).astype(jnp.int32)
   n_emit = jnp.where(has_stop, first_stop + 1, n_emit)
@@ -166,6 +170,9 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                                            impl=spec.impl, return_layers=feature_layers(spec.proposer),
                                            mesh=spec.mesh)
   hidden = target_features(hidden, layers[0] if layers else None)
+  # The controls at each position, with the drafts before it counted (plain decoding is the same with k = 0).
+  logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
+                     state.prompt_lens, *ctl.chain_path(last, draft_tokens), spec.stop_ids)
   out, n_acc = verify_chain(logits, draft_tokens, draft_probs, k_verify, state.sampling)
   committed = _commit(state, spec, active, out, n_acc)
   n_emit = committed[2]
@@ -205,6 +212,8 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                                            config=spec.config, impl=spec.impl, tree_mask=mask,
                                            return_layers=feature_layers(spec.proposer), mesh=spec.mesh)
   hidden = target_features(hidden, layers[0] if layers else None)
+  logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
+                     state.prompt_lens, tree_tokens, mask, depths, spec.stop_ids)
   out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
                                   max_children=shape.max_children)
   committed = _commit(state, spec, active, out, n_acc)

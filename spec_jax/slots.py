@@ -19,6 +19,7 @@ from flax import struct
 from spec_jax import adaptive, sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import SamplingParams, validate_sampling
+from spec_jax.controls import Controls
 from spec_jax.admit import prefill_rows
 from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec
 from spec_jax.batch import check_fits
@@ -42,6 +43,7 @@ class Request:
   draft_cap: jax.Array
   key: jax.Array
   tenant: jax.Array
+  controls: Controls
 
 
 @struct.dataclass
@@ -72,7 +74,7 @@ class Snapshot:
 
 def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, draft_cap: int | None = None, seed: int = 0,
-                 chunk: int = DEFAULT_CHUNK, tenant: int = 0) -> Request:
+                 chunk: int = DEFAULT_CHUNK, tenant: int = 0, controls: Controls | None = None) -> Request:
   """Host-side: check the request (ValueError with the reason) and pad it for `insert`. draft_cap: the row's
   draft-length cap (None: the loop's largest k; 0: never drafts)."""
   n = len(prompt_ids)
@@ -86,7 +88,8 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
   return Request(tokens=jnp.asarray(tokens), prompt_len=jnp.int32(n), max_new=jnp.int32(max_new),
                  sampling=SamplingParams.make(1, temperature, top_k, top_p), 
                  draft_cap=jnp.int32(spec.k_max if draft_cap is None else min(max(int(draft_cap), 0), spec.k_max)),
-                 key=jax.random.PRNGKey(seed), tenant=jnp.int32(tenant))
+                 key=jax.random.PRNGKey(seed), tenant=jnp.int32(tenant),
+                 controls=Controls.make(1) if controls is None else controls)
 
 
 def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0) -> DecodeState:
@@ -120,7 +123,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   prompt, lens = req.tokens[None], req.prompt_len[None]
   cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
   row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.draft_cap[None], req.key,
-                     cache, capacity=S, chunk=chunk)
+                     cache, capacity=S, chunk=chunk, controls=req.controls)
   put = functools.partial(write_row, slot=slot)
   row_pstate = row.pstate
   with_tenant = getattr(spec.proposer, "with_tenant", None)  # a proposer that drafts from others' text (suffix)
@@ -134,6 +137,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
       done=put(state.done, row.done), finish=put(state.finish, row.finish),
       draft_cap=put(state.draft_cap, row.draft_cap),
       sampling=write_rows_tree(state.sampling, row.sampling, slot),
+      controls=write_rows_tree(state.controls, row.controls, slot),
       stats=write_rows_tree(state.stats, Stats.zeros(1, spec.k_max), slot),
       adapt=state.adapt.reset_row(slot), last_hidden=put(state.last_hidden, row.last_hidden),
       done_step=put(state.done_step, state.step[None]))

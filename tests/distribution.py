@@ -11,13 +11,17 @@ from spec_jax.batch import generate
 PROMPT = [2, 5, 6, 7]
 
 
-def sample_plain_and_speculative(params, config, proposer, proposer_params, *, n: int, calls: int, **kw):
+def sample_plain_and_speculative(params, config, proposer, proposer_params, *, n: int, calls: int, sampling=None,
+                                 **kw):
   """`calls` batches of n rows each way (one compiled shape reused; a 3000-row batch once crashed XLA's
-  compiler). -> (plain tokens [n * calls, 3], speculative tokens, acceptance rate per call)."""
-  samp = SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
+  compiler). -> (plain tokens [n * calls, 3], speculative tokens, acceptance rate per call). `sampling`: the
+  SamplingParams of n rows (default T 1, top-k 6, top-p 0.95); other keywords (controls=...) go to both runs."""
+  samp = sampling if sampling is not None else SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
+  both = {k: v for k, v in kw.items() if k == "controls"}
   plain, specd, rates = [], [], []
   for c in range(calls):
-    plain += generate(params, config, [PROMPT] * n, max_new_tokens=3, sampling=samp, seed=100 + c).token_ids
+    plain += generate(params, config, [PROMPT] * n, max_new_tokens=3, sampling=samp, seed=100 + c,
+                      **both).token_ids
     out = generate(params, config, [PROMPT] * n, max_new_tokens=3, sampling=samp, seed=200 + c, proposer=proposer,
                    proposer_params=proposer_params, adaptive_k=False, **kw)
     specd += out.token_ids

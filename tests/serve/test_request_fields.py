@@ -51,7 +51,8 @@ def test_the_table_covers_the_named_fields_and_every_declared_one():
 def test_no_op_values_are_json_equal_not_python_equal():
   chat = {"model": MODEL, "messages": [{"role": "user", "content": "a"}]}
   refuse_unsupported(ChatRequest(**chat, repetition_penalty=1, min_p=0.0, n=1.0, tool_choice="none"), "chat")
-  for name, value in [("ignore_eos", 0), ("use_beam_search", 0), ("skip_special_tokens", 1), ("min_tokens", False),
+  for name, value in [("include_stop_str_in_output", 0), ("use_beam_search", 0), ("skip_special_tokens", 1),
+                      ("best_of", True),
                       ("logprobs", 0), ("response_format", {"type": "text", "json_schema": {}})]:
     with pytest.raises(Exception) as e:
       refuse_unsupported(ChatRequest(**chat, **{name: value}), "chat")
@@ -81,14 +82,13 @@ def test_every_refused_field_is_a_400_naming_it_and_its_no_op_values_are_served(
         assert r.status_code == 200, (route, name, value, r.text)
         assert r.json()["usage"]["completion_tokens"] == 1, (route, name, value)
         served += 1
-  assert refused >= 2 * 40 and served >= refused
+  assert refused >= 2 * 30 and served >= refused  # the whole table was walked
 
 
 def test_the_issue_s_silently_ignored_fields_are_refused_streamed_or_not(http):
   cases = [("response_format", {"type": "json_object"}),
            ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-           ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-           ("repetition_penalty", 1.1), ("min_p", 0.05), ("min_tokens", 4), ("ignore_eos", True)]
+           ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])]
   for name, value in cases:
     for route in ROUTES:
       for stream in (False, True):
