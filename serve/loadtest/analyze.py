@@ -1,5 +1,5 @@
-"""Read a finished run's files and derive everything else: per-cell statistics, noise, verdicts, the tuned config,
-the tuned-config check, and the report. Pure file-in, file-out, so it reruns without a server.
+"""Read a finished run's files and derive everything else: per-cell statistics, noise, verdicts, the tuned config
+(a segment policy, tuner.py), the tuned-config check per point and segment, and the report. Pure file-in, file-out, so it reruns without a server.
 """
 
 from __future__ import annotations
@@ -42,6 +42,31 @@ def fixed_settings(run: dict, results: dict) -> dict:
                                                          "max_seconds_per_point", "slots", "seed")}}
 
 
+def check_tuned(stats: dict, points: dict, baselines: list, g: dict, min_requests: int) -> dict:
+  """The tuned rerun (the policy replaying the same traffic) against the baseline, per point and per segment cell:
+  no metric worse beyond the noise (verdict.not_below). Cells with fewer than min_requests completed requests (in
+  the rerun or a baseline repeat) are listed as thin, not judged. -> {point: {"ok", "failures", "segments":
+  {segment: {"ok" (None: thin), "failures", "requests"}}}}; a point is ok when every judged cell is."""
+  out = {}
+  for k in points:
+    cells = stats.get(TUNED, {}).get(k, {})
+    if "all" not in cells:
+      out[k] = {"ok": False, "failures": ["all: no measurements"], "segments": {}}
+      continue
+    segs = {}
+    for seg in sorted(cells, key=lambda s: (s != "all", s)):
+      reps = [stats[b][k][seg] for b in baselines if seg in stats.get(b, {}).get(k, {})]
+      n = min([cells[seg]["completed"]] + [r["completed"] for r in reps])
+      if not reps or n < min_requests:
+        segs[seg] = {"ok": None, "failures": [], "requests": n}
+        continue
+      ok, fails = V.not_below(cells[seg], reps, g)
+      segs[seg] = {"ok": ok, "failures": fails, "requests": n}
+    fails = [f"{s}: {f}" for s, c in segs.items() for f in c["failures"]]
+    out[k] = {"ok": not fails, "failures": fails, "segments": segs}
+  return out
+
+
 def analyze(out_dir: str, write: bool = True, plots: bool = True) -> dict:
   run, results, records = load_run(out_dir)
   cfg = run["config"]
@@ -65,15 +90,11 @@ def analyze(out_dir: str, write: bool = True, plots: bool = True) -> dict:
   noise = {k: {m: V.noise([stats[b][k]["all"] for b in baselines if k in stats.get(b, {})], m)
                for m in NOISE_METRICS} for k in points}
   spec_cfgs = {n: arms[n]["speculative_config"] for n in spec if isinstance(arms[n].get("speculative_config"), dict)}
-  tuned = tuner.choose(stats, verdicts, points, spec_cfgs, baselines, int(cfg.get("slots") or 0))
-  tuned_check = None
-  if TUNED in results:
-    tuned_check = {}
-    for k in points:
-      reps = [stats[b][k]["all"] for b in baselines if k in stats.get(b, {})]
-      cell = stats.get(TUNED, {}).get(k, {}).get("all")
-      ok, fails = V.not_below(cell, reps, g) if cell else (False, ["no measurements"])
-      tuned_check[k] = {"ok": ok, "failures": fails}
+  min_req = int(cfg.get("tuner_min_requests") or g["min_requests"])
+  tuned = tuner.choose(stats, verdicts, points, spec_cfgs, baselines, int(cfg.get("slots") or 0),
+                       temperatures={s["name"]: float(s.get("temperature", 0.0)) for s in cfg.get("samplings") or []},
+                       min_requests=min_req)
+  tuned_check = check_tuned(stats, points, baselines, g, min_req) if TUNED in results else None
   summary = {"stats": stats, "verdicts": verdicts, "overall": overall, "noise": noise, "tuned": tuned,
              "tuned_check": tuned_check, "guardrails": g, "baselines": baselines, "arms": others,
              "speculative_arms": sorted(spec), "fixed_settings": fixed_settings(run, results),

@@ -189,16 +189,9 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
   L += ["", "**Recommendation.** " + _recommend(summary), ""]
   L += ["Tuned `speculative_config.json` (read by `python -m serve.server --speculative_config=PATH`):", "",
         "```json", json.dumps(tuned["config"], indent=1), "```", ""]
-  L += _table(["concurrency", "winner", "its gain (output tok/s)", f"k in the file ({tuned['method']})"],
-              [[c, v["arm"] or "none (k = 0)", f"{v['gain']:+.0%}" if v["arm"] else "–", v.get("chosen_k", 0)]
-               for c, v in sorted(tuned["levels"].items(), key=lambda kv: int(kv[0]))])
+  L += policy_table(tuned, points)
   if summary.get("tuned_check") is not None:
-    tc = summary["tuned_check"]
-    bad = {k: v for k, v in tc.items() if not v["ok"]}
-    what = "never below the baseline beyond the noise" if not bad else "BELOW the baseline"
-    L += ["", f"**Tuned config rerun:** {what} at {len(tc) - len(bad)}/{len(tc)} points."]
-    for k, v in bad.items():
-      L.append(f"- {points[k]['label']} [{points[k]['sampling']}]: " + "; ".join(v["failures"]))
+    L += tuned_check_lines(summary["tuned_check"], points)
   # Per-arm cell matrix.
   L += ["", "## Verdict per load and segment", "",
         "Each cell: verdict (deciding metric). Segments: all traffic, Spec-Bench category, prompt-length bucket "
@@ -287,12 +280,96 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
   return path
 
 
+def _match_text(m: dict) -> str:
+  if not m:
+    return "everything else"
+  parts = []
+  for key, v in m.items():
+    if key == "temperature":
+      parts.append(f"temperature {v}")
+    else:
+      parts.append(f"{key} [{v[0]}, {'∞' if v[1] is None else v[1]})")
+  return ", ".join(parts)
+
+
+def _cell_text(c: dict) -> str:
+  gain = "" if c.get("gain") is None else f", {c['gain']:+.0%} tok/s"
+  return (f"{c['point']} {c['segment']}: {c['verdict']} ({c['metric']}{gain}; n {c['requests']}/"
+          f"{c['baseline_requests']})")
+
+
+def policy_table(tuned: dict, points: dict, max_off: int = 6) -> list[str]:
+  """The tuned policy as a table: rule, match, k, the evidence behind it and the fallbacks it took."""
+  rules = tuned.get("rules") or []
+  L = [f"The policy ({tuned['method']}; first matching rule wins; a cell counts with at least "
+       f"{tuned.get('min_requests', '?')} completed requests, thinner cells fall back to the coarser segment):", ""]
+  rows = []
+  for i, r in enumerate(rules):
+    ev = r["evidence"]
+    if ev.get("default"):
+      off = ev["segments"]
+      items = []
+      for s in off[:max_off]:
+        seg = s["segment"]
+        what = ", ".join(f"{x}" for x in (seg["temperature"], f"busy {seg['busy_slots']}", seg["prompt"] and
+                                            f"prompt {seg['prompt']}", seg["output"] and f"output {seg['output']}")
+                         if x)
+        items.append(f"{what}: " + "; ".join(f"{a} {w}" for a, w in s["why"].items()))
+      more = f"; … {len(off) - max_off} more (summary.json)" if len(off) > max_off else ""
+      evidence = (f"{len(off)} segment{'s' if len(off) != 1 else ''}: " + " · ".join(items) + more) if off else "–"
+      fb = sorted({f for s in off for f in s["fallbacks"]})
+    else:
+      gain = "" if ev.get("gain") is None else f" (mean {ev['gain']:+.0%} output tok/s)"
+      evidence = f"{', '.join(ev['arms'])}{gain}: " + " · ".join(_cell_text(c) for c in ev["cells"])
+      fb = ev["fallbacks"]
+    rows.append([f"{i + 1} `{r.get('name', '')}`", f"`{json.dumps(r['match'])}`" + ("" if r["match"] else
+                                                                                      " (everything else)"),
+                 r["k"] if r["k"] else "0 (off)", evidence, "; ".join(fb) or "–"])
+  L += _table(["rule", "match", "k", "evidence (cell: verdict (deciding metric, gain; requests arm/baseline))",
+               "fallbacks"], rows)
+  for n in tuned.get("notes") or []:
+    L += ["", f"Note: {n}"]
+  return L
+
+
+def tuned_check_lines(tc: dict, points: dict, max_listed: int = 12) -> list[str]:
+  """The tuned rerun per load point and segment cell: ok, BELOW the baseline beyond the noise, or thin."""
+  judged = [(k, s, c) for k, v in tc.items() for s, c in v.get("segments", {}).items() if c["ok"] is not None]
+  bad = [(k, s, c) for k, s, c in judged if not c["ok"]]
+  missing = [k for k, v in tc.items() if not v.get("segments")]
+  what = (f"never below the baseline beyond the noise in the {len(judged)} cells with enough requests" if not bad
+          else f"BELOW the baseline beyond the noise in {len(bad)} of {len(judged)} cells with enough requests")
+  L = ["", f"**Tuned policy rerun** (the same traffic, judged per load point and segment): {what}"
+       + (f"; no measurements at {', '.join(missing)}" if missing else "") + "."]
+  for k, s, c in bad[:max_listed]:
+    L.append(f"- {points[k]['label']} [{points[k]['sampling']}] {s}: " + "; ".join(c["failures"]))
+  if len(bad) > max_listed:
+    L.append(f"- … {len(bad) - max_listed} more (summary.json, `tuned_check`)")
+  keys = [k for k in tc if tc[k].get("segments")]
+  segs = sorted({s for k in keys for s in tc[k]["segments"]}, key=lambda s: (s != "all", s))
+  if keys:
+    def mark(c):
+      if c is None:
+        return "–"
+      return f"thin ({c['requests']})" if c["ok"] is None else ("ok" if c["ok"] else "**BELOW**")
+    L += [""] + _table(["segment"] + [f"{points[k]['label']} [{points[k]['sampling']}]" for k in keys],
+                       [[s] + [mark(tc[k]["segments"].get(s)) for k in keys] for s in segs])
+  return L
+
+
 def _recommend(summary: dict) -> str:
-  lv = summary["tuned"]["levels"]
-  on = [f"c{c} ({v['arm']})" for c, v in sorted(lv.items(), key=lambda kv: int(kv[0])) if v["arm"]]
-  off = [f"c{c}" for c, v in sorted(lv.items(), key=lambda kv: int(kv[0])) if not v["arm"]]
-  parts = ["Speculation on at " + (", ".join(on) if on else "no measured concurrency") + "; off at " +
-           (", ".join(off) if off else "none") + "."]
+  tuned = summary["tuned"]
+  on = [r for r in tuned.get("rules") or [] if r["k"]]
+  if not on:
+    parts = ["Speculation off everywhere: no segment keeps with enough requests."]
+  else:
+    parts = [f"Speculation ({tuned['method']}) on for " + "; ".join(
+        f"{_match_text(r['match']) if r['match'] else 'all other traffic'} (k = {r['k']})" for r in on)
+        + ("" if on[-1]["match"] == {} else "; off for all other traffic") + "."]
+  if tuned.get("fallbacks"):
+    n = len(tuned["fallbacks"])
+    parts.append(f"{n} segment{' was' if n == 1 else 's were'} too thinly measured and fell back to a coarser "
+                 "segment (listed in the policy table).")
   for a in summary["arms"]:  # arms worth keeping somewhere: where they still hurt a segment
     o = summary["overall"][a]
     if o["overall"] != "keep":

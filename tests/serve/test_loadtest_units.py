@@ -1,5 +1,5 @@
 """serve.loadtest pieces on hand-made inputs: ITL/TPOT definitions, percentiles, the verdict rules, /metrics parsing
-of the server's own registry, and a tuned config the server's parser accepts."""
+of the server's own registry, and a tuned policy the server's parser accepts."""
 
 from __future__ import annotations
 
@@ -168,26 +168,40 @@ def test_crosscheck_reads_the_servers_own_view_of_a_run():
 
 
 def test_tuned_config_is_read_by_the_server():
-  from spec_jax.spec_config import parse
+  """Verdicts on all traffic only: one busy-slot band per concurrency, each with its best arm's k, as a policy the
+  server's parser accepts (tests/serve/test_loadtest_tuner.py has the per-segment cases on a recorded matrix)."""
+  from spec_jax.spec_config import from_dict, parse
+  from spec_jax.spec_policy import Features
   pts = {"greedy/c1": LoadPoint("closed", 1, "c1", "greedy", "low"),
          "greedy/c4": LoadPoint("closed", 4, "c4 (peak)", "greedy", "peak"),
          "greedy/c8": LoadPoint("closed", 8, "c8 (overload)", "greedy", "overload")}
   arms = {"ng2": {"method": "ngram", "num_speculative_tokens": 2},
           "ng4": {"method": "ngram", "num_speculative_tokens": 4}}
   tok = {("ng2", "greedy/c1"): 130, ("ng4", "greedy/c1"): 150, ("ng2", "greedy/c4"): 220, ("ng4", "greedy/c4"): 205}
-  stats = {a: {k: {"all": {"output_tok_s": tok.get((a, k), 90.0)}} for k in pts} for a in ("baseline", *arms)}
-  stats["baseline"] = {k: {"all": {"output_tok_s": 100.0 if k == "greedy/c1" else 200.0}} for k in pts}
-  verd = {a: {k: {"all": {"verdict": "keep" if (a, k) in tok else "roll back"}} for k in pts} for a in arms}
-  t = tuner.choose(stats, verd, pts, arms, ["baseline"])
-  assert t["levels"][1]["arm"] == "ng4" and t["levels"][4]["arm"] == "ng2" and t["levels"][8]["arm"] is None
+  cell = lambda v: {"output_tok_s": v, "completed": 20}
+  stats = {a: {k: {"all": cell(tok.get((a, k), 90.0))} for k in pts} for a in arms}
+  stats["baseline"] = {k: {"all": cell(100.0 if k == "greedy/c1" else 200.0)} for k in pts}
+  verd = {a: {k: {"all": {"verdict": "keep" if (a, k) in tok else "roll back", "metric": "tpot_mean"}} for k in pts}
+          for a in arms}
+  t = tuner.choose(stats, verd, pts, arms, ["baseline"], temperatures={"greedy": 0.0})
+  assert t["config"]["policy"] == [
+      {"match": {"temperature": "zero", "busy_slots": [1, 4]}, "num_speculative_tokens": 4},
+      {"match": {"temperature": "zero", "busy_slots": [4, 8]}, "num_speculative_tokens": 2},
+      {"match": {}, "num_speculative_tokens": 0}]
+  assert [r["evidence"]["arms"] for r in t["rules"][:2]] == [["ng4"], ["ng2"]]
   sc = parse(json.dumps(t["config"]))
   assert sc.method == "ngram" and sc.k == 4
-  assert [sc.k_at(a) for a in (1, 3, 4, 7, 8, 16)] == [4, 4, 2, 2, 0, 0]
-  # With 4 slots, concurrency 8 runs at 4 busy slots too: one entry serves both, k = 0 unless both keep.
-  t4 = tuner.choose(stats, verd, pts, arms, ["baseline"], slots=4)
-  sc4 = parse(json.dumps(t4["config"]))
-  assert sorted(t4["config"]["per_concurrency"]) == ["1", "4"]
-  assert [sc4.k_at(a) for a in (1, 3, 4)] == [4, 4, 0] and t4["levels"][4]["chosen_k"] == 0
+  pick = lambda busy, temp=0.0: sc.policy.pick(Features(temp, 10, 16, busy)).k
+  assert [pick(a) for a in (1, 3, 4, 7, 8, 16)] == [4, 4, 2, 2, 0, 0] and pick(1, 0.7) == 0
+  # With 4 slots, concurrency 8 runs at 4 busy slots too: one band [4, open) serves both, on only if an arm keeps
+  # at both.
+  t4 = tuner.choose(stats, verd, pts, arms, ["baseline"], slots=4, temperatures={"greedy": 0.0})
+  assert t4["config"]["policy"] == [{"match": {"temperature": "zero", "busy_slots": [1, 4]},
+                                     "num_speculative_tokens": 4}, {"match": {}, "num_speculative_tokens": 0}]
+  assert from_dict(t4["config"]).policy.pick(Features(0.0, 10, 16, 4)).k == 0
+  # Fewer requests than the floor: the cell does not count (the temperature alone has no backed cell either).
+  thin = tuner.choose(stats, verd, pts, arms, ["baseline"], temperatures={"greedy": 0.0}, min_requests=21)
+  assert thin["config"] == {} and thin["fallbacks"]
   none = tuner.choose(stats, {a: {k: {"all": {"verdict": "neutral"}} for k in pts} for a in arms}, pts, arms,
                       ["baseline"])
   assert none["config"] == {} and parse("{}").k == 0
