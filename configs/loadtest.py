@@ -51,7 +51,10 @@ def get_config():
   c.request_timeout = 300.0
   c.sample_interval = 0.5
   c.min_segment_requests = 4
-  c.verify_tuned = True  # rerun with the tuned config and check it is never below the baseline
+  # The tuner's floor: a cell counts toward the segment policy with at least this many completed requests (in the arm
+  # and every baseline repeat); thinner cells fall back to the coarser segment. 0 = guardrails["min_requests"].
+  c.tuner_min_requests = 0
+  c.verify_tuned = True  # rerun with the tuned policy and check it is never below the baseline, per point and segment
   # Guardrails, fixed before the run (serve/loadtest/verdict.py).
   c.guardrails = {
       "itl_p95_max_ratio": 1.0,  # p95 ITL no worse than the baseline's (beyond the noise)
