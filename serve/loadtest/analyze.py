@@ -1,5 +1,6 @@
 """Read a finished run's files and derive everything else: per-cell statistics, noise, verdicts, the tuned config
-(a segment policy, tuner.py), the tuned-config check per point and segment, and the report. Pure file-in, file-out, so it reruns without a server.
+(a segment policy, tuner.py), the tuned-config check per point and segment, and the report. Pure file-in,
+file-out, so it reruns without a server.
 """
 
 from __future__ import annotations

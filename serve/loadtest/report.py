@@ -301,7 +301,8 @@ def _cell_text(c: dict) -> str:
 def policy_table(tuned: dict, points: dict, max_off: int = 6) -> list[str]:
   """The tuned policy as a table: rule, match, k, the evidence behind it and the fallbacks it took."""
   rules = tuned.get("rules") or []
-  L = [f"The policy ({tuned['method']}; first matching rule wins; a cell counts with at least "
+  method = tuned["method"] if tuned["method"] != "none" else "no method wins"
+  L = [f"The policy ({method}; first matching rule wins; a cell counts with at least "
        f"{tuned.get('min_requests', '?')} completed requests, thinner cells fall back to the coarser segment):", ""]
   rows = []
   for i, r in enumerate(rules):
@@ -337,8 +338,12 @@ def tuned_check_lines(tc: dict, points: dict, max_listed: int = 12) -> list[str]
   judged = [(k, s, c) for k, v in tc.items() for s, c in v.get("segments", {}).items() if c["ok"] is not None]
   bad = [(k, s, c) for k, s, c in judged if not c["ok"]]
   missing = [k for k, v in tc.items() if not v.get("segments")]
-  what = (f"never below the baseline beyond the noise in the {len(judged)} cells with enough requests" if not bad
-          else f"BELOW the baseline beyond the noise in {len(bad)} of {len(judged)} cells with enough requests")
+  if not judged:
+    what = "no cell with enough requests to judge"
+  elif not bad:
+    what = f"never below the baseline beyond the noise in the {len(judged)} cells with enough requests"
+  else:
+    what = f"BELOW the baseline beyond the noise in {len(bad)} of {len(judged)} cells with enough requests"
   L = ["", f"**Tuned policy rerun** (the same traffic, judged per load point and segment): {what}"
        + (f"; no measurements at {', '.join(missing)}" if missing else "") + "."]
   for k, s, c in bad[:max_listed]:

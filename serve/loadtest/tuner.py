@@ -1,8 +1,9 @@
-"""Turn the matrix's per-segment verdicts into a speculative_config.json with a segment policy (spec_jax/spec_policy.py),
-which the server reads with --speculative_config=PATH and applies per request at admission:
+"""Turn the matrix's per-segment verdicts into a speculative_config.json with a segment policy
+(spec_jax/spec_policy.py), which the server reads with --speculative_config=PATH and applies per request at admission:
 
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-   "policy": [{"match": {"temperature": "zero", "busy_slots": [1, 2], "max_tokens": [0, 64]}, "num_speculative_tokens": 4},
+   "policy": [{"match": {"temperature": "zero", "busy_slots": [1, 2], "max_tokens": [0, 64]},
+               "num_speculative_tokens": 4},
               {"match": {"temperature": "zero", "busy_slots": [2, 4]}, "num_speculative_tokens": 2},
               {"match": {}, "num_speculative_tokens": 0}]}
 

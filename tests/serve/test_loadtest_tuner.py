@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from serve.loadtest import analyze as A
-from serve.loadtest import tuner
+from serve.loadtest import report, tuner
 from serve.loadtest.traffic import LoadPoint
 from spec_jax.spec_config import from_dict
 from spec_jax.spec_policy import Features
@@ -111,8 +111,8 @@ def test_one_changed_verdict_changes_the_policy(run_dir):
   for arm in arms:
     v[arm]["greedy/c2"]["prompt=<64"]["verdict"] = "roll back"
   t = tuner.choose(summary["stats"], v, points, arms, summary["baselines"], 4, temperatures=temps, min_requests=4)
-  assert t["config"]["policy"][1] == {"match": {"temperature": "zero", "busy_slots": [2, 4], "prompt_tokens": [64, None]},
-                                      "num_speculative_tokens": 2}
+  assert t["config"]["policy"][1] == {
+      "match": {"temperature": "zero", "busy_slots": [2, 4], "prompt_tokens": [64, None]}, "num_speculative_tokens": 2}
   # A lower floor judges the thin cell itself (neutral: the verdict's own floor), so long prompts at c2 go off.
   t = tuner.choose(summary["stats"], summary["verdicts"], points, arms, summary["baselines"], 4,
                    temperatures=temps, min_requests=2)
@@ -147,6 +147,9 @@ def test_on_everywhere_needs_no_default_off_and_nothing_on_writes_off(run_dir):
         c["verdict"] = "roll back"
   t = tuner.choose(summary["stats"], off, points, arms, summary["baselines"], 4, temperatures=temps, min_requests=4)
   assert t["config"] == {} and t["method"] == "none" and t["rules"][0]["match"] == {}
+  table = "\n".join(report.policy_table(t, summary["points"]))
+  assert "| 1 `default` | `{}` (everything else) | 0 (off) | 24 segments: zero, busy 1, prompt <64, output 32:" in table
+  assert report._recommend(dict(summary, tuned=t)).startswith("Speculation off everywhere")
 
 
 def test_tuned_rerun_is_checked_per_segment(run_dir):
