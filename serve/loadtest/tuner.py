@@ -263,7 +263,7 @@ def _default_rule(leaves: dict, k: int, bands: list) -> dict:
   """The closing rule; its evidence: why each segment it serves is off (per arm, the first cell that is not keep)."""
   off = []
   for (t, bi, p, o), L in leaves.items():
-    if L["k"] != k:
+    if L["k"] != k or not L["per_arm"]:  # no speculative arm: nothing to say
       continue
     why = {}
     for arm, d in L["per_arm"].items():
