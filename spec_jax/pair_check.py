@@ -333,13 +333,19 @@ def static_check(spec, target_config: ModelConfig, tokenizer=None, target_path: 
     return [Finding("head", "info", f"method {spec.method!r} has no draft head to check")]
   from spec_jax.checkpoints import published
   from spec_jax.proposers.registry import is_checkpoint
+  stem = path
+  for suffix in (".safetensors", ".json"):  # the loaders take a checkpoint's file names for its stem too
+    stem = stem[:-len(suffix)] if stem.endswith(suffix) else stem
   try:
-    if is_checkpoint(path):
-      return _checkpoint_findings(path, spec.method, target_config, tokenizer, target_path)
+    if is_checkpoint(stem):
+      return _checkpoint_findings(stem, spec.method, target_config, tokenizer, target_path)
     if published.is_published(path):
       return _published_findings(path, spec.method, target_config, tokenizer, target_path)
   except (OSError, ValueError) as e:
     return [Finding("format", "error", f"{path}: {e}")]
+  if not os.path.exists(path) and not os.path.exists(stem + ".json"):
+    raise FileNotFoundError(f"head checkpoint {path} does not exist (neither <stem>.json + <stem>.safetensors nor a "
+                            "published head directory)")
   return [Finding("format", "error", f"{path}: neither a head checkpoint (<stem>.json + <stem>.safetensors) nor a "
                   "published head directory (config.json and weights, or medusa_lm_head.*)")]
 

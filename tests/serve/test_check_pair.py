@@ -107,6 +107,8 @@ def test_planted_mismatches_are_reported(target, tmp_path):
   head = _head(tmp_path, "eagle1", lambda c: c.update(hidden_size=64))
   assert any(f.check == "hidden" and f.level == "error" for f in _static(target, "eagle", head))
   assert pair_check.verdict(_static(target, "medusa", os.path.join(HERE, "eagle3"))) == "incompatible"
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    _static(target, "medusa", str(tmp_path / "nothing_here"))
 
 
 def test_the_run_commands_refuse_an_incompatible_pair(target, tmp_path):

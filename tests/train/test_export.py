@@ -74,6 +74,10 @@ def test_a_medusa_head_exported_and_loaded_back_drafts_identical_tokens(tmp_path
   assert {(f.check, f.level) for f in findings} >= {("vocab", "pass"), ("verifier", "pass")}
   assert any("tokenizer digest" in f.message for f in findings)
   assert any("fingerprint" in f.message and f.level == "pass" for f in findings)
+  # Our own checkpoint, named by its stem or a file of it, passes too.
+  for name in (stem, stem + ".safetensors"):
+    findings = pair_check.static_check(SpecConfig("medusa", 3, model=name), config, tok, TARGET)
+    assert pair_check.verdict(findings) == "compatible", pair_check.format_findings(findings)
 
 
 def test_heads_a_format_cannot_hold_are_refused(tmp_path):
