@@ -32,7 +32,7 @@ def get_config():
   # Traffic: identical for every arm.
   c.prompts = "data/specbench/spec_bench_question.jsonl"  # relative paths resolve from the repository root
   c.prompt_limit = 0
-  c.prompt_split = ""  # "even" / "odd": only that half of the file (a tuning split and a held-apart one)
+  c.prompt_split = ""  # "even" / "odd": half the file in blocks of len(output_lengths) prompts (tuning, held apart)
   c.categories = ()
   c.output_lengths = (32, 64)  # max_tokens; prompt i of the file gets output_lengths[i % 2] (the output segment)
   c.prompt_len_edges = (64, 256)  # prompt-length segments: < 64, 64-255, >= 256 tokens

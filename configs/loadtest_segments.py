@@ -1,14 +1,16 @@
 """Speculation per traffic segment on Gemma 3 270M (issue 29), sized for the 2-core CPU machine: the load matrix
-on the even-indexed Spec-Bench questions (the tuning split), whose per-segment verdicts the tuner turns into a
-policy, then the same matrix on the odd-indexed questions (held apart) with that policy as its one arm:
+on one half of the Spec-Bench questions (the tuning split: blocks 0, 2, 4, ... of two consecutive questions, so both
+output budgets are in it), whose per-segment verdicts the tuner turns into a policy, then the same traffic on the
+other half (held apart) with that policy as the tuned arm, checked per segment against its own baselines:
 
-  python -m serve.loadtest --config=configs/loadtest_segments.py                       # ~35 min
+  python -m serve.loadtest --config=configs/loadtest_segments.py                       # ~15 min
   python -m serve.loadtest --config=configs/loadtest_segments.py --config.prompt_split=odd \\
       --config.output_dir=benchmarks/reports/gemma3_270m_segments/heldout \\
-      --config.arms='({"name": "policy", "speculative_config": {}, "speculative_config_path":
+      --config.arms='({"name": "tuned", "speculative_config": {}, "speculative_config_path":
                        "benchmarks/reports/gemma3_270m_segments/speculative_config.json", "baseline": False},)'
   python -m serve.loadtest.steady --config=configs/loadtest_segments.py --config.prompt_split=odd \\
-      --output_dir=benchmarks/reports/gemma3_270m_segments --steady_seconds=600
+      --output_dir=benchmarks/reports/gemma3_270m_segments --steady_seconds=600 \\
+      --switchback='{"window_s": 5, "off_share": 0.25}'                               # ~12 min
 
 Closed loop at 1, 2 and 4 (= slots) clients, greedy and sampled, budgets 32/64; no overload or Poisson points
 (the per-segment question, not the capacity one: configs/loadtest.py has those)."""

@@ -156,7 +156,7 @@ def run_matrix(cfg: dict, out_dir: str, log=print, arms: Optional[list] = None, 
   """Run every arm and write run.json, records.jsonl and points.json; returns the run dict."""
   os.makedirs(out_dir, exist_ok=True)
   prompts = load_prompts(cfg.get("prompts", ""), int(cfg.get("prompt_limit", 0)), tuple(cfg.get("categories") or ()))
-  prompts = split_prompts(prompts, cfg.get("prompt_split") or "")
+  prompts = split_prompts(prompts, cfg.get("prompt_split") or "", len(cfg["output_lengths"]))
   points = load_points(int(cfg["slots"]), cfg["samplings"], tuple(cfg.get("closed_levels") or ()),
                        float(cfg.get("overload_factor", 2.0)), tuple(cfg.get("open_rates") or ()))
   arms = arms if arms is not None else arm_list(cfg)

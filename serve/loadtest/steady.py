@@ -51,11 +51,22 @@ def _fmt_ratio(v: dict) -> str:
 def offline_evidence(summary: dict) -> dict:
   """rule name -> a short line of the offline evidence behind it (the tuner's, where summary.json has it)."""
   out = {}
-  tuned = summary.get("tuned") or {}
-  for rule in tuned.get("rules") or tuned.get("policy_evidence") or []:
-    if isinstance(rule, dict) and rule.get("name"):
-      ev = rule.get("evidence")
-      out[rule["name"]] = ev if isinstance(ev, str) else json.dumps(ev, default=str)[:300]
+  for rule in (summary.get("tuned") or {}).get("rules") or []:
+    if not isinstance(rule, dict) or not rule.get("name"):
+      continue
+    ev = rule.get("evidence")
+    if isinstance(ev, str):
+      out[rule["name"]] = ev
+    elif isinstance(ev, dict) and ev.get("default"):
+      out[rule["name"]] = f"off: {len(ev.get('segments') or [])} grid segments where no arm keeps"
+    elif isinstance(ev, dict):
+      cells = ev.get("cells") or []
+      keep = sum(1 for c in cells if c.get("verdict") == "keep")
+      gain = ev.get("gain")
+      out[rule["name"]] = (f"{', '.join(ev.get('arms') or [])}: {keep}/{len(cells)} cells keep"
+                           + (f", output tok/s {gain:+.0%}" if gain is not None else "")
+                           + f", >= {ev.get('min_requests', 0)} requests a cell"
+                           + (f", {len(ev['fallbacks'])} fallbacks" if ev.get("fallbacks") else ""))
   return out
 
 
@@ -100,7 +111,8 @@ def main(argv):
     switchback = FLAGS.switchback or '{"window_s": 5, "off_share": 0.25}'
     SwitchbackConfig.parse(switchback)
     prompts = split_prompts(load_prompts(cfg["prompts"], int(cfg.get("prompt_limit", 0)),
-                                         tuple(cfg.get("categories", ()))), cfg.get("prompt_split") or "")
+                                         tuple(cfg.get("categories", ()))), cfg.get("prompt_split") or "",
+                                 len(cfg["output_lengths"]))
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -94,14 +94,15 @@ def load_prompts(path: Optional[str], limit: int = 0, categories=()) -> list[Pro
   return out
 
 
-def split_prompts(prompts: list[PromptRec], split: str) -> list[PromptRec]:
-  """'even' / 'odd': the prompts at even / odd positions of the file (a tuning split and a held-apart one, so a
-  tuned policy is checked on prompts its tuner never saw); '' = all."""
+def split_prompts(prompts: list[PromptRec], split: str, block: int = 1) -> list[PromptRec]:
+  """'even' / 'odd': a tuning split and a held-apart one, so a tuned policy is checked on prompts its tuner never
+  saw; '' = all. The file is cut in blocks of `block` consecutive prompts (the number of output budgets, which go
+  round-robin by position), even blocks in one half and odd ones in the other, so each half sees every budget."""
   if split in ("", None):
     return prompts
   if split not in ("even", "odd"):
     raise ValueError(f"prompt_split must be '', 'even' or 'odd', got {split!r}")
-  out = [p for p in prompts if p.index % 2 == (1 if split == "odd" else 0)]
+  out = [p for p in prompts if (p.index // max(block, 1)) % 2 == (1 if split == "odd" else 0)]
   if not out:
     raise ValueError(f"no prompts in the {split} split")
   return out

@@ -225,3 +225,14 @@ def test_traffic_is_deterministic_and_balanced(tmp_path):
   assert [(p.mode, p.level, p.tag) for p in pts] == [("closed", 1, "low"), ("closed", 4, "medium"),
                                                      ("closed", 8, "peak"), ("closed", 16, "overload"),
                                                      ("open", 2.0, "")]
+
+
+def test_prompt_splits_are_disjoint_halves_that_each_see_every_output_budget():
+  from serve.loadtest.traffic import PromptRec, split_prompts
+  prompts = [PromptRec(str(i), "c", f"p{i}", False, i) for i in range(10)]
+  even, odd = split_prompts(prompts, "even", 2), split_prompts(prompts, "odd", 2)
+  assert [p.index for p in even] == [0, 1, 4, 5, 8, 9] and [p.index for p in odd] == [2, 3, 6, 7]
+  assert {p.index % 2 for p in even} == {p.index % 2 for p in odd} == {0, 1}  # both budgets (index % 2) in each
+  assert split_prompts(prompts, "", 2) == prompts
+  with pytest.raises(ValueError, match="prompt_split"):
+    split_prompts(prompts, "third", 2)
