@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.checkpoints.safetensors_io import SafetensorsFile
+from spec_jax.checkpoints.weight_files import read_json
 from spec_jax.config import FAMILIES, ModelConfig, family_config
 from spec_jax.models import schema
 
@@ -281,13 +282,7 @@ def read_config(directory: str) -> ModelConfig:
   cfg_path = os.path.join(directory, "config.json")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"config.json not found in {directory}")
-  try:
-    with open(cfg_path) as f:
-      cfg = json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:
-    raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
-  if not isinstance(cfg, dict):
-    raise ValueError(f"{cfg_path} is not a JSON object")
+  cfg = read_json(cfg_path)
   config = config_from_hf(cfg, cfg_path, name=os.path.basename(os.path.normpath(directory)))
   own_eos = "eos_ids" in _token_ids(cfg, cfg.get("text_config") or cfg)
   return _merge_generation_eos(config, directory, own_eos)
