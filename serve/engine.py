@@ -12,21 +12,16 @@ The HTTP layer talks to the engine only through `submit`, `abort` and each reque
 waits for a client, so a slow client cannot stall the device loop. A snapshot remembers which request held each
 slot when it was taken, so a slot refilled meanwhile is never confused with its previous request.
 
-Speculation per request: at admission a request gets its segment and draft cap from the speculative config's
-policy (spec_jax/spec_policy.py; a canary policy for its share of requests). Before each dispatch the engine sets
-every row's cap: the policy's, 0 where the admin switch, the segment's guardrails (serve/guardrails.py) or a
-switchback "off" window (serve/live_ab.py) say so, and at most the per-concurrency table's k. Everything handed
-over is credited to the request's segment and to the arm of the window its loop was dispatched in.
-
-An exception in the engine fails the requests it touched (their outputs get an error; HTTP answers 500) and the
-engine goes on: a failed insert fails its request, a failed decode fails every running request and starts from
-a fresh state.
+Speculation per request: at admission a request gets its segment and draft cap (serve/segments.py). Before each
+dispatch every row's cap is set: 0 where the admin switch, the segment's guardrails or a switchback "off" window
+say so, and at most the per-concurrency k. Hand-overs are credited to (segment, arm of the dispatch's window).
+An exception fails the requests it touched (HTTP 500) and the engine goes on: a failed insert fails its request,
+a failed decode every running request, and the engine starts from a fresh state.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import threading
@@ -38,13 +33,13 @@ import numpy as np
 
 from serve import live_ab, timing_probe
 from serve.guardrails import SpeculationSwitch
-from spec_jax.controls import Controls
-from spec_jax.spec_policy import Features
+from serve.segments import Segments
 from serve.metrics import Metrics
 from serve.engine_request import EngineRequest
 from serve.output_stream import Output, TextStream
 from serve.tenants import TenantTable
 from spec_jax import slots
+from spec_jax.controls import Controls
 from spec_jax.slot_table import SlotTable
 
 log = logging.getLogger("spec_jax.engine")
@@ -77,24 +72,8 @@ class Engine:
     self.probe = timing_probe.StepProbe(self.metrics, timing_probe_s)  # every_s 0: never probe the step split
     self.metrics.slots_total.set(max_num_seqs)
     now = time.monotonic()
-    self.policy = getattr(spec_config, "policy", None)
-    self.canary = getattr(spec_config, "canary", None)
-    segments = list(self.policy.names if self.policy is not None else ("default",))
-    if self.canary is not None:
-      segments += [n for n in self.canary.policy.names if n not in segments]
-    self.segments = tuple(segments)
-    self.switch = SpeculationSwitch(guardrails, spec_config, spec.k_max, self.metrics, self.segments, now)
-    # The live A/B (serve/live_ab.py): switchback windows, and the canary's comparison.
-    self.switchback = switchback
-    self.schedule = live_ab.Schedule(switchback, now) if switchback is not None else None
-    self.live = (live_ab.LiveAB(switchback, windows_of=live_ab.window_count(self.schedule))
-                 if switchback is not None else None)
-    self.canary_ab = (live_ab.LiveAB(switchback or live_ab.SwitchbackConfig(), live_ab.CANARY, live_ab.STABLE)
-                      if self.canary is not None else None)
-    self._t0 = now
-    self._ab_lock = threading.Lock()  # the live stats: written by the engine thread, read by /admin
-    self._window = -1  # the switchback window the last dispatch ran in
-    self._live_verdicts: dict = {}  # segment -> verdict, recomputed once per window (the guardrails read them)
+    self.segments = Segments(spec_config, switchback, self.metrics, now)  # policy, canary, switchback, live A/B
+    self.switch = SpeculationSwitch(guardrails, spec_config, spec.k_max, self.metrics, self.segments.names, now)
     self._applied_caps: Optional[np.ndarray] = None
     self._lock = threading.Condition()
     self._waiting: collections.deque = collections.deque()
@@ -162,33 +141,12 @@ class Engine:
 
   def status(self) -> dict:
     return {**self.switch.status(len(self.table.holders)), "method": self.spec.proposer.name,
-            "policy": None if self.policy is None else self.policy.to_json(),
-            "canary": None if self.canary is None else self.canary.to_json(),
-            "switchback": None if self.switchback is None else dataclasses.asdict(self.switchback),
+            **self.segments.to_json(),
             "k_max": self.spec.k_max, "ks": list(self.spec.ks)}
 
   def live_report(self) -> dict:
-    """GET /admin/speculation/report: per segment, the live verdict (keep / roll back / neutral, the deciding
-    metric, its interval, the sample counts) and each arm's measurements; the canary's comparison beside it."""
-    with self._ab_lock:
-      ks = {r.name: r.k for r in self.policy.rules} if self.policy is not None else {"default": self.spec.k_max}
-      out = {"method": self.spec.proposer.name, "switchback": None, "segments": {}, "canary": None}
-      if self.live is not None:
-        w = self._window
-        out["switchback"] = {**dataclasses.asdict(self.switchback), "window": w,
-                             "arm": self.schedule.arm(max(w, 0)),
-                             "windows": {a: self.schedule.count(a, 0, max(w, 0)) for a in (live_ab.ON, live_ab.OFF)}}
-        rep = self.live.report(self.segments)
-      else:
-        rep = {}
-      for seg in self.segments:
-        g = self.switch.guards.get(seg)
-        out["segments"][seg] = {"num_speculative_tokens": ks.get(seg), "guardrails": None if g is None else g.mode,
-                                "enabled": self.switch.segment_on(seg), **rep.get(seg, {})}
-      if self.canary_ab is not None:
-        out["canary"] = {"fraction": self.canary.fraction,
-                         "segments": self.canary_ab.report(self.canary.policy.names)}
-    return out
+    """GET /admin/speculation/report (serve/segments.py)."""
+    return self.segments.report(self.switch, self.spec.proposer.name, self.spec.k_max)
 
   @property
   def draining(self) -> bool:
@@ -278,26 +236,23 @@ class Engine:
   def _iteration(self) -> None:
     t0 = time.perf_counter()
     now = time.monotonic()
-    self._tick_windows(now)
+    self.segments.tick(now)
     with self._lock:  # the admin switch resets the guardrails from the HTTP thread
-      events = self.switch.tick(now, self._live_verdicts.get if self.live is not None else None)
-    if events and self.live is not None:
-      with self._ab_lock:  # a segment switched off or probing: its live A/B measures afresh
-        for seg, _, _ in events:
-          self.live.reset(seg, self._window)
-          self._live_verdicts.pop(seg, None)
+      events = self.switch.tick(now, self.segments.verdict_of)
+    self.segments.restart(seg for seg, _, _ in events)  # switched off or probing: measured afresh
     self._reap(now)
     admitted = self._admit(now)
     snap = None
     if self.table.holders:
-      arm = self._apply_speculation()
+      dispatched = self.segments.now()
+      self._apply_speculation(dispatched[1])
       # Right after an insert, one step: the new request's first tokens go out after its prefill plus one step
       # rather than plus steps_per_sync steps (TTFT).
       steps = 1 if admitted else self.steps
       try:
         drafting = bool(self._applied_on) and any(r.speculate for r in self.table.holders.values())
         snap = (*self.table.run(steps, self.probe.timed_loop if self.probe.due(now, drafting) else None),
-                (max(self._window, 0), arm))
+                dispatched)
       except Exception as e:
         log.exception("decode failed")
         self._device_failure(e)
@@ -309,25 +264,8 @@ class Engine:
     self.probe.sample_memory(now)
     self.metrics.observe_occupancy(*self.counts())
 
-  def _tick_windows(self, now: float) -> None:
-    """The switchback window now; at a new one, count it and refresh the live verdicts the guardrails read."""
-    if self.schedule is None:
-      return
-    w = self.schedule.window(now)
-    if w != self._window:
-      self._window = w
-      self.metrics.switchback_windows.labels(arm=self.schedule.arm(w)).inc()
-      with self._ab_lock:
-        self._live_verdicts = {seg: self.live.verdict(seg) for seg in self.segments}
-
-  def _now_dispatch(self) -> tuple:
-    """(window, arm) of now."""
-    w = max(self._window, 0)
-    return w, self.schedule.arm(w) if self.schedule is not None else live_ab.ON
-
-  def _apply_speculation(self) -> str:
-    """Set every row's draft cap for the next dispatch -> the switchback arm it runs in."""
-    arm = self.schedule.arm(max(self._window, 0)) if self.schedule is not None else live_ab.ON
+  def _apply_speculation(self, arm: str) -> None:
+    """Set every row's draft cap for the next dispatch, which runs in switchback arm `arm`."""
     busy = len(self.table.holders)
     k_busy = self.switch.k_at(busy)
     caps = np.zeros((self.table.num_slots,), np.int32)
@@ -343,28 +281,7 @@ class Engine:
       self.table.set_speculation(on)
       self._applied_on = on
     # on: the admin switch and the guardrails of at least one segment allow it
-    self.metrics.speculation_enabled.set(1.0 if any(map(self.switch.segment_on, self.segments)) else 0.0)
-    return arm
-
-  def _classify(self, req: EngineRequest) -> None:
-    """The request's segment and draft cap (the policy's first matching rule), and its canary arm."""
-    temperature, max_new, tag, top_k, top_p = req.features
-    f = Features(temperature=temperature, prompt_tokens=len(req.prompt_ids), max_tokens=max_new,
-                 busy_slots=len(self.table.holders) + 1, segment=tag)
-    policy = self.policy
-    if self.canary is not None:
-      req.canary = self.canary.takes(live_ab.content_key(req.prompt_ids, max_new, temperature, top_k, top_p, tag))
-      req.canary_segment = self.canary.policy.pick(f).name
-      if req.canary:
-        policy = self.canary.policy
-    if policy is None:
-      req.segment, req.policy_k = "default", self.spec.k_max
-    else:
-      rule = policy.pick(f)
-      req.segment, req.policy_k = rule.name, rule.k
-    if not req.speculate:
-      req.policy_k = 0
-    req.device_req = req.device_req.replace(draft_cap=np.int32(min(req.policy_k, self.spec.k_max)))
+    self.metrics.speculation_enabled.set(1.0 if any(map(self.switch.segment_on, self.segments.names)) else 0.0)
 
   def _reap(self, now: float) -> None:
     """Free slots of finished, aborted and timed-out requests; drop aborted and timed-out waiting ones."""
@@ -375,7 +292,7 @@ class Engine:
         elif req.deadline is not None and now > req.deadline:
           req.fail(504, "timeout", f"request timed out after {self.request_timeout_s:g} s", self.metrics)
       if req.finished:
-        self._credit(req, self._now_dispatch(), now)  # an end no hand-over saw (abort, timeout)
+        self.segments.credit(req, self.segments.now(), now)  # an end no hand-over saw (abort, timeout)
         self.table.release(slot)
         self.tenants.release(req.tenant_id)
     with self._lock:
@@ -401,7 +318,7 @@ class Engine:
       req.stream = TextStream(req.output, self.tokenizer.stream(skip_special=True), req.stop)
       req.accepted_at = np.zeros(max(self.spec.k_max, 1), np.int64)
       try:
-        self._classify(req)
+        self.segments.classify(req, len(self.table.holders) + 1, self.spec.k_max)
         self._assign_tenant(req)
         req.slot = self.table.insert(req, req.device_req)
       except Exception as e:
@@ -432,7 +349,7 @@ class Engine:
     for req in set(self.table.holders.values()) | (set(self._pending[1].values()) if self._pending else set()):
       if not req.finished:
         req.fail(500, "engine", f"engine error: {type(e).__name__}: {e}", self.metrics)
-        self._credit(req, self._now_dispatch(), time.monotonic())
+        self.segments.credit(req, self.segments.now(), time.monotonic())
     self._pending = None
     try:
       self._fresh_state()
@@ -467,7 +384,7 @@ class Engine:
         req.fail(500, "engine", f"engine error: {type(e).__name__}: {e}", self.metrics)
         d = a = n = steps = 0
       ttft = req.first_at - req.arrival if first and req.first_at is not None else None
-      self._credit(req, dispatched, now, tokens=n, itl=itl, steps=steps, drafted=d, accepted=a, ttft=ttft)
+      self.segments.credit(req, dispatched, now, tokens=n, itl=itl, steps=steps, drafted=d, accepted=a, ttft=ttft)
       acc = by_segment.setdefault(req.segment, [0, 0, []])
       acc[0] += d
       acc[1] += a
@@ -480,38 +397,3 @@ class Engine:
         if g is not None and (arm == live_ab.ON or g.mode == "baseline_window"):
           g.observe(now, d, a, itl)
     return time.perf_counter() - t1
-
-  def _credit(self, req: EngineRequest, dispatched: tuple, now: float, **obs) -> None:
-    """Credit a request's hand-over (and its end, once) to its segment and arm: metrics and the live A/B."""
-    window, arm = dispatched
-    seg, m = req.segment, self.metrics
-    ended = req.finished and not req.ended_counted
-    if ended:
-      req.ended_counted = True
-      obs.update(finished=int(not req.failed), failed=int(req.failed))
-    if obs.get("tokens"):
-      req.arms.add(arm)
-      m.seg_tokens.labels(segment=seg, arm=arm).inc(obs["tokens"])
-    for x in obs.get("itl") or ():
-      m.seg_itl.labels(segment=seg, arm=arm).observe(x)
-    if obs.get("steps"):
-      m.seg_steps.labels(segment=seg, arm=arm).inc(obs["steps"])
-    if obs.get("drafted"):
-      m.seg_draft_tokens.labels(segment=seg, arm=arm).inc(obs["drafted"])
-    if obs.get("accepted"):
-      m.seg_accepted_tokens.labels(segment=seg, arm=arm).inc(obs["accepted"])
-    if obs.get("ttft") is not None:
-      m.seg_ttft.labels(segment=seg, arm=arm).observe(obs["ttft"])
-    if ended:
-      m.seg_requests.labels(segment=seg, arm=arm, outcome="failed" if req.failed else "finished").inc()
-      if not req.failed and req.first_at is not None and req.n_tokens > 1:
-        tpot_arm = next(iter(req.arms)) if len(req.arms) == 1 else "mixed"
-        m.seg_tpot.labels(segment=seg, arm=tpot_arm).observe((req.last_at - req.first_at) / (req.n_tokens - 1))
-    if self.live is None and self.canary_ab is None:
-      return
-    with self._ab_lock:
-      if self.live is not None:
-        self.live.add(seg, arm, window, **obs)
-      if self.canary_ab is not None and req.canary is not None:
-        w = window if self.schedule is not None else int((now - self._t0) // self.canary_ab.cfg.window_s)
-        self.canary_ab.add(req.canary_segment, live_ab.CANARY if req.canary else live_ab.STABLE, w, **obs)
