@@ -118,7 +118,7 @@ def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
   """Host-side check with an error that names the bad field."""
   if not np.isfinite(temperature) or temperature < 0:
     raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-  if int(top_k) != top_k or top_k < 0:
-    raise ValueError(f"top_k must be an integer >= 0 (0 is off), got {top_k}")
+  if int(top_k) != top_k or not 0 <= top_k < 2 ** 31:
+    raise ValueError(f"top_k must be an integer in [0, 2^31) (0 is off), got {top_k}")
   if not (0.0 < top_p <= 1.0):
     raise ValueError(f"top_p must be in (0, 1] (1 is off), got {top_p}")

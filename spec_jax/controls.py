@@ -89,8 +89,8 @@ def validate(*, presence=0.0, frequency=0.0, repetition=1.0, min_p=0.0, min_toke
     raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {repetition}")
   if not np.isfinite(min_p) or not 0.0 <= min_p <= 1.0:
     raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-  if int(min_tokens) != min_tokens or min_tokens < 0:
-    raise ValueError(f"min_tokens must be an integer >= 0, got {min_tokens}")
+  if int(min_tokens) != min_tokens or not 0 <= min_tokens < 2 ** 31:
+    raise ValueError(f"min_tokens must be an integer in [0, 2^31), got {min_tokens}")
   bias = logit_bias or {}
   if len(bias) > MAX_BIAS:
     raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_BIAS}")

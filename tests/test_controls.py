@@ -79,6 +79,7 @@ def test_no_controls_leave_the_logits_alone():
 @pytest.mark.parametrize("bad, msg", [
     (dict(presence=2.5), "presence_penalty"), (dict(frequency=float("nan")), "frequency_penalty"),
     (dict(repetition=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=2 ** 63), "min_tokens"),
     (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={"99": 1}), "out of the vocabulary"),
     (dict(logit_bias={"3": 101}), "logit_bias values"), (dict(stop_token_ids=(V,)), "stop_token_ids"),
     (dict(stop_token_ids=tuple(range(17))), "at most"),

@@ -180,6 +180,8 @@ def test_bad_requests_are_refused_on_the_host():
     slots.make_request([2, 3], max_new=0, spec=spec, capacity=CAPACITY)
   with pytest.raises(ValueError, match="top_p"):
     slots.make_request([2, 3], max_new=4, spec=spec, capacity=CAPACITY, top_p=0.0)
+  with pytest.raises(ValueError, match="top_k"):  # an int over int32 is a clear error, not an OverflowError
+    slots.make_request([2, 3], max_new=4, spec=spec, capacity=CAPACITY, top_k=2 ** 63)
 
 
 def test_a_row_without_room_finishes_with_a_capacity_error_not_a_clamped_write():
