@@ -12,7 +12,10 @@ Segments: a grid over the features the server knows at admission, from the close
 - temperature: a point's sampling setting, "zero" (temperature 0) or "nonzero";
 - busy_slots: a band per measured concurrency c, [c, next c), the first from 1 and the top one open; every
   concurrency at or above the slot count (peak, overload) falls in one band [slots, open), since busy slots never
-  exceed the slots;
+  exceed the slots. A band is judged on its own points and on those of the next band's first level: busy slots are
+  counted at admission, when a closed loop's other clients may be between requests (their slots freed, their next
+  request not yet sent), so traffic at concurrency 4 is mostly admitted at 2-3 busy slots (measured, issue 29's
+  held-apart check: a band [2, 4) judged on c2 alone gave sampled c4 traffic k = 4 and +107 % p95 ITL);
 - prompt_tokens: the prompt-length buckets of the matrix ("<64" -> [0, 64), "64-255" -> [64, 256), ">=256" ->
   [256, open));
 - max_tokens: the output budgets b1 < b2 < ...: [0, b2), [b2, b3), ..., [bn, open).
@@ -70,15 +73,17 @@ def prompt_range(label: str) -> Optional[tuple]:
 
 
 def busy_bands(levels, slots: int = 0) -> list[tuple]:
-  """Measured concurrencies -> [(lo, hi | None, (levels in the band))], the first band from 1, the top one open."""
+  """Measured concurrencies -> [(lo, hi | None, (levels judged))], the first band from 1, the top one open; a band
+  is judged on its levels and the next band's lowest one."""
   levels = sorted({int(c) for c in levels})
   low = [c for c in levels if not slots or c < slots]
   high = [c for c in levels if slots and c >= slots]
   starts = low + ([slots] if high else [])
+  own = [tuple(high) if high and lo == slots else (lo,) for lo in starts]
   bands = []
   for i, lo in enumerate(starts):
     hi = starts[i + 1] if i + 1 < len(starts) else None
-    members = tuple(high) if high and lo == slots else (lo,)
+    members = own[i] + (own[i + 1][:1] if i + 1 < len(starts) else ())  # the next level's first: see above
     bands.append((1 if i == 0 else lo, hi, members))
   return bands
 
