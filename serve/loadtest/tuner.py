@@ -12,10 +12,12 @@ Segments: a grid over the features the server knows at admission, from the close
 - temperature: a point's sampling setting, "zero" (temperature 0) or "nonzero";
 - busy_slots: a band per measured concurrency c, [c, next c), the first from 1 and the top one open; every
   concurrency at or above the slot count (peak, overload) falls in one band [slots, open), since busy slots never
-  exceed the slots. A band is judged on its own points and on those of the next band's first level: busy slots are
-  counted at admission, when a closed loop's other clients may be between requests (their slots freed, their next
-  request not yet sent), so traffic at concurrency 4 is mostly admitted at 2-3 busy slots (measured, issue 29's
-  held-apart check: a band [2, 4) judged on c2 alone gave sampled c4 traffic k = 4 and +107 % p95 ITL);
+  exceed the slots. An arm is on in a band where it keeps at the band's own points and does not roll back at the
+  next band's first level (its guard): busy slots are counted at admission, when a closed loop's other clients may
+  be between requests (their slots freed, their next request not yet sent), so traffic at concurrency 4 is mostly
+  admitted at 2-3 busy slots. Measured in issue 29's held-apart checks: a band [2, 4) judged on c2 alone gave
+  sampled c4 traffic k = 4 and +107 % p95 ITL; requiring a keep at the guard too turned off greedy segments whose
+  c2 cells were merely neutral (12 requests a cell) and lost their gain;
 - prompt_tokens: the prompt-length buckets of the matrix ("<64" -> [0, 64), "64-255" -> [64, 256), ">=256" ->
   [256, open));
 - max_tokens: the output budgets b1 < b2 < ...: [0, b2), [b2, b3), ..., [bn, open).
@@ -73,8 +75,8 @@ def prompt_range(label: str) -> Optional[tuple]:
 
 
 def busy_bands(levels, slots: int = 0) -> list[tuple]:
-  """Measured concurrencies -> [(lo, hi | None, (levels judged))], the first band from 1, the top one open; a band
-  is judged on its levels and the next band's lowest one."""
+  """Measured concurrencies -> [(lo, hi | None, (own levels), (guard level,) | ())], the first band from 1, the top
+  one open; the guard is the next band's lowest level."""
   levels = sorted({int(c) for c in levels})
   low = [c for c in levels if not slots or c < slots]
   high = [c for c in levels if slots and c >= slots]
@@ -83,8 +85,8 @@ def busy_bands(levels, slots: int = 0) -> list[tuple]:
   bands = []
   for i, lo in enumerate(starts):
     hi = starts[i + 1] if i + 1 < len(starts) else None
-    members = own[i] + (own[i + 1][:1] if i + 1 < len(starts) else ())  # the next level's first: see above
-    bands.append((1 if i == 0 else lo, hi, members))
+    guard = own[i + 1][:1] if i + 1 < len(starts) else ()  # the next level's first: see the module docstring
+    bands.append((1 if i == 0 else lo, hi, own[i], guard))
   return bands
 
 
@@ -113,9 +115,9 @@ class _Evidence:
   def backed(self, c: dict) -> bool:
     return c["requests"] >= self.n and c["baseline_requests"] >= self.n
 
-  def decide(self, arm: str, temp: str, keys: tuple, seg: str, what: str) -> dict:
-    """Whether `arm` keeps at segment `seg` of every point in keys; thin cells fall back to the points' "all"
-    cells, then to the temperature's. -> {"on", "cells", "fallback": note | None}."""
+  def decide(self, arm: str, temp: str, keys: tuple, seg: str, what: str, guard: bool = False) -> dict:
+    """Whether `arm` keeps at segment `seg` of every point in keys (guard: does not roll back at any); thin cells
+    fall back to the points' "all" cells, then to the temperature's. -> {"on", "cells", "fallback": note | None}."""
     note = None
     cells = [self.cell(arm, k, seg) for k in keys]
     if seg != "all" and not all(self.backed(c) for c in cells):
@@ -130,7 +132,8 @@ class _Evidence:
       cells = [c for c in (self.cell(arm, k, "all") for k in self.temp_points[temp]) if self.backed(c)]
       note = (f"{what_all}: {', '.join(c['point'] for c in thin)} under {self.n} requests; fell back to "
               f"temperature {temp} alone ({len(cells)} points with enough requests)")
-    on = bool(cells) and all(c["verdict"] == "keep" for c in cells)
+    ok = (lambda c: c["verdict"] != "roll back") if guard else (lambda c: c["verdict"] == "keep")
+    on = bool(cells) and all(ok(c) for c in cells)
     return {"on": on, "cells": cells, "fallback": note}
 
 
@@ -170,8 +173,9 @@ def choose(stats: dict, verdicts: dict, points: dict, arms: dict, baselines: lis
     p_vals = [p for p, _ in prompts] if use_prompt and len(prompts) > 1 else [None]
     o_vals = [o for o, _ in outputs] if use_output and len(outputs) > 1 else [None]
     for t in temps:
-      for bi, (_, _, members) in enumerate(bands):
-        keys = tuple(k for k in temp_points[t] if int(closed[k].level) in members)
+      for bi, (_, _, own, guard) in enumerate(bands):
+        keys = tuple(k for k in temp_points[t] if int(closed[k].level) in own)
+        guard_keys = tuple(k for k in temp_points[t] if int(closed[k].level) in guard)
         for p in p_vals:
           for o in o_vals:
             per_arm = {}
@@ -180,10 +184,9 @@ def choose(stats: dict, verdicts: dict, points: dict, arms: dict, baselines: lis
                 per_arm[arm] = {"on": False, "cells": [], "fallbacks": [], "gain": None}
                 continue
               where = f"temperature {t}, busy {_band_label(bands[bi])}"
-              ds = [ev.decide(arm, t, keys, seg, where) for seg in
-                    ([f"prompt={p}"] if p is not None else []) + ([f"output={o}"] if o is not None else [])]
-              if not ds:
-                ds = [ev.decide(arm, t, keys, "all", where)]
+              segs = ([f"prompt={p}"] if p is not None else []) + ([f"output={o}"] if o is not None else [])
+              ds = [ev.decide(arm, t, ks, seg, where, guard=ks is guard_keys)
+                    for ks in ((keys, guard_keys) if guard_keys else (keys,)) for seg in segs or ["all"]]
               cells = list({(c["point"], c["segment"]): c for d in ds for c in d["cells"]}.values())
               gains = [c["gain"] for c in cells if c["gain"] is not None]
               per_arm[arm] = {"on": all(d["on"] for d in ds), "cells": cells,
@@ -236,7 +239,7 @@ def choose(stats: dict, verdicts: dict, points: dict, arms: dict, baselines: lis
 
 
 def _band_label(band: tuple) -> str:
-  lo, hi, _ = band
+  lo, hi = band[:2]
   return f"{lo}+" if hi is None else (f"{lo}" if hi == lo + 1 else f"{lo}-{hi - 1}")
 
 
@@ -284,7 +287,7 @@ def _default_rule(leaves: dict, k: int, bands: list) -> dict:
 def _compress(leaves: dict, temps: list, bands: list, prompts: list, outputs: list) -> list:
   """The grid of k -> disjoint rules (see the module docstring), the default last."""
   dims = [("temperature", [(t, t) for t in temps], {"zero", "nonzero"}),
-          ("busy_slots", [(bi, (lo, hi)) for bi, (lo, hi, _) in enumerate(bands)], None),
+          ("busy_slots", [(bi, (lo, hi)) for bi, (lo, hi, *_) in enumerate(bands)], None),
           ("prompt_tokens", [(p, r) for p, r in prompts] if len(prompts) > 1 else [(None, None)], None),
           ("max_tokens", [(o, r) for o, r in outputs] if len(outputs) > 1 else [(None, None)], None)]
   ks = [L["k"] for L in leaves.values()]

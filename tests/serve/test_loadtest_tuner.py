@@ -60,7 +60,7 @@ def test_recorded_matrix_gives_the_expected_policy(run_dir):
   assert _policy_ks(sc, temperature=0.7, busy_slots=3) == 0
 
   # Evidence per rule: the deciding cells, their verdicts, gains and request counts; the fallback on the thin
-  # long-prompt cell of c2, which judges both the band at 1 busy slot (with the next level's points) and 2-3.
+  # long-prompt cell of c2, which judges both the band at 1 busy slot (as its guard) and 2-3.
   r1, r2, default = tuned["rules"]
   assert r1["evidence"]["arms"] == ["ngram_k4"] and r2["evidence"]["arms"] == ["ngram_k2"]
   cells = {(c["point"], c["segment"]): c for c in r1["evidence"]["cells"]}
@@ -127,13 +127,20 @@ def test_one_changed_verdict_changes_the_policy(run_dir):
   assert t["fallbacks"] == []
   assert t["config"]["policy"][1] == {"match": {"temperature": "zero", "busy_slots": [2, 4], "prompt_tokens": [0, 64]},
                                       "num_speculative_tokens": 2}
-  # A band is judged with the next level: k = 2 rolling back at c4 turns off 2-3 busy slots too, though c2 keeps
+  # A band is guarded by the next level: k = 2 rolling back at c4 turns off 2-3 busy slots too, though c2 keeps
   # (admitted at 2-3 busy slots, c4's traffic would speculate there).
   v = copy.deepcopy(summary["verdicts"])
   for cell in v["ngram_k2"]["greedy/c4"].values():
     cell["verdict"] = "roll back"
   t = tuner.choose(summary["stats"], v, points, arms, summary["baselines"], 4, temperatures=temps, min_requests=4)
   assert t["config"]["policy"] == [EXPECTED["policy"][0], {"match": {}, "num_speculative_tokens": 0}]
+  # The guard asks only for no roll-back: neutral at c4 leaves 2-3 busy on (and 4+, c4's own band, off).
+  for cell in v["ngram_k2"]["greedy/c4"].values():
+    cell["verdict"] = "neutral"
+  t = tuner.choose(summary["stats"], v, points, arms, summary["baselines"], 4, temperatures=temps, min_requests=4)
+  assert t["config"]["policy"][1:] == [
+      {"match": {"temperature": "zero", "busy_slots": [2, 4]}, "num_speculative_tokens": 2},
+      {"match": {}, "num_speculative_tokens": 0}]
   # Sampled at temperature 0 would be greedy traffic: the policy stops naming the temperature where both agree.
   t = tuner.choose(summary["stats"], summary["verdicts"], points, arms, summary["baselines"], 4,
                    temperatures={"greedy": 0.0, "sampled": 1.0}, min_requests=4)
