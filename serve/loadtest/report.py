@@ -364,6 +364,13 @@ def tuned_check_lines(tc: dict, points: dict, max_listed: int = 12) -> list[str]
 
 def _recommend(summary: dict) -> str:
   tuned = summary["tuned"]
+  tc = summary.get("tuned_check")
+  if not summary["arms"] and tc is not None:  # a rerun of a given policy (held apart): its check is the verdict
+    cells = [s for v in tc.values() for s in v["segments"].values() if s["ok"] is not None]
+    bad = sum(not s["ok"] for s in cells)
+    return ("This run checks a given policy (arm `tuned`), with no arms to tune from: it "
+            + (f"stays within the noise of the baseline in all {len(cells)} cells with enough requests."
+               if not bad else f"is below the baseline beyond the noise in {bad} of {len(cells)} cells (below)."))
   on = [r for r in tuned.get("rules") or [] if r["k"]]
   if not on:
     parts = ["Speculation off everywhere: no segment keeps with enough requests."]

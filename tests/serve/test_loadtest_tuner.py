@@ -199,3 +199,19 @@ def test_tuned_rerun_is_checked_per_segment(run_dir):
           "the noise in 24 of 35 cells with enough requests.") in report
   assert "- c4 (peak) [greedy] output=32: mean TPOT 12.0 ms vs 10.1 ms" in report
   assert "| prompt=>=64 | ok | thin (2) | **BELOW** |" in report
+
+
+def test_a_held_apart_rerun_recommends_from_its_check():
+  """A run whose only speculative arm is `tuned` (a given policy, held apart) has nothing to tune: its
+  recommendation is the tuned check's count, not "speculation off everywhere"."""
+  seg = lambda ok: {"ok": ok, "failures": [], "requests": 6}
+  tc = {"greedy/c1": {"ok": True, "segments": {"all": seg(True), "prompt=<64": seg(None)}},
+        "greedy/c2": {"ok": False, "segments": {"all": seg(True), "prompt=<64": seg(False)}}}
+  summary = {"tuned": {"config": {}, "method": "none", "rules": [{"match": {}, "k": 0}]}, "arms": [],
+             "tuned_check": tc}
+  assert report._recommend(summary) == ("This run checks a given policy (arm `tuned`), with no arms to tune from: "
+                                        "it is below the baseline beyond the noise in 1 of 3 cells (below).")
+  tc["greedy/c2"]["segments"]["prompt=<64"] = seg(True)
+  assert report._recommend(summary).endswith("stays within the noise of the baseline in all 3 cells with enough "
+                                             "requests.")
+  assert report._recommend(dict(summary, tuned_check=None)).startswith("Speculation off everywhere")
