@@ -181,8 +181,10 @@ def test_tuned_config_is_read_by_the_server():
   cell = lambda v: {"output_tok_s": v, "completed": 20}
   stats = {a: {k: {"all": cell(tok.get((a, k), 90.0))} for k in pts} for a in arms}
   stats["baseline"] = {k: {"all": cell(100.0 if k == "greedy/c1" else 200.0)} for k in pts}
-  verd = {a: {k: {"all": {"verdict": "keep" if (a, k) in tok else "roll back", "metric": "tpot_mean"}} for k in pts}
-          for a in arms}
+  # c8: ng2 neutral, ng4 rolls back (the guard of the band [4, 8): traffic at 8 clients is admitted at 4-7 busy).
+  verd = {a: {k: {"all": {"verdict": "keep" if (a, k) in tok else
+                          "neutral" if (a, k) == ("ng2", "greedy/c8") else "roll back", "metric": "tpot_mean"}}
+              for k in pts} for a in arms}
   t = tuner.choose(stats, verd, pts, arms, ["baseline"], temperatures={"greedy": 0.0})
   assert t["config"]["policy"] == [
       {"match": {"temperature": "zero", "busy_slots": [1, 4]}, "num_speculative_tokens": 4},
@@ -193,6 +195,11 @@ def test_tuned_config_is_read_by_the_server():
   assert sc.method == "ngram" and sc.k == 4
   pick = lambda busy, temp=0.0: sc.policy.pick(Features(temp, 10, 16, busy)).k
   assert [pick(a) for a in (1, 3, 4, 7, 8, 16)] == [4, 4, 2, 2, 0, 0] and pick(1, 0.7) == 0
+  verd["ng2"]["greedy/c8"]["all"]["verdict"] = "roll back"  # now the guard turns [4, 8) off, though c4 keeps
+  assert tuner.choose(stats, verd, pts, arms, ["baseline"], temperatures={"greedy": 0.0})["config"]["policy"] == [
+      {"match": {"temperature": "zero", "busy_slots": [1, 4]}, "num_speculative_tokens": 4},
+      {"match": {}, "num_speculative_tokens": 0}]
+  verd["ng2"]["greedy/c8"]["all"]["verdict"] = "neutral"
   # With 4 slots, concurrency 8 runs at 4 busy slots too: one band [4, open) serves both, on only if an arm keeps
   # at both.
   t4 = tuner.choose(stats, verd, pts, arms, ["baseline"], slots=4, temperatures={"greedy": 0.0})
