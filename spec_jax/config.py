@@ -21,12 +21,13 @@ GEMMA3 = dict(activation="gelu_tanh", post_norms=True, qk_norm=True, qkv_bias=Fa
 LLAMA = dict(activation="silu", post_norms=False, qk_norm=False, qkv_bias=False, sliding_window=None,
              query_pre_attn_scalar=None, embed_scale=False, tie_embeddings=False)
 QWEN2 = dict(LLAMA, qkv_bias=True)
-FAMILIES = {"gemma3": GEMMA3, "llama": LLAMA, "qwen2": QWEN2}
+QWEN3 = dict(LLAMA, qk_norm=True)  # dense Qwen3: per-head RMS norms on q and k before RoPE, no QKV bias
+FAMILIES = {"gemma3": GEMMA3, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A decoder-only transformer. Gemma 3 by default; Llama/Qwen2 through the flags (FAMILIES)."""
+  """A decoder-only transformer. Gemma 3 by default; Llama/Qwen2/Qwen3 through the flags (FAMILIES)."""
 
   vocab_size: int
   d_model: int

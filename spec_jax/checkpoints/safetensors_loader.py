@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: a directory with config.json and *.safetensors (one file, or sharded).
 
-Supported model types: Llama, Qwen2, Gemma 3 text (`gemma3_text`) and the Gemma 3 multimodal wrapper (`gemma3`,
+Supported model types: Llama, Qwen2, Qwen3 (dense), Gemma 3 text (`gemma3_text`) and the Gemma 3 multimodal wrapper (`gemma3`,
 whose text config sits under `text_config`; only the language model is loaded). Tensor names and the
 layout conversion (HF Linear weights are [out, in]; ours are [in, ...out] with heads split out) are the rows of
 spec_jax/models/schema.py, as are the family differences (Gemma's norm weights are stored as w for a (1 + w)
@@ -23,7 +23,7 @@ from spec_jax.checkpoints.weight_files import read_json
 from spec_jax.config import FAMILIES, ModelConfig, family_config
 from spec_jax.models import schema
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma3")
 INDEX_FILE = "model.safetensors.index.json"
 # Wrappers put the decoder under these; longest first so `model.language_model.` is not cut at `model.`.
 NAME_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -238,14 +238,18 @@ def config_from_hf(cfg: dict, path: str = "config.json", name: str = "hf") -> Mo
   act = text.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"{path}: hidden_act {act!r} is not supported for {model_type} (silu)")
-  if model_type == "qwen2" and text.get("use_sliding_window"):
-    raise ValueError(f"{path}: Qwen2 with use_sliding_window=true is not supported (its per-layer window "
+  if model_type in ("qwen2", "qwen3") and text.get("use_sliding_window"):
+    raise ValueError(f"{path}: {model_type} with use_sliding_window=true is not supported (its per-layer window "
                      "schedule differs from Gemma's); only full attention")
+  if any(t != "full_attention" for t in text.get("layer_types") or ()):
+    raise ValueError(f"{path}: layer_types {text['layer_types']!r}: only full attention is supported for "
+                     f"{model_type}")
   if text.get("mlp_bias"):
     raise ValueError(f"{path}: mlp_bias=true is not supported")
   theta, _, scaling = _rope_spec(text, path, 10_000.0, 10_000.0, allow_llama3=model_type == "llama")
+  # Qwen3's q_norm/k_norm come with the family (schema rows q_norm, k_norm; stored as plain multipliers).
   return family_config(
-      "qwen2" if model_type == "qwen2" else "llama", **common,
+      model_type if model_type in ("qwen2", "qwen3") else "llama", **common,
       qkv_bias=model_type == "qwen2" or bool(text.get("attention_bias", False)),
       rope_base=theta, rope_base_local=theta, tie_embeddings=bool(text.get("tie_word_embeddings", False)),
       rope_scaling=scaling,
