@@ -39,16 +39,22 @@ def cpu_layout(params: dict) -> dict:
 
 
 def load_tokenizer(path: str | None = None, *, use_cache: bool = True):
-  """The tokenizer of a checkpoint (a `spec_jax.tokenizer.Tokenizer`): an HF directory's `tokenizer.model`, or
+  """The tokenizer of a checkpoint (a `spec_jax.tokenizer.Tokenizer`): an HF directory's `tokenizer.model` or
+  `tokenizer.json` (checkpoints/hf_tokenizer.py), or
   one built from a GGUF's metadata, SentencePiece or byte-level BPE (cached beside the GGUF). `path` None or ""
   is the packaged Gemma 3 270M; a packaged model's name (spec_jax/checkpoints/packages.py) is assembled first."""
   from spec_jax.sentencepiece_tokenizer import SentencePieceTokenizer
   path = resolve_model_path(path)
   if os.path.isdir(path):
     tok_file = os.path.join(path, "tokenizer.model")
-    if not os.path.exists(tok_file):
-      raise FileNotFoundError(f"{path} has no tokenizer.model (SentencePiece) next to its weights")
-    return SentencePieceTokenizer.from_model_file(tok_file)
+    if os.path.exists(tok_file):
+      return SentencePieceTokenizer.from_model_file(tok_file)
+    from spec_jax.checkpoints import hf_tokenizer
+    if hf_tokenizer.has_tokenizer_json(path):  # byte-level BPE (Llama 3, Qwen): tokenizer.json
+      from spec_jax.bpe_tokenizer import BPETokenizer
+      return BPETokenizer(hf_tokenizer.spec(path), source=path)
+    raise FileNotFoundError(f"{path} has neither tokenizer.model (SentencePiece) nor tokenizer.json next to its "
+                            "weights")
   from spec_jax.checkpoints import gguf_tokenizer
   kind, data = gguf_tokenizer.load(path, use_cache=use_cache)
   if kind == "bpe":

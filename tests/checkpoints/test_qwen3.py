@@ -1,6 +1,8 @@
 """A dense Qwen3 from a Hugging Face directory (tests/fixtures/qwen3, written by transformers; see its
 make_fixture.py): the family's config (QK norms, no QKV bias, head_dim wider than hidden / heads, tied
-embeddings), transformers' float32 logits and its greedy continuation through our cached decode loop."""
+embeddings), transformers' float32 logits and its greedy continuation through our cached decode loop; the
+directory's tokenizer.json (byte-level BPE, chat template in chat_template.jinja) against transformers' ids and
+renderings."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from spec_jax.batch import generate
+from spec_jax.checkpoints.load import load_tokenizer
 from spec_jax.checkpoints.safetensors_loader import load_hf
 from spec_jax.models.transformer import forward
 
@@ -37,6 +40,7 @@ def test_config_is_the_qwen3_family():
   assert (config.head_dim, config.d_model // config.num_heads) == (16, 8)
   assert config.sliding_window is None and config.rope_base == 1e6
   assert params["layers"]["q_norm"].shape == (3, 16) and "q_bias" not in params["layers"]
+  assert config.vocab_size == 300 and config.eos_ids == (2,)
 
 
 def test_logits_match_transformers():
@@ -75,3 +79,36 @@ def test_sliding_windows_are_refused(tmp_path, edit, match):
   (d / "config.json").write_text(json.dumps({**cfg, **edit}))
   with pytest.raises(ValueError, match=match):
     load_hf(str(d))
+
+
+def test_tokenizer_json_matches_transformers():
+  ref = json.loads(open(os.path.join(HERE, "tokenizer_reference.json"), encoding="utf-8").read())
+  tok = load_tokenizer(TARGET)
+  assert type(tok).__name__ == "BPETokenizer"
+  for text, ids in ref["texts"].items():
+    assert tok.encode(text) == ids, text
+    assert tok.decode(ids) == text
+  for chat, want in zip(([{"role": "user", "content": "hi there"}],
+                         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]),
+                        ref["chats"]):
+    assert tok.apply_chat_template(chat) == want
+  assert tok.id_of("<|im_end|>") == 2
+
+
+def test_tokenizer_config_bos_and_errors(tmp_path):
+  d = tmp_path / "q3"
+  shutil.copytree(TARGET, d)
+  cfg_path = d / "tokenizer_config.json"
+  cfg = json.loads(cfg_path.read_text())
+  cfg_path.write_text(json.dumps({**cfg, "bos_token": {"content": "<|endoftext|>"}, "add_bos_token": True}))
+  assert load_tokenizer(str(d)).encode("hello")[:1] == [0]
+  cfg_path.write_text(json.dumps({**cfg, "eos_token": "<nope>"}))
+  with pytest.raises(ValueError, match="eos_token '<nope>' is not in"):
+    load_tokenizer(str(d))
+  (d / "tokenizer.json").write_text("{not json")
+  with pytest.raises(ValueError, match="not a valid tokenizers pipeline"):
+    load_tokenizer(str(d))
+  (d / "tokenizer.json").unlink()
+  with pytest.raises(FileNotFoundError, match="neither tokenizer.model"):
+    load_tokenizer(str(d))
