@@ -209,9 +209,10 @@ def _published_findings(directory: str, method: str, target_config: ModelConfig,
   cfg = published.read_json(cfg_path) if os.path.isfile(cfg_path) else {}
   kind = fmt
   if fmt == "speculators":
-    kind = cfg.get("speculators_model_type")
-    if kind != "eagle3":
-      return [Finding("format", "error", f"{directory}: speculators_model_type {kind!r} is not supported (eagle3 is)")]
+    kind = {"eagle": "eagle1", "eagle3": "eagle3"}.get(cfg.get("speculators_model_type"))
+    if kind is None:
+      return [Finding("format", "error", f"{directory}: speculators_model_type {cfg.get('speculators_model_type')!r} "
+                      "is not supported (eagle, eagle3 are)")]
   allowed = {"eagle": ("eagle1", "eagle3"), "eagle3": ("eagle3",), "medusa": ("medusa",)}[method]
   if kind not in allowed:
     return [Finding("format", "error", f"{directory} holds a {kind} head ({fmt} format); method {method!r} takes "
@@ -224,6 +225,8 @@ def _published_findings(directory: str, method: str, target_config: ModelConfig,
     return out + [Finding("format", "error", str(e))]
   layer_cfg = cfg.get("transformer_layer_config") if fmt == "speculators" else cfg
   layer_cfg = layer_cfg if isinstance(layer_cfg, dict) else {}
+  if fmt == "speculators":  # written with to_diff_dict: LlamaConfig's defaults are left out
+    layer_cfg = {**published.LLAMA_DEFAULTS, **layer_cfg}
   verifier = (cfg.get("speculators_config") or {}).get("verifier") or {} if fmt == "speculators" else {}
   vname = verifier.get("name_or_path") or cfg.get("base_model_name_or_path") or cfg.get("verifier_name_or_path")
   varch = verifier.get("architectures")
@@ -239,6 +242,9 @@ def _published_findings(directory: str, method: str, target_config: ModelConfig,
   elif kind == "eagle1":
     if "hidden_size" in layer_cfg and int(layer_cfg["hidden_size"]) != D:
       hidden.append(f"hidden_size is {layer_cfg['hidden_size']}, the target's is {D}")
+    name = "fusion_fc.weight" if fmt == "speculators" else "fc.weight"
+    if shapes.get(name) is not None and shapes[name] != (D, 2 * D):
+      hidden.append(f"tensor {name!r} has shape {shapes[name]}, expected {(D, 2 * D)}")
   else:
     Dl = layer_cfg.get("hidden_size")
     Dt = cfg.get("target_hidden_size") or Dl

@@ -2,7 +2,10 @@
 
 A published head is a directory. `detect(dir)` says which format it holds, from its files and config.json:
 - "speculators": vLLM's speculators format (config.json with `speculators_model_type`; EAGLE-3: `layers.0.*`,
-  `fc`, `norm`, `lm_head`, `d2t`, `t2d`, `eagle_aux_hidden_state_layer_ids`, `speculators_config.verifier`);
+  `fc`, `norm`, `lm_head`, `d2t`, `t2d`, `eagle_aux_hidden_state_layer_ids`, `speculators_config.verifier`;
+  EAGLE-1/HASS (`eagle`): `fusion_fc` (+ bias, HASS) over [embedding; hidden], one decoder layer `transformer.*`,
+  with `layernorms` also `embedding_layernorm`, the layer's input norm and `pre_lm_head_layernorm`; embeddings,
+  RoPE and lm_head are the verifier's);
 - "medusa": Medusa-1 as FasterDecoding publishes it (`medusa_lm_head.safetensors|.pt|.bin`, config.json with
   `medusa_num_heads`, `medusa_num_layers`; per head `{h}.{j}.linear.weight|bias` residual SiLU blocks and
   `{h}.{medusa_num_layers}.weight`, its own head matrix);
@@ -89,6 +92,12 @@ class _Tensors:
   def linear(self, name, n_in, n_out):
     """A torch Linear weight [out, in] -> ours [in, out] (float32)."""
     return self.get(name, (n_out, n_in)).astype(np.float32).T
+
+
+# transformers' LlamaConfig defaults: speculators writes transformer_layer_config with to_diff_dict, which leaves
+# out every value equal to these (Llama-3-8B's hidden_size 4096, for one).
+LLAMA_DEFAULTS = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_attention_heads=32, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0)
 
 
 def _layer_config(cfg: dict, target: ModelConfig, where: str) -> ModelConfig:
@@ -200,6 +209,7 @@ def load_eagle3(directory: str, target: ModelConfig, target_params: dict, fmt: s
     layer_cfg = cfg.get("transformer_layer_config")
     if not isinstance(layer_cfg, dict):
       raise ValueError(f"{where}: speculators EAGLE-3 config needs a transformer_layer_config object")
+    layer_cfg = {**LLAMA_DEFAULTS, "num_hidden_layers": 1, **layer_cfg}
     for flag in ("norm_before_fc",):
       if cfg.get(flag):
         raise ValueError(f"{where}: {flag}=true is not supported")
@@ -280,6 +290,47 @@ def load_eagle1(directory: str, target: ModelConfig, target_params: dict, k: int
   return proposer, params
 
 
+def load_speculators_eagle(directory: str, target: ModelConfig, target_params: dict, k: int, impl: str, tree):
+  """A speculators EAGLE-1/HASS head (speculators_model_type "eagle") -> (EagleProposer, params).
+
+  Its forward (speculators' EagleSpeculator): x = fusion_fc([e; h]) (+ bias) with e the verifier's embedding
+  (embedding_layernorm(e) with `layernorms`), one decoder layer (its input norm only with `layernorms`), the
+  verifier's RoPE, logits = verifier lm_head(x) (pre_lm_head_layernorm(x) first with `layernorms`); x is fed back.
+  """
+  from spec_jax.proposers import eagle, vocab
+  where = os.path.join(directory, "config.json")
+  cfg = read_json(where)
+  layer_cfg = cfg.get("transformer_layer_config")
+  if not isinstance(layer_cfg, dict):
+    raise ValueError(f"{where}: speculators EAGLE config needs a transformer_layer_config object")
+  arch = cfg.get("transformer_layer_architecture", "auto")
+  if arch not in ("auto", "LlamaDecoderLayer"):
+    raise ValueError(f"{where}: transformer_layer_architecture {arch!r} is not supported (LlamaDecoderLayer)")
+  # The model always builds one layer (num_hidden_layers may be the verifier's); RoPE is the verifier's.
+  lcfg = _layer_config({**LLAMA_DEFAULTS, **layer_cfg}, target, where).replace(
+      rope_base=target.rope_base, rope_base_local=target.rope_base, rope_scaling=target.rope_scaling)
+  if lcfg.d_model != target.d_model:
+    raise ValueError(f"{where}: hidden_size {lcfg.d_model} differs from the target's {target.d_model} (a head "
+                     "made for another target?)")
+  layernorms, D = bool(cfg.get("layernorms", False)), lcfg.d_model
+  weights, wpath = read_weights(directory)
+  t = _Tensors(weights, wpath)
+  w = {"fc": t.linear("fusion_fc.weight", 2 * D, D),
+       "layer": _decoder_layer(t, "transformer.", lcfg, D, input_norm=layernorms)}
+  if cfg.get("fusion_bias", False) or t.has("fusion_fc.bias"):
+    w["fc_bias"] = t.get("fusion_fc.bias", (D,))
+  if layernorms:
+    w["emb_norm"] = t.get("embedding_layernorm.weight", (D,))
+    w["out_norm"] = t.get("pre_lm_head_layernorm.weight", (D,))
+  dtype = target_params["final_norm"].dtype
+  params = _to_params(w, dtype)
+  params.update(embed=target_params["embed"], rows=vocab.output_rows(target_params))
+  _check_unused(t, ignore=("verifier", "embed_tokens.weight", "lm_head."))
+  proposer = eagle.EagleProposer(config=lcfg, vocab_size=target.vocab_size, k=k, impl=impl, tree=tree,
+                                 published=eagle.Published("eagle1", layernorms=layernorms))
+  return proposer, params
+
+
 # ------------------------------------------------------------------------------------------ Medusa
 
 
@@ -319,9 +370,9 @@ def load(directory: str, method: str, target: ModelConfig, target_params: dict, 
   fmt = detect(directory)
   if fmt == "speculators":
     kind = read_json(os.path.join(directory, "config.json")).get("speculators_model_type")
-    if kind != "eagle3":
-      raise ValueError(f"{directory}: speculators_model_type {kind!r} is not supported (eagle3 is)")
-    fmt_kind = "eagle3"
+    if kind not in ("eagle", "eagle3"):
+      raise ValueError(f"{directory}: speculators_model_type {kind!r} is not supported (eagle, eagle3 are)")
+    fmt_kind = {"eagle": "eagle1", "eagle3": "eagle3"}[kind]
   else:
     fmt_kind = fmt
   allowed = {"eagle": ("eagle1", "eagle3"), "eagle3": ("eagle3",), "medusa": ("medusa",)}.get(method, ())
@@ -331,5 +382,7 @@ def load(directory: str, method: str, target: ModelConfig, target_params: dict, 
   if fmt_kind == "medusa":
     return load_medusa(directory, target, target_params, k)
   if fmt_kind == "eagle1":
+    if fmt == "speculators":
+      return load_speculators_eagle(directory, target, target_params, k, impl, tree)
     return load_eagle1(directory, target, target_params, k, impl, tree)
   return load_eagle3(directory, target, target_params, fmt, k, impl, tree)

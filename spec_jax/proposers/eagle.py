@@ -112,8 +112,10 @@ def layer_input(params: dict, cfg: ModelConfig, feats, toks):
 class Published:
   """A head in a published layout (spec_jax/checkpoints/published.py loads them), computing that layout's forward
   exactly; None on the proposer is this project's own layout (above).
-  - kind "eagle1" (EAGLE-1/2 as its authors publish it): x = fc([embedding; feature]) (+ bias), one decoder layer
-    whose attention reads x without an input norm; x is fed back as it is and projected by the target's head.
+  - kind "eagle1" (EAGLE-1/2 as its authors publish it, speculators' EAGLE/HASS): x = fc([embedding; feature])
+    (+ bias), one decoder layer whose attention reads x without an input norm; x is fed back as it is and
+    projected by the target's head. `layernorms` (speculators): the embedding through `emb_norm` first, the
+    layer's own input norm, and `out_norm` before the head.
   - kind "eagle3" (SafeAILab / SpecForge / speculators): a committed position's feature is the aux layers side by
     side through `fuse` (after per-part norms when `fuse_norm` is present); the layer's attention reads
     [input_layernorm(embedding); hidden_norm(h)] (2 D wide) and its residual is h (hidden_norm(h) with
@@ -122,6 +124,7 @@ class Published:
   kind: str
   norm_before_residual: bool = False
   norm_output: bool = False
+  layernorms: bool = False
 
 
 def _embed(params: dict, cfg: ModelConfig, toks, dtype):
@@ -139,10 +142,12 @@ def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, 
   dtype = params["layer"]["q"].dtype
   e = _embed(params, cfg, toks, dtype)
   if published.kind == "eagle1":
+    if published.layernorms:
+      e = tfm.rms_norm(e, params["emb_norm"], cfg.norm_eps)
     x = tfm.dot("btd,de->bte", jnp.concatenate([e, feats.astype(dtype)], axis=-1), params["fc"])
     if "fc_bias" in params:
       x = x + params["fc_bias"].astype(x.dtype)
-    return run(x, attn_input=x)
+    return run(x) if published.layernorms else run(x, attn_input=x)
   h = feats.astype(dtype)
   if h.shape[-1] != cfg.d_model:  # a committed position: the aux layers, fused
     if "fuse_norm" in params:
@@ -163,7 +168,7 @@ def out_feature(params: dict, cfg: ModelConfig, x, published: Optional[Published
 
 def head_logits(params: dict, cfg: ModelConfig, feat, published: Optional[Published] = None):
   """A fed-back feature -> float32 draft logits over the draft vocabulary (params["rows"])."""
-  if published is not None and published.kind == "eagle3" and not published.norm_output:
+  if published is not None and ((published.kind == "eagle3" and not published.norm_output) or published.layernorms):
     feat = tfm.rms_norm(feat, params["out_norm"], cfg.norm_eps)
   return vocab.project(feat, params["rows"])
 

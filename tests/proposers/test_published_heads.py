@@ -37,7 +37,8 @@ def _target():
 
 @functools.lru_cache(maxsize=None)
 def _ref():
-  return dict(np.load(os.path.join(HERE, "reference.npz")))
+  # speculators_eagle.npz: the speculators EAGLE/HASS heads' logits (make_speculators_eagle.py)
+  return {**np.load(os.path.join(HERE, "reference.npz")), **np.load(os.path.join(HERE, "speculators_eagle.npz"))}
 
 
 def _build(method, name, k=3):
@@ -88,11 +89,15 @@ def test_target_logits_match_transformers():
 
 
 @pytest.mark.parametrize("method,name,key", [("eagle3", "eagle3", "eagle3"), ("eagle3", "speculators_eagle3", "eagle3"),
-                                             ("eagle", "eagle1", "eagle1")])
+                                             ("eagle", "eagle1", "eagle1"),
+                                             ("eagle", "speculators_eagle", "speculators_eagle"),
+                                             ("eagle", "speculators_eagle_ln", "speculators_eagle_ln")])
 def test_eagle_draft_logits_match_the_reference(method, name, key):
   prop, pp = _build(method, name)
-  assert published.detect(os.path.join(HERE, name)) == {"eagle3": "eagle3", "speculators_eagle3": "speculators",
-                                                         "eagle1": "eagle1"}[name]
+  assert published.detect(os.path.join(HERE, name)) == {"eagle3": "eagle3", "eagle1": "eagle1"}.get(name, "speculators")
+  if name in ("speculators_eagle", "speculators_eagle_ln"):  # speculators EAGLE: the verifier's RoPE, not the layer config's
+    assert prop.config.rope_scaling == ("llama3", 8.0, 1.0, 4.0, 16.0) and prop.config.rope_base == 50000.0
+    assert prop.published.layernorms == (name == "speculators_eagle_ln") and ("fc_bias" in pp) == (name != "speculators_eagle_ln")
   if key == "eagle3":
     assert prop.feature_layers == (1, 2, 3)  # aux ids (2, L // 2, L - 3) = inputs of those layers, L = 7
     assert pp["d2t"].shape == (160,)
@@ -121,7 +126,7 @@ def test_medusa_draft_logits_match_the_reference():
 
 
 @pytest.mark.parametrize("method,name", [("eagle3", "eagle3"), ("eagle3", "speculators_eagle3"), ("eagle", "eagle1"),
-                                         ("medusa", "medusa")])
+                                         ("eagle", "speculators_eagle_ln"), ("medusa", "medusa")])
 def test_greedy_with_a_published_head_equals_plain(method, name):
   config, params = _target()
   config = config.replace(eos_ids=())
@@ -207,3 +212,41 @@ def test_bad_published_heads_fail_clearly(tmp_path):
   safetensors_io.write(str(d / "model.safetensors"), {"x": np.zeros(2, np.float32)})
   with pytest.raises(ValueError, match="not a known draft head format"):
     _load(str(d))
+
+
+def test_bad_speculators_eagle_heads_fail_clearly(tmp_path):
+  d = _copy(tmp_path, "speculators_eagle")
+  _edit_json(d, transformer_layer_config={"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 80})
+  with pytest.raises(ValueError, match="hidden_size 64 differs from the target's 48"):
+    _load(d, "eagle")
+  d = _copy(tmp_path, "speculators_eagle")
+  _edit_tensors(d, lambda t: t.pop("fusion_fc.weight"))
+  with pytest.raises(ValueError, match="'fusion_fc.weight' is missing"):
+    _load(d, "eagle")
+  d = _copy(tmp_path, "speculators_eagle")
+  _edit_json(d, layernorms=True)  # the flag without its norms
+  with pytest.raises(ValueError, match="'transformer.input_layernorm.weight' is missing"):
+    _load(d, "eagle")
+  d = _copy(tmp_path, "speculators_eagle_ln")
+  _edit_json(d, layernorms=False)  # norms the config does not use
+  with pytest.raises(ValueError, match="unexpected tensors"):
+    _load(d, "eagle")
+  d = _copy(tmp_path, "speculators_eagle")
+  _edit_json(d, speculators_model_type="mlp")
+  with pytest.raises(ValueError, match="speculators_model_type 'mlp' is not supported"):
+    _load(d, "eagle")
+  with pytest.raises(ValueError, match="holds a eagle1 head"):
+    _load(os.path.join(HERE, "speculators_eagle"), "eagle3")
+
+
+def test_sampled_distribution_with_a_published_eagle3_head():
+  """Exactness under sampling with a loaded EAGLE-3 head (its 160-id draft vocabulary mapped through d2t): the
+  first 3 tokens of plain and speculative runs agree by chi-square (tests/distribution.py)."""
+  from tests.distribution import assert_same_distribution, sample_plain_and_speculative
+  config, params = _target()
+  config = config.replace(eos_ids=())
+  prop, pp = _build("eagle3", "eagle3", k=2)
+  plain, specd, rates = sample_plain_and_speculative(params, config, prop, pp, n=500, calls=6)  # 3000 each
+  print(f"published EAGLE-3 acceptance rate {np.mean(rates):.3f}")
+  assert 0.02 < np.mean(rates) < 0.95  # both accept and reject paths are exercised
+  assert_same_distribution(plain, specd)
