@@ -11,12 +11,15 @@ Formats, and which of this project's heads each can hold exactly (the same draft
 - medusa (FasterDecoding's Medusa-1: config.json + medusa_lm_head.safetensors, one residual SiLU block per head and
   a head matrix over the whole vocabulary): our Medusa heads over the full vocabulary. A head with a reduced draft
   vocabulary (d2t) is refused: a Medusa-1 head matrix has no draft vocabulary.
-- eagle (EAGLE-1/2), eagle3 (SafeAILab / SpecForge) and speculators (vLLM's EAGLE-3): refused for our EAGLE
-  heads, whose layer is not the published one. Ours RMS-norms the feature and the embedding, fuses them with its
-  FC, and runs a pre-norm decoder layer on the FC's output (normed again, and kept as the residual), then normalizes
-  its output (out_norm). EAGLE-1's layer reads the FC's output without a norm; EAGLE-3's attention reads
-  [norm(embedding); norm(feature)] directly and keeps the feature as its residual. No weights make one compute
-  the other, so a converted file would draft other tokens; the export says so instead of writing it.
+- eagle (EAGLE-1/2), eagle3 (SafeAILab / SpecForge) and speculators (vLLM's EAGLE-1/HASS and EAGLE-3): refused
+  for our EAGLE heads, whose forward is not any published one. Against EAGLE-1/2 and HASS: (1) ours RMS-normalizes
+  the target feature before its FC (nonlinear: no FC weight absorbs it; they have no feature norm); (2) ours feeds
+  back the layer's output after out_norm, they feed back the raw output; (3) ours drafts over 8192 ids, they have
+  no draft vocabulary. Against EAGLE-3: ours runs its attention on attn_norm(FC([norm(feature); norm(embedding)]))
+  and keeps the FC's output as the residual; theirs reads [norm(embedding); hidden_norm(feature)] (2 D wide) and
+  keeps the feature: the norm between our FC and q/k/v has no place in theirs. And on a Gemma 3 target our layer
+  is a Gemma layer (GeGLU, QK norms, post norms), theirs a Llama layer. A converted file would draft other tokens,
+  so the export names these reasons instead of writing one. Exact export needs a head trained in a published layout.
 The written config.json names the verifier (base_model_name_or_path) and adds `spec_jax_target_fingerprint` and
 `spec_jax_vocab_digest`, which the pair check (serve.check_pair) compares with the target at hand.
 """
@@ -33,14 +36,34 @@ from absl import app, flags
 from spec_jax import flag_table
 
 FORMATS = ("eagle", "eagle3", "medusa", "speculators")
-_EAGLE_LAYOUT = ("this project's EAGLE layer is not the published one: it RMS-norms the feature and the embedding "
-                 "before its FC, runs a pre-norm decoder layer on the FC's output (kept as the residual) and "
-                 "normalizes the layer's output (out_norm); ")
-_WHY = {
-    "eagle": "EAGLE-1/2's layer reads the FC over the raw [embedding; feature] without any norm",
-    "eagle3": "EAGLE-3's attention reads [norm(embedding); norm(feature)] directly and keeps the feature as its "
-              "residual",
-}
+# Why this project's EAGLE heads have no exact published form, each a part of the forward that the published ones
+# (EAGLE-1/2's cnets, SpecForge's LlamaForCausalLMEagle3, speculators' EagleSpeculator / Eagle3 model, and vLLM's
+# and SGLang's Llama EAGLE layers) do not compute, and that no choice of their weights reproduces.
+_FEATURE_NORM = ("it RMS-normalizes the target feature (with its own weight) before the FC; a norm is not linear, "
+                 "so no FC weight absorbs it, and {fmt} has no feature norm before its FC")
+_FED_BACK = ("it feeds back the layer's output after its out_norm (a normalized feature), where {fmt} feeds back "
+             "the layer's raw output and normalizes it only on the way to the logits, if at all")
+_LAYER = ("its decoder layer has the target's own conventions ({conv}), where {fmt}'s layer is a Llama decoder "
+          "layer (SiLU MLP, no QK or post norms)")
+_INPUT = ("its attention reads attn_norm(FC([norm(feature); norm(embedding)])), a norm of the FC's output that no "
+          "q/k/v weight over {fmt}'s 2 D-wide input [norm(embedding); hidden_norm(feature)] absorbs, and it keeps "
+          "the FC's output as the residual, where {fmt} keeps the fused feature")
+_VOCAB = ("it drafts over a reduced vocabulary of {n} ids (d2t), where {fmt} projects onto the target's whole "
+          "vocabulary through the target's own lm_head")
+
+
+def _eagle_reasons(meta: dict, fmt: str) -> list:
+  """Every reason `fmt` cannot hold this project's EAGLE head `meta` exactly (see the module docstring)."""
+  # speculators writes an EAGLE-3 head as its eagle3 model, an EAGLE-1 head as its eagle (HASS) model.
+  three = fmt == "eagle3" or (fmt == "speculators" and bool(meta.get("feature_layers")))
+  name = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3"}.get(fmt) or (
+      "speculators' EAGLE-3" if three else "speculators' EAGLE/HASS")
+  out = [_INPUT.format(fmt=name)] if three else [_FEATURE_NORM.format(fmt=name), _FED_BACK.format(fmt=name)]
+  if "gemma" in str(meta.get("target_name", "")).lower():
+    out.append(_LAYER.format(fmt=name, conv="Gemma 3: GeGLU MLP, QK norms, post-attention and post-MLP norms"))
+  if not three and meta.get("draft_vocab_size"):
+    out.append(_VOCAB.format(n=meta["draft_vocab_size"], fmt=name))
+  return out
 
 
 class ExportError(ValueError):
@@ -75,10 +98,10 @@ def check_exportable(meta: dict, fmt: str, stem: str = "head") -> None:
   if fmt == "medusa":
     raise ExportError(f"{stem} is an EAGLE head: --format=medusa holds Medusa heads")
   layers = meta.get("feature_layers") or []
-  fam = "eagle3" if fmt in ("eagle3", "speculators") else "eagle"
   what = f"EAGLE-3 (feature layers {layers})" if layers else "EAGLE-1"
-  raise ExportError(f"{stem}: an {what} head cannot be written as --format={fmt} exactly: " + _EAGLE_LAYOUT +
-                    _WHY[fam] + ". A converted file would draft other tokens, so nothing is written")
+  reasons = "; ".join(f"({i}) {r}" for i, r in enumerate(_eagle_reasons(meta, fmt), 1))
+  raise ExportError(f"{stem}: an {what} head of this project cannot be written as --format={fmt} exactly: "
+                    f"{reasons}. A converted file would draft other tokens, so nothing is written")
 
 
 def export(stem: str, fmt: str, output: str, target_config, target_params, tokenizer=None,
