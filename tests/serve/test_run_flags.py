@@ -55,3 +55,29 @@ def test_every_command_flag_is_a_row_of_the_flag_table():
   from spec_jax.spec_config import ENTRY_KEYS
   # the speculative config's keys are flags, under one name each
   assert {flag_table.SPEC_FLAG_NAMES.get(k, k) for k in ENTRY_KEYS} <= set(flag_table.SPEC_ROWS)
+
+
+def test_the_readme_published_head_command_parses():
+  """README's one command for a published EAGLE-3 head: its flags are the server's, and they mean what it says."""
+  import json
+  import pathlib
+  import re
+  import shlex
+  text = (pathlib.Path(ROOT) / "README.md").read_text()
+  block = re.search(r"```bash\n(?:pip install[^\n]*\n)(python -m serve\.server .*?)\n```", text, re.S)
+  assert block, "README lost its published-head command"
+  argv = shlex.split(block.group(1).replace("\\\n", " "))
+  assert argv[:3] == ["python", "-m", "serve.server"]
+  code = textwrap.dedent(f"""
+      import json
+      from absl import flags
+      from serve import server
+      server.define_flags()
+      flags.FLAGS(["prog", *{argv[3:]!r}])
+      s = server.settings()
+      print(json.dumps([s["model"], s["costs_file"], s["port"], s["spec"].method, s["spec"].k, s["spec"].model]))
+  """)
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got == ["/models/Llama-3.1-8B-Instruct", "", 8000, "eagle3", 4, "/models/EAGLE3-LLaMA3.1-Instruct-8B"]
