@@ -110,12 +110,16 @@ def split_prompts(prompts: list[PromptRec], split: str, block: int = 1) -> list[
 
 def build_requests(prompts: list[PromptRec], n: int, sampling: dict, output_lengths, seed: int) -> list[Request]:
   """n requests cycling through a seeded shuffle of the prompts. The output budget is output_lengths[i % m] for
-  prompt i of the file, so every budget sees a balanced, fixed subset of prompts."""
+  prompt i of the file, so every budget sees a balanced, fixed subset of prompts. A sampling setting with
+  `repeats` R > 1 is retry traffic: each prompt is sent R times in a row, each send with its own seed."""
   order = list(range(len(prompts)))
   random.Random(seed).shuffle(order)
+  repeats = int(sampling.get("repeats", 1))
+  if repeats < 1:
+    raise ValueError(f"sampling {sampling['name']!r}: repeats must be >= 1, got {repeats}")
   reqs = []
   for s in range(n):
-    p = prompts[order[s % len(order)]]
+    p = prompts[order[(s // repeats) % len(order)]]
     reqs.append(Request(seq=s, prompt=p, max_tokens=int(output_lengths[p.index % len(output_lengths)]),
                         sampling=sampling["name"], temperature=float(sampling["temperature"]),
                         top_p=float(sampling.get("top_p", 1.0)), seed=seed * 100003 + s))

@@ -234,6 +234,18 @@ def test_traffic_is_deterministic_and_balanced(tmp_path):
                                                      ("open", 2.0, "")]
 
 
+def test_retry_traffic_sends_each_prompt_repeats_times_in_a_row_with_its_own_seeds():
+  from serve.loadtest.traffic import PromptRec
+  prompts = [PromptRec(str(i), "c", f"p{i}", False, i) for i in range(5)]
+  plain = build_requests(prompts, 9, {"name": "g", "temperature": 0.0}, (16,), seed=1)
+  retries = build_requests(prompts, 9, {"name": "r", "temperature": 0.7, "repeats": 3}, (16,), seed=1)
+  ids = [r.prompt.id for r in retries]
+  assert ids == [plain[0].prompt.id] * 3 + [plain[1].prompt.id] * 3 + [plain[2].prompt.id] * 3
+  assert len({r.seed for r in retries}) == 9
+  with pytest.raises(ValueError, match="repeats"):
+    build_requests(prompts, 3, {"name": "r", "temperature": 0.0, "repeats": 0}, (16,), seed=1)
+
+
 def test_prompt_splits_are_disjoint_halves_that_each_see_every_output_budget():
   from serve.loadtest.traffic import PromptRec, split_prompts
   prompts = [PromptRec(str(i), "c", f"p{i}", False, i) for i in range(10)]
