@@ -12,8 +12,9 @@ file), one flag each (serve/run_flags.py; `model` and `quantization` are `--spec
 the tuner's output.
 
 `eagle_topk` and `num_draft_tokens` are SGLang's token-tree settings (vLLM has none): num_speculative_tokens is
-the tree's depth, eagle_topk the candidates per node (1 = chains), num_draft_tokens its node budget, root included
-(0 = 1 + depth * eagle_topk). `draft_layers` (ours): method=draft with N > 0 drafts with the target's first N layers.
+the tree's depth, eagle_topk the candidates per node (suffix: the continuations; 1 = chains), num_draft_tokens its
+node budget, root included (0 = 1 + depth * eagle_topk). `draft_layers` (ours): method=draft with N > 0 drafts
+with the target's first N layers.
 `suffix_history_tokens` and `suffix_sharing` (ours) size the suffix method's shared history and choose whether
 tenants share it (spec_jax/proposers/suffix.py); vLLM's suffix cache counts requests, ours tokens.
 

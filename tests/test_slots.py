@@ -29,7 +29,7 @@ def _proposer(name, params, config=CONFIG):
     return SuffixProposer(k=3, history=16), {}
   if name == "draft":
     return early_exit_proposer(config, params, 2, k=3)
-  if name.endswith("_tree"):  # token trees: medusa static, eagle and draft dynamic (EAGLE-2)
+  if name.endswith("_tree"):  # token trees: medusa static, eagle and draft dynamic (EAGLE-2), suffix's continuations
     import dataclasses
     from spec_jax.proposers.tree_expand import DynamicTree
     from spec_jax.tree import StaticTree
@@ -51,9 +51,9 @@ def _out(state, slot):
   return np.asarray(s.tokens)[slot, int(s.prompt_lens[slot]):int(s.lengths[slot])].tolist()
 
 
-# One tree proposer here (EAGLE-2's per-row dynamic trees); the Medusa and draft trees' batch identity is in
-# tests/test_tree_decode.py (CI time: each case compiles the whole loop).
-@pytest.mark.parametrize("name", ["none", "ngram", "suffix", "draft", "medusa", "eagle", "eagle_tree"])
+# Two tree proposers here (EAGLE-2's per-row dynamic trees; the suffix trees, whose state holds the last tree); the
+# Medusa and draft trees' batch identity is in tests/test_tree_decode.py (CI time: each case compiles the whole loop).
+@pytest.mark.parametrize("name", ["none", "ngram", "suffix", "suffix_tree", "draft", "medusa", "eagle", "eagle_tree"])
 def test_insert_mid_decode_and_after_release_equals_alone(name):
   params = _params()
   proposer, pparams = _proposer(name, params)

@@ -102,7 +102,7 @@ def _suffix(a: BuildArgs):
   from spec_jax.proposers.suffix import SuffixProposer
   s = a.spec
   return SuffixProposer(k=a.k, history=s.suffix_history_tokens, max_depth=s.suffix_decoding_max_tree_depth,
-                        spec_factor=s.suffix_decoding_max_spec_factor, sharing=s.suffix_sharing), {}
+                        spec_factor=s.suffix_decoding_max_spec_factor, sharing=s.suffix_sharing, tree=a.tree), {}
 
 
 def _published(a: BuildArgs):
@@ -176,7 +176,7 @@ def _draft(a: BuildArgs):
 
 register("none", Method(lambda a: (NoneProposer(), {})))
 register("ngram", Method(_ngram))
-register("suffix", Method(_suffix))
+register("suffix", Method(_suffix, trees=True, dynamic_tree=True))
 register("draft", Method(_draft, trees=True, dynamic_tree=True))
 register("medusa", Method(_medusa, trees=True))
 register("eagle", Method(_eagle, trees=True, dynamic_tree=True))

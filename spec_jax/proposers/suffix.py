@@ -16,21 +16,24 @@ ties. Depth follows the match as SuffixDecoding sets it: min(k, floor(spec_facto
 NO_TOKEN. A match of one token drafts one, so a chance match risks little; a long one drafts all k, since a long
 match is a repeated span that tends to go on.
 
-Chains only for now: the tree of the top continuations where the history holds several is left to a later step.
-The per-row counters (drafted_hist, accepted_hist) count draft tokens that came from the history and were
-accepted.
+With a tree (eagle_topk = W > 1), a row drafts the W latest different continuations of its longest match, merged
+into one token tree (spec_jax/proposers/suffix_tree.py): where the history holds several continuations of the same
+context, one of them is usually the target's. The per-row counters (drafted_hist, accepted_hist) count draft
+tokens that came from the history and were accepted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax.proposers.base import Draft
+from spec_jax.proposers import suffix_tree
+from spec_jax.proposers.base import Draft, TreeDraft
 from spec_jax.proposers.ngram_lookup import NO_TOKEN, longest_match
 from spec_jax.rows import write_row
 
@@ -42,7 +45,9 @@ SHARING = ("tenant", "global")
 class SuffixState:
   """hist, owner int32[B, H]: slot b's ring of committed tokens and each one's tenant (-1: none); pos int32[B]:
   where slot b writes next; tenant int32[B]: the row's tenant; from_hist bool[B], n_draft int32[B]: this step's
-  draft came from the history, and its length; drafted_hist, accepted_hist int32[B]: counters since insert."""
+  draft came from the history, and its length; drafted_hist, accepted_hist int32[B]: counters since insert.
+  tree_tok, tree_par int32[B, N], tree_hist bool[B, N]: this step's tree and which nodes came from the history
+  (N = 1 and unused for chains)."""
 
   hist: jax.Array
   owner: jax.Array
@@ -52,6 +57,9 @@ class SuffixState:
   n_draft: jax.Array
   drafted_hist: jax.Array
   accepted_hist: jax.Array
+  tree_tok: jax.Array
+  tree_par: jax.Array
+  tree_hist: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +69,9 @@ class SuffixProposer:
   max_depth: int = 24  # the longest suffix matched (vLLM's suffix_decoding_max_tree_depth)
   spec_factor: float = 1.0  # drafted tokens per matched token (vLLM's suffix_decoding_max_spec_factor)
   sharing: str = "tenant"
+  tree: Any = None  # None: chains; a DynamicTree (registry): topk = branches, depth = k, nodes (root included)
   name: str = "suffix"
   needs_prompt_hidden = False
-  tree = None
 
   def __post_init__(self):
     if self.k < 1 or self.history < 2 or self.max_depth < 1 or self.spec_factor <= 0:
@@ -71,6 +79,13 @@ class SuffixProposer:
                        f"history={self.history}, max_depth={self.max_depth}, spec_factor={self.spec_factor}")
     if self.sharing not in SHARING:
       raise ValueError(f"suffix sharing must be one of {SHARING}, got {self.sharing!r}")
+    if self.tree is not None and (self.tree.depth != self.k or self.tree.nodes > 1 + self.tree.topk * self.k):
+      raise ValueError(f"a suffix tree is {self.k} deep (num_speculative_tokens) with at most 1 + eagle_topk * k = "
+                       f"{1 + self.tree.topk * self.k} nodes, got depth {self.tree.depth}, {self.tree.nodes} nodes")
+
+  @property
+  def tree_nodes(self) -> int:
+    return 1 if self.tree is None else self.tree.nodes
 
   def init(self, params, prefill, capacity):
     """A fresh history per row, starting with the row's first token (sampled at prefill: no step commits it)."""
@@ -79,8 +94,9 @@ class SuffixProposer:
     hist = jnp.full((R, self.history), NO_TOKEN, jnp.int32).at[:, 0].set(first)
     owner = jnp.full((R, self.history), -1, jnp.int32).at[:, 0].set(0)
     z = jnp.zeros((R,), jnp.int32)
+    zn = jnp.zeros((R, self.tree_nodes), jnp.int32)
     return SuffixState(hist=hist, owner=owner, pos=z + 1, tenant=z, from_hist=jnp.zeros((R,), bool), n_draft=z,
-                       drafted_hist=z, accepted_hist=z)
+                       drafted_hist=z, accepted_hist=z, tree_tok=zn - 1, tree_par=zn, tree_hist=zn > 0)
 
   def with_tenant(self, row_state: SuffixState, tenant) -> SuffixState:
     """A 1-row state (from init) for a request of `tenant` (slots.insert calls it before `insert`)."""
@@ -99,7 +115,10 @@ class SuffixProposer:
                          tenant=put(state.tenant, row_state.tenant), from_hist=put(state.from_hist, row_state.from_hist),
                          n_draft=put(state.n_draft, row_state.n_draft),
                          drafted_hist=put(state.drafted_hist, row_state.drafted_hist),
-                         accepted_hist=put(state.accepted_hist, row_state.accepted_hist))
+                         accepted_hist=put(state.accepted_hist, row_state.accepted_hist),
+                         tree_tok=put(state.tree_tok, row_state.tree_tok),
+                         tree_par=put(state.tree_par, row_state.tree_par),
+                         tree_hist=put(state.tree_hist, row_state.tree_hist))
 
   def forget_tenant(self, state, tenant):
     """The DecodeState `state` without `tenant`'s history (the server reuses its id, serve/tenants.py)."""
@@ -141,6 +160,36 @@ class SuffixProposer:
     n_draft = jnp.sum(draft >= 0, axis=1).astype(jnp.int32)
     return Draft(tokens=draft), state.replace(from_hist=use_hist & (n_draft > 0), n_draft=n_draft)
 
+  def propose_tree(self, params, state: SuffixState, ctx, key):
+    """The W latest different continuations of the longest match, own context and history in one corpus per row
+    (spec_jax/proposers/suffix_tree.py), merged into a tree of tree.nodes nodes."""
+    tokens = ctx.tokens.astype(jnp.int32)
+    B, S = tokens.shape
+    H, k = self.history, self.k
+    L = ctx.lengths.astype(jnp.int32)[:, None]
+    back = L - 1 - jnp.arange(self.max_depth, dtype=jnp.int32)[None, :]
+    suf = jnp.where(back >= 0, jnp.take_along_axis(tokens, jnp.clip(back, 0, S - 1), axis=1), NO_QUERY)
+    order = (state.pos[:, None] + jnp.arange(H, dtype=jnp.int32)[None, :]) % H
+    ring = jnp.pad(jnp.take_along_axis(state.hist, order, axis=1), ((0, 0), (0, 1)), constant_values=NO_TOKEN)
+    owner = jnp.pad(jnp.take_along_axis(state.owner, order, axis=1), ((0, 0), (0, 1)), constant_values=-1)
+    ring, owner = ring.reshape(1, -1), owner.reshape(1, -1)
+    own = jnp.where(jnp.arange(S)[None, :] < L, tokens, NO_TOKEN)
+    corpus = jnp.concatenate([jnp.broadcast_to(ring, (B, ring.shape[1])), own], axis=1)  # [B, B(H+1) + S]
+    if self.sharing == "tenant":
+      allowed = jnp.concatenate([owner == state.tenant[:, None], jnp.ones((B, S), bool)], axis=1)
+    else:
+      allowed = jnp.ones(corpus.shape, bool)
+    nxt = jnp.pad(corpus[:, 1:], ((0, 0), (0, 1)), constant_values=NO_TOKEN)
+    n = jnp.where(allowed & (nxt >= 0), suffix_tree.match_lengths(corpus, suf), 0)
+    best = jnp.max(n, axis=1)
+    depth = jnp.minimum(k, jnp.floor(self.spec_factor * best).astype(jnp.int32))
+    conts = suffix_tree.continuations(corpus, k, depth)
+    in_hist = jnp.arange(corpus.shape[1]) < ring.shape[1]
+    branches, branch_hist = suffix_tree.pick_branches(conts, (n == best[:, None]) & (best[:, None] > 0),
+                                                      self.tree.topk, in_hist)
+    tok, par, hist = suffix_tree.merge(branches, branch_hist, self.tree.nodes)
+    return TreeDraft(tokens=tok, parents=par), state.replace(tree_tok=tok, tree_par=par, tree_hist=hist)
+
   def update(self, params, state: SuffixState, result) -> SuffixState:
     """Append each row's committed tokens to its slot's ring; count the history's drafted and accepted tokens."""
     B, T = result.tokens.shape
@@ -153,10 +202,17 @@ class SuffixProposer:
     owner = state.owner.at[rows, cols].set(jnp.broadcast_to(state.tenant[:, None], (B, T)), mode="drop")
     live = state.from_hist & (emitted > 0)
     accepted = jnp.minimum(result.num_accepted, emitted)  # a stop token or the limit can cut accepted drafts
+    drafted = jnp.where(live, state.n_draft, 0)
+    took = jnp.where(live, accepted, 0)
+    if self.tree is not None:  # a tree step's nodes (all False after a chain or k = 0 step)
+      ran = emitted > 0
+      drafted += jnp.where(ran, jnp.sum(state.tree_hist, axis=1), 0).astype(jnp.int32)
+      took += jnp.where(ran, suffix_tree.accepted_path_hist(state.tree_tok, state.tree_par, state.tree_hist,
+                                                            result.tokens, accepted), 0).astype(jnp.int32)
     return state.replace(hist=hist, owner=owner, pos=state.pos + emitted,
-                         drafted_hist=state.drafted_hist + jnp.where(live, state.n_draft, 0),
-                         accepted_hist=state.accepted_hist + jnp.where(live, accepted, 0),
-                         from_hist=jnp.zeros_like(state.from_hist), n_draft=jnp.zeros_like(state.n_draft))
+                         drafted_hist=state.drafted_hist + drafted, accepted_hist=state.accepted_hist + took,
+                         from_hist=jnp.zeros_like(state.from_hist), n_draft=jnp.zeros_like(state.n_draft),
+                         tree_hist=jnp.zeros_like(state.tree_hist))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

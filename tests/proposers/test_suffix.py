@@ -156,16 +156,20 @@ def test_tenant_table_reuses_the_least_recently_used_idle_id():
 
 
 @pytest.mark.slow
-def test_gemma3_through_slots_is_lossless_and_a_repeat_drafts_from_the_history(gemma3_f32, gemma3_tokenizer):
+@pytest.mark.parametrize("width", [1, 2])
+def test_gemma3_through_slots_is_lossless_and_a_repeat_drafts_from_the_history(gemma3_f32, gemma3_tokenizer, width):
   """Gemma 3 270M (float32) through a long-lived slot state: four requests, the last repeating the first one's
-  prompt, each token-identical to plain greedy decoding; the repeat accepts drafts from the first one's answer."""
+  prompt, each token-identical to plain greedy decoding; the repeat accepts drafts from the first one's answer.
+  Chains, and trees of the 2 latest different continuations."""
+  from spec_jax.proposers.tree_expand import DynamicTree
   from spec_jax.slot_table import SlotTable
   from tests.proposers.test_medusa_eagle import gemma3_chat_prompts
   config, params = gemma3_f32
   prompts = gemma3_chat_prompts(gemma3_tokenizer)
   max_new, capacity = 32, 256
   want = generate(params, config, prompts, max_new_tokens=max_new).token_ids
-  spec = make_spec(config, SuffixProposer(k=4), adaptive_k=False)
+  tree = DynamicTree(topk=width, depth=4, nodes=1 + 4 * width) if width > 1 else None
+  spec = make_spec(config, SuffixProposer(k=4, tree=tree), adaptive_k=False)
   table = SlotTable({"target": params, "proposer": {}}, spec, num_slots=2, capacity=capacity)
   got = {}
   for wave in ([0, 1], [2, 0]):  # the second wave's request 0 repeats the first wave's
@@ -184,3 +188,54 @@ def test_gemma3_through_slots_is_lossless_and_a_repeat_drafts_from_the_history(g
   (first, _, first_hist), (repeat, repeat_acc, repeat_hist) = got[0]
   assert repeat_hist > 0 and repeat_hist > first_hist
   assert repeat_acc >= 0.5 * len(repeat)  # most of the repeat came from drafts
+
+
+def _longest(corpus, query, ends, max_depth):
+  """(end, n): the longest (<= max_depth), then latest, match of query's tail ending at one of `ends`."""
+  best = (-1, 0)
+  for j in ends:
+    n = 0
+    while n < min(max_depth, len(query)) and j - n >= 0 and corpus[j - n] == query[-1 - n]:
+      n += 1
+    if n and n >= best[1]:
+      best = (j, n)
+  return best
+
+
+def test_the_history_wraps_without_corrupting_the_drafts():
+  """A 16-token ring after ~5 wraps, fed in uneven steps: it holds exactly the last 16 tokens appended, oldest
+  first from the write position, and every draft equals a plain-Python longest match over them (matches and
+  continuations across the ring's physical end included)."""
+  import jax.numpy as jnp
+  from spec_jax.proposers.base import PrefillOut, ProposeContext, VerifyResult
+  H, k, max_depth = 16, 4, 5
+  p = SuffixProposer(k=k, history=H, max_depth=max_depth, spec_factor=4.0)
+  rng = np.random.default_rng(0)
+  motif = [10, 11, 12, 13, 14, 15, 16]
+  stream = [t for _ in range(30) for t in (motif[:rng.integers(3, 7)] + [int(rng.integers(20, 40))])]
+  first = jnp.asarray([[50, 0], [stream[0], 0]], jnp.int32)
+  state = p.init({}, PrefillOut(first, first, jnp.asarray([1, 1]), jnp.asarray([0, 0]), None, None), 8)
+  log, i = [stream[0]], 1
+  while i < 85:
+    n = int(rng.integers(1, k + 2))
+    chunk = stream[i:i + n]
+    toks = jnp.asarray([[0] * (k + 1), chunk + [0] * (k + 1 - len(chunk))], jnp.int32)
+    res = VerifyResult(toks, jnp.asarray([0, len(chunk) - 1]), jnp.asarray([0, len(chunk)]), None, None)
+    state = p.update({}, state, res)
+    log += chunk
+    i += n
+  ring = [int(x) for x in np.roll(np.asarray(state.hist[1]), -int(state.pos[1]) % H)]
+  assert ring == log[-H:]
+  propose = jax.jit(lambda st, ctx: p.propose({}, st, ctx, k, None)[0].tokens)
+  checked = 0
+  for start in range(len(log) - 3):
+    for m in (1, 2, 3):
+      query = [60, 61] + log[start:start + m]  # 60, 61 occur nowhere: only the history matches
+      ctx = ProposeContext(jnp.asarray([query + [0] * (16 - len(query)), [0] * 16], jnp.int32),
+                           jnp.asarray([len(query), 1]), None, None)
+      got = [int(t) for t in propose(state, ctx)[0] if t >= 0]
+      j, n = _longest(ring, query, [j for j in range(H - 1)], max_depth)
+      want = [] if n == 0 else [t for t in ring[j + 1:j + 1 + min(k, 4 * n)]]
+      assert got == want, (query, ring)
+      checked += bool(want)
+  assert checked > 50
