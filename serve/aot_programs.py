@@ -216,7 +216,8 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
                             max_new=SDS((), jnp.int32),
                             sampling=jax.eval_shape(lambda: SamplingParams.make(1)),
                             draft_cap=SDS((), jnp.int32), key=SDS((2,), jnp.uint32),
-                            tenant=SDS((), jnp.int32), controls=jax.eval_shape(lambda: Controls.make(1)))
+                            tenant=SDS((), jnp.int32), controls=jax.eval_shape(lambda: Controls.make(1)),
+                            logprobs=SDS((), jnp.int32), logprobs_mode=SDS((), jnp.int32))
         out.append(Program(f"insert[{label}, prompt {P_}]", slots.insert,
                            (params, state, place.replicated(SDS((), jnp.int32)), place.replicated(req), spec),
                            **cache_info))

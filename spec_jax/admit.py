@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from spec_jax import adaptive, sharding
 from spec_jax import controls as ctl
+from spec_jax import logprobs as lps
 from spec_jax.controls import Controls
 from spec_jax.decode import FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState, LoopSpec
 from spec_jax.models.transformer import lm_head
@@ -26,29 +27,32 @@ from spec_jax.stats import Stats
 
 
 def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, *,
-                 capacity: int, chunk: int, live=None, costs=None, controls=None) -> DecodeState:
+                 capacity: int, chunk: int, live=None, costs=None, controls=None, logprobs=None) -> DecodeState:
   """Prefill prompts int32[R, P] (right-padded, P a multiple of `chunk`) into `cache` and start their rows.
 
   A whole state (`live` given) or rows to write into one (slot insert):
   `live` bool[R]: rows that hold a request; the others are done from the start (batch padding, free slots); the
   state takes the mesh's layout. `costs`: the adaptive controller's step costs [R, n] (None: ones). `controls`:
-  the rows' sampling controls (spec_jax/controls.py; None: none).
+  the rows' sampling controls (spec_jax/controls.py; None: none). `logprobs`: (want, mode) int32[R] each
+  (spec_jax/logprobs.py; None: no row asks).
   """
   if controls is None:
     controls = Controls.make(prompt_tokens.shape[0])
   needs = spec.proposer.needs_prompt_hidden
   out = prefill(params["target"], prompt_tokens, prompt_lens, cache, config=spec.config, impl=spec.impl, chunk=chunk,
                 return_all=needs, feature_layers=feature_layers(spec.proposer), mesh=spec.mesh)
+  if logprobs is None:
+    logprobs = (jnp.full((prompt_tokens.shape[0],), -1, jnp.int32), jnp.zeros((prompt_tokens.shape[0],), jnp.int32))
   return _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, out[0], out[1],
-                out[2] if needs else None, live, costs, controls, capacity=capacity, chunk=chunk)
+                out[2] if needs else None, live, costs, controls, logprobs, capacity=capacity, chunk=chunk)
 
 
 @sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec", "capacity", "chunk"), donate_argnames=("cache",))
 def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, hidden, prompt_hidden,
-           live, costs, controls, *, capacity, chunk):
+           live, costs, controls, logprobs, *, capacity, chunk):
   state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, hidden,
-                     prompt_hidden, capacity, chunk, controls)
+                     prompt_hidden, capacity, chunk, controls, logprobs)
   if costs is not None:
     state = state.replace(adapt=adaptive.AdaptState.init(prompt_tokens.shape[0], costs))
   if live is None:
@@ -58,7 +62,7 @@ def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_ca
 
 
 def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache,
-               hidden, prompt_hidden, capacity: int, chunk: int, controls=None) -> DecodeState:
+               hidden, prompt_hidden, capacity: int, chunk: int, controls=None, logprobs=None) -> DecodeState:
   """Rows right after the target's prefill: sample the first token, start the proposer, fresh counters.
 
   prompt_tokens int32[R, P] right-padded; cache: the prefilled target cache (capacity slots); hidden [R, D] at
@@ -77,10 +81,14 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   tokens = jnp.where(jnp.arange(capacity)[None, :] < prompt_lens[:, None], tokens, 0)
   # The first token's controls see the prompt and no output (one position, no drafts).
   none = jnp.full((R, 1), -1, jnp.int32)
-  logits = ctl.apply(lm_head(params["target"], hidden)[:, None, :], controls, sampling.temperature, tokens,
+  raw = lm_head(params["target"], hidden)[:, None, :]
+  logits = ctl.apply(raw, controls, sampling.temperature, tokens,
                      prompt_lens, prompt_lens, none, jnp.ones((R, 1, 1), jnp.bool_), jnp.zeros((R, 1), jnp.int32),
                      spec.stop_ids)[:, 0]
   first = sample(k0, logits, sampling)
+  want, mode = logprobs if logprobs is not None else (jnp.full((R,), -1, jnp.int32), jnp.zeros((R,), jnp.int32))
+  lp = lps.record(lps.Logprobs.init(want, mode, capacity, spec.max_logprobs), raw, logits[:, None], sampling,
+                  first[:, None], jnp.ones((R,), jnp.int32), prompt_lens)
   tokens = tokens.at[rows, prompt_lens].set(first)
   lengths = prompt_lens + 1
   stop = ctl.is_stop(first[:, None], controls, spec.stop_ids)[:, 0]
@@ -94,4 +102,5 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
       done=stop | hit_len, finish=finish, draft_cap=draft_cap, sampling=sampling, controls=controls,
       stats=Stats.zeros(R, spec.k_max),
       adapt=adaptive.AdaptState.init(R, jnp.ones((1, len(spec.ks)), jnp.float32)), last_hidden=feats,
-      spec_enabled=jnp.ones((), bool), step=jnp.zeros((), jnp.int32), done_step=jnp.zeros((R,), jnp.int32))
+      spec_enabled=jnp.ones((), bool), step=jnp.zeros((), jnp.int32), done_step=jnp.zeros((R,), jnp.int32),
+      logprobs=lp)

@@ -22,6 +22,7 @@ import numpy as np
 from flax import struct
 
 from spec_jax import adaptive, sharding, tree
+from spec_jax import logprobs as lps
 from spec_jax import controls as ctl
 from spec_jax.controls import Controls
 from spec_jax.cache import KVCache
@@ -49,6 +50,7 @@ class LoopSpec:
   impl: str = "xla"
   probe_every: int = 16
   mesh: Any = None  # a jax.sharding.Mesh ('data', 'model'), or None for one device (spec_jax/sharding.py)
+  max_logprobs: int = lps.OFF  # top logprobs a row may ask for (spec_jax/logprobs.py); OFF: no logprob buffers
 
   @property
   def k_max(self) -> int:
@@ -88,6 +90,7 @@ class DecodeState:
   F = D, for all but EAGLE-3) at the position that predicted the last committed token.
   spec_enabled bool[]: the global speculation switch (off: every step drafts k = 0).
   step int32[]: loop steps so far; done_step int32[B]: the step at which each row finished.
+  logprobs: the committed tokens' logprobs for rows that ask (spec_jax/logprobs.py).
   """
 
   tokens: jax.Array
@@ -108,6 +111,7 @@ class DecodeState:
   spec_enabled: jax.Array
   step: jax.Array
   done_step: jax.Array
+  logprobs: lps.Logprobs
 
   @property
   def capacity(self) -> int:
@@ -171,11 +175,13 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                                            mesh=spec.mesh)
   hidden = target_features(hidden, layers[0] if layers else None)
   # The controls at each position, with the drafts before it counted (plain decoding is the same with k = 0).
+  raw = logits
   logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
                      state.prompt_lens, *ctl.chain_path(last, draft_tokens), spec.stop_ids)
   out, n_acc = verify_chain(logits, draft_tokens, draft_probs, k_verify, state.sampling)
   committed = _commit(state, spec, active, out, n_acc)
   n_emit = committed[2]
+  state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit, state.lengths))
   cache = cache.replace(lengths=state.cache.lengths + n_emit)
   pos = jnp.arange(k, dtype=jnp.int32)[None, :]
   committed_drafts = jnp.minimum(n_acc, n_emit)  # a stop token or the limit can cut accepted drafts
@@ -212,12 +218,17 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                                            config=spec.config, impl=spec.impl, tree_mask=mask,
                                            return_layers=feature_layers(spec.proposer), mesh=spec.mesh)
   hidden = target_features(hidden, layers[0] if layers else None)
+  raw = logits
   logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
                      state.prompt_lens, tree_tokens, mask, depths, spec.stop_ids)
   out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
                                   max_children=shape.max_children)
   committed = _commit(state, spec, active, out, n_acc)
   n_emit = committed[2]
+  if spec.max_logprobs != lps.OFF:  # the logits along the committed path (node -1 past it: never written)
+    on_path = lambda x: jnp.take_along_axis(x, jnp.maximum(nodes, 0)[:, :, None], axis=1)
+    state = state.replace(logprobs=lps.record(state.logprobs, on_path(raw), on_path(logits), state.sampling, out,
+                                              n_emit, state.lengths))
   ck, cv = tree.compact_accepted(cache.k, cache.v, state.cache.lengths, nodes, n_acc,
                                   num_nodes=tree_tokens.shape[1], mesh=spec.mesh)
   cache = cache.replace(k=ck, v=cv, lengths=state.cache.lengths + n_emit)
@@ -301,9 +312,9 @@ def decode_loop(params, state: DecodeState, spec: LoopSpec, max_steps=NO_LIMIT) 
 
 
 def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool = True, stop_ids: Sequence[int] = (),
-              impl: str = "xla", probe_every: int = 16, mesh=None) -> LoopSpec:
+              impl: str = "xla", probe_every: int = 16, mesh=None, max_logprobs: int = lps.OFF) -> LoopSpec:
   """The loop's static settings; the stop ids add to the model's EOS ids. With a mesh, the state is sharded by
   spec_jax/sharding.py's table (params must be placed with sharding.shard_params)."""
   return LoopSpec(config=config, proposer=proposer, ks=adaptive.option_set(proposer.k, adaptive_k, proposer.tree),
                   stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every,
-                  mesh=mesh)
+                  mesh=mesh, max_logprobs=max_logprobs)

@@ -17,6 +17,7 @@ import numpy as np
 from flax import struct
 
 from spec_jax import adaptive, sharding
+from spec_jax import logprobs as lps
 from spec_jax.cache import KVCache
 from spec_jax.config import SamplingParams, validate_sampling
 from spec_jax.controls import Controls
@@ -34,7 +35,8 @@ class Request:
   prompt_len, max_new int32[]; sampling: SamplingParams of one row; draft_cap int32[]: the most tokens the
   proposer may draft for it per step (0: none);
   key: the PRNG key of its first token; tenant int32[]: whose history a proposer with one may draft from
-  (spec_jax/proposers/suffix.py)."""
+  (spec_jax/proposers/suffix.py); logprobs, logprobs_mode int32[]: the top logprobs it asks for (-1: none) and
+  their mode (spec_jax/logprobs.py)."""
 
   tokens: jax.Array
   prompt_len: jax.Array
@@ -44,6 +46,8 @@ class Request:
   key: jax.Array
   tenant: jax.Array
   controls: Controls
+  logprobs: jax.Array
+  logprobs_mode: jax.Array
 
 
 @struct.dataclass
@@ -70,16 +74,22 @@ class Snapshot:
   step: jax.Array
   spec_enabled: jax.Array
   accepted_from_history: jax.Array
+  lp_chosen: jax.Array  # the committed tokens' logprobs (spec_jax/logprobs.py; [B, 0] when the loop has none)
+  lp_top_ids: jax.Array
+  lp_top_vals: jax.Array
 
 
 def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, draft_cap: int | None = None, seed: int = 0,
-                 chunk: int = DEFAULT_CHUNK, tenant: int = 0, controls: Controls | None = None) -> Request:
+                 chunk: int = DEFAULT_CHUNK, tenant: int = 0, controls: Controls | None = None, logprobs: int = -1,
+                 logprobs_mode: str = "raw_logprobs") -> Request:
   """Host-side: check the request (ValueError with the reason) and pad it for `insert`. draft_cap: the row's
-  draft-length cap (None: the loop's largest k; 0: never drafts)."""
+  draft-length cap (None: the loop's largest k; 0: never drafts). logprobs: the top logprobs returned per token
+  (-1: none, 0: the token's own only), logprobs_mode: raw_logprobs or processed_logprobs."""
   n = len(prompt_ids)
   check_fits(spec.config, n, int(max_new), spec.lookahead, capacity)
   validate_sampling(temperature, top_k, top_p)
+  lps.check(int(logprobs), logprobs_mode, spec.max_logprobs)
   P, _ = bucket(n, chunk)
   if P > capacity:
     raise ValueError(f"prompt ({n} tokens) pads to {P}, over the slot capacity of {capacity} tokens")
@@ -89,7 +99,8 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
                  sampling=SamplingParams.make(1, temperature, top_k, top_p), 
                  draft_cap=jnp.int32(spec.k_max if draft_cap is None else min(max(int(draft_cap), 0), spec.k_max)),
                  key=jax.random.PRNGKey(seed), tenant=jnp.int32(tenant),
-                 controls=Controls.make(1) if controls is None else controls)
+                 controls=Controls.make(1) if controls is None else controls, logprobs=jnp.int32(logprobs),
+                 logprobs_mode=jnp.int32(lps.MODES[logprobs_mode]))
 
 
 def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0) -> DecodeState:
@@ -123,7 +134,8 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   prompt, lens = req.tokens[None], req.prompt_len[None]
   cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
   row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.draft_cap[None], req.key,
-                     cache, capacity=S, chunk=chunk, controls=req.controls)
+                     cache, capacity=S, chunk=chunk, controls=req.controls,
+                     logprobs=(req.logprobs[None], req.logprobs_mode[None]))
   put = functools.partial(write_row, slot=slot)
   row_pstate = row.pstate
   with_tenant = getattr(spec.proposer, "with_tenant", None)  # a proposer that drafts from others' text (suffix)
@@ -140,7 +152,8 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
       controls=write_rows_tree(state.controls, row.controls, slot),
       stats=write_rows_tree(state.stats, Stats.zeros(1, spec.k_max), slot),
       adapt=state.adapt.reset_row(slot), last_hidden=put(state.last_hidden, row.last_hidden),
-      done_step=put(state.done_step, state.step[None]))
+      done_step=put(state.done_step, state.step[None]),
+      logprobs=write_rows_tree(state.logprobs, row.logprobs, slot))
   return sharding.constrain_state(state, spec.mesh)
 
 
@@ -178,4 +191,6 @@ def snapshot(state: DecodeState) -> Snapshot:
                   done=cp(state.done), finish=cp(state.finish), steps=cp(s.steps), drafted=cp(s.drafted),
                   accepted=cp(s.accepted), drafted_at=cp(s.drafted_at), accepted_at=cp(s.accepted_at),
                   option_uses=cp(state.adapt.uses), step=cp(state.step), spec_enabled=cp(state.spec_enabled),
-                  accepted_from_history=jnp.zeros_like(s.accepted) if from_hist is None else cp(from_hist))
+                  accepted_from_history=jnp.zeros_like(s.accepted) if from_hist is None else cp(from_hist),
+                  lp_chosen=cp(state.logprobs.chosen), lp_top_ids=cp(state.logprobs.top_ids),
+                  lp_top_vals=cp(state.logprobs.top_vals))
