@@ -225,10 +225,8 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                                   max_children=shape.max_children)
   committed = _commit(state, spec, active, out, n_acc)
   n_emit = committed[2]
-  if spec.max_logprobs != lps.OFF:  # the logits along the committed path (node -1 past it: never written)
-    on_path = lambda x: jnp.take_along_axis(x, jnp.maximum(nodes, 0)[:, :, None], axis=1)
-    state = state.replace(logprobs=lps.record(state.logprobs, on_path(raw), on_path(logits), state.sampling, out,
-                                              n_emit, state.lengths))
+  state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit, state.lengths,
+                                            path=nodes))  # the logits of the committed path's nodes
   ck, cv = tree.compact_accepted(cache.k, cache.v, state.cache.lengths, nodes, n_acc,
                                   num_nodes=tree_tokens.shape[1], mesh=spec.mesh)
   cache = cache.replace(k=ck, v=cv, lengths=state.cache.lengths + n_emit)

@@ -74,21 +74,30 @@ def _processed(logits, sampling: SamplingParams):
   return warp_logits(logits, p)
 
 
-def record(lp: Logprobs, raw, processed, sampling: SamplingParams, out, n_emit, lengths) -> Logprobs:
-  """lp with the committed tokens' logprobs written. raw, processed [B, T, V]: the logits along the committed path
-  (position t decided out[:, t]) before and after the controls; out int32[B, T]; n_emit int32[B] tokens committed
-  this step at lengths[b] ... (the lengths before the step)."""
+def _when(pred, fn, operand):
+  """fn(operand) if pred else operand, as a while loop of zero or one trips: XLA:CPU copies the buffers a
+  conditional updates (decode.switch_in_place says why), a while loop updates its carry in place."""
+  return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros((), bool), fn(c[1])), (pred, operand))[1]
+
+
+def record(lp: Logprobs, raw, processed, sampling: SamplingParams, out, n_emit, lengths, path=None) -> Logprobs:
+  """lp with the committed tokens' logprobs written. raw, processed [B, T', V]: the step's logits before and after
+  the controls; path int32[B, T] (None: T = T', position t): the position whose logits decided out[:, t] (a tree's
+  accepted nodes; < 0 past the path); out int32[B, T]; n_emit int32[B] tokens committed this step at lengths[b] ...
+  (the lengths before the step)."""
   if lp.chosen.shape[1] == 0:
     return lp
-  B, T, _ = raw.shape
+  B, T = out.shape
   S, N = lp.top_ids.shape[1:]
   asks = (lp.want >= 0) & (n_emit > 0)
 
   def run(lp):
-    x = raw.astype(jnp.float32)
+    on_path = (lambda a: a) if path is None else \
+        (lambda a: jnp.take_along_axis(a, jnp.maximum(path, 0)[:, :, None], axis=1))
+    x = on_path(raw).astype(jnp.float32)
     wants_processed = asks & (lp.mode == PROCESSED)
     x = jax.lax.cond(jnp.any(wants_processed),
-                     lambda: jnp.where(wants_processed[:, None, None], _processed(processed, sampling), x),
+                     lambda: jnp.where(wants_processed[:, None, None], _processed(on_path(processed), sampling), x),
                      lambda: x)
     x = jax.nn.log_softmax(x, axis=-1)
     chosen = jnp.take_along_axis(x, out[:, :, None], axis=-1)[:, :, 0]
@@ -100,7 +109,7 @@ def record(lp: Logprobs, raw, processed, sampling: SamplingParams, out, n_emit, 
                       top_ids=lp.top_ids.at[rows, pos].set(ids.astype(jnp.int32), mode="drop"),
                       top_vals=lp.top_vals.at[rows, pos].set(vals, mode="drop"))
 
-  return jax.lax.cond(jnp.any(asks), run, lambda lp: lp, lp)
+  return _when(jnp.any(asks), run, lp)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "top_n", "block"))
