@@ -25,12 +25,15 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from serve import choices as ch
 from serve.engine import EngineStopped, QueueFull
+from serve.logprobs_format import Formatter, ask_of, prompt_entries
 from serve.output_stream import Output
 from serve.protocol import (APIError, ChatRequest, CompletionRequest, SpeculationSwitch, chat_body, chat_chunk,
                             completion_body, completion_chunk, new_id, usage_chunk)
 
 log = logging.getLogger("spec_jax.server")
+MAX_CHOICES = 128  # prompts x n in one request: each choice is a request in the engine's queue
 
 
 def validation_error(e: RequestValidationError) -> APIError:
@@ -47,6 +50,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
   model_name = cfg["served_model_name"]
   api_key = cfg["api_key"]
   metrics = engine.metrics
+  max_logprobs = engine.spec.max_logprobs
   # A body without a Content-Type is read as JSON, as FastAPI did before `strict_content_type` (default on since).
   lenient = {"strict_content_type": False} if "strict_content_type" in inspect.signature(FastAPI).parameters else {}
   api = FastAPI(title="spec_jax", description="OpenAI-compatible speculative decoding server",
@@ -96,7 +100,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     request's extra_body `tenant`, so that a client never names itself into another key's history."""
     return ("key/" if api_key else "") + (body.tenant or "")
 
-  def engine_request(body, prompt_ids: list, output: Output):
+  def engine_request(body, prompt_ids: list, output: Output, sample: int = 0, top: int = -1):
     max_tokens, budget_field = body.token_budget()
     room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
     if max_tokens is None:
@@ -115,12 +119,13 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
           temperature=body.temperature if body.temperature is not None else cfg["temperature"],
           top_k=0 if top_k == -1 else top_k, top_p=body.top_p if body.top_p is not None else cfg["top_p"],
           speculate=body.speculate is not False,
-          seed=body.seed % (1 << 31) if body.seed is not None else secrets.randbits(31),
+          seed=(body.seed + sample) % (1 << 31) if body.seed is not None else secrets.randbits(31),
           stop=body.stop_list(), output=output, tenant=tenant_of(body), tag=body.segment or "",
           controls=dict(presence=body.presence_penalty or 0.0, frequency=body.frequency_penalty or 0.0,
                         repetition=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
                         min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos),
-                        logit_bias=body.logit_bias or None, stop_token_ids=tuple(body.stop_token_ids or ())))
+                        logit_bias=body.logit_bias or None, stop_token_ids=tuple(body.stop_token_ids or ())),
+          logprobs=(top, cfg.get("logprobs_mode", "raw_logprobs")))
     except ValueError as e:
       raise APIError(400, str(e))
 
@@ -140,98 +145,141 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       await event.wait()
       event.clear()
 
-  async def collect(request: Request, req, out, event):
-    """Non-streaming: wait for the end; a client that goes away aborts the request."""
-    text, ids = [], []
-    while True:
+  async def collect(request: Request, c, event):
+    """Non-streaming: wait for the choice's end; a client that goes away aborts the request."""
+    while c.final is None:
       try:
-        d = await asyncio.wait_for(next_delta(out, event), timeout=1.0)
+        d = await asyncio.wait_for(next_delta(c.output, event), timeout=1.0)
       except asyncio.TimeoutError:
         if await request.is_disconnected():
-          engine.abort(req)
           raise APIError(499, "client disconnected")
         continue
-      text.append(d.text)
-      ids.extend(d.token_ids)
+      c.add(d)
       if d.error:
         status, kind, msg = d.error
         raise APIError(status, msg, code=kind)
-      if d.finished:
-        return "".join(text), ids, d
 
   def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-  def stream(req, out, event, *, chat: bool, include_usage: bool, with_ids: bool):
+  def stream(choices: list, event, ask, fmt, *, chat: bool, include_usage: bool, with_ids: bool):
     rid = new_id("chatcmpl" if chat else "cmpl")
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text, finish, ids):
-      if chat:
-        return chat_chunk(rid, model_name, {"content": text} if finish is None else {}, finish, ids,
-                          with_usage_field=include_usage)
-      return completion_chunk(rid, model_name, text, finish, ids, with_usage_field=include_usage)
+    def wrap(choice) -> dict:
+      body = (chat_chunk(rid, model_name, {}, None, with_usage_field=include_usage) if chat else
+              completion_chunk(rid, model_name, "", None, with_usage_field=include_usage))
+      body["choices"] = [choice]
+      return body
+
+    def end(c) -> dict:
+      done = {"index": c.index, "logprobs": None, "finish_reason": c.final.finish_reason}
+      done.update({"delta": {}} if chat else {"text": ""})
+      return done
 
     async def gen():
       try:
         if chat:
-          yield sse(chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None,
-                               with_usage_field=include_usage))
-        while True:
-          d = await next_delta(out, event)
-          if d.text or d.token_ids:
-            yield sse(chunk(d.text, None, d.token_ids if with_ids else None))
-          if d.error:  # headers are sent: the error goes in the stream, as vLLM sends it
-            status, kind, msg = d.error
-            yield sse(APIError(status, msg, code=kind).body())
-            break
-          if d.finished:
-            yield sse(chunk("", d.finish_reason, None))
-            if include_usage and d.usage is not None:
-              yield sse(usage_chunk(rid, model_name, obj, d.usage))
-            break
+          for c in choices:
+            yield sse(wrap({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}))
+        live = list(choices)
+        while live:
+          moved = False
+          for c in list(live):
+            d = c.output.take()
+            if d is None:
+              continue
+            moved = True
+            c.add(d)
+            piece = (ch.chat_delta if chat else ch.completion_delta)(fmt, c, d, ask, with_ids)
+            if piece is not None:
+              yield sse(wrap(piece))
+            if d.error:  # headers are sent: the error goes in the stream, as vLLM sends it
+              status, kind, msg = d.error
+              yield sse(APIError(status, msg, code=kind).body())
+              live = []
+              break
+            if d.finished:
+              yield sse(wrap(end(c)))
+              live.remove(c)
+          if live and not moved:
+            await event.wait()
+            event.clear()
+        if include_usage and all(c.final is not None and not c.final.error for c in choices):
+          yield sse(usage_chunk(rid, model_name, obj, ch.total_usage(choices)))
         yield "data: [DONE]\n\n"
       finally:
-        if not req.finished:
-          engine.abort(req)  # the client went away (or the server is stopping): free the slot
+        for c in choices:
+          if not c.req.finished:
+            engine.abort(c.req)  # the client went away (or the server is stopping): free the slot
 
     return StreamingResponse(gen(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-  async def complete(request: Request, body, prompt_ids: list, *, chat: bool):
-    """The one path of both routes: the engine request, then a stream or the whole answer."""
+  async def complete(request: Request, body, prompts: list, *, chat: bool):
+    """The one path of both routes: a choice per (prompt, sample), then a stream or the whole answer. prompts:
+    (token ids, text) per prompt."""
     loop = asyncio.get_running_loop()
     event = asyncio.Event()
-    out = Output(lambda: loop.call_soon_threadsafe(event.set))
-    req = engine_request(body, prompt_ids, out)
-    submit(req)
+    ask = ask_of(body, chat, max_logprobs)
+    fmt = Formatter(tokenizer, as_ids=(body.model_extra or {}).get("return_tokens_as_token_ids") is True)
+    n = body.n or 1
+    choices = []
+    for p, (ids, text) in enumerate(prompts):
+      for i in range(n):  # each request checked (a 400) before anything runs
+        c = ch.Choice(index=p * n + i, prompt_ids=ids, prompt_text=text, first_sample=i == 0,
+                      output=Output(lambda: loop.call_soon_threadsafe(event.set)))
+        c.req = engine_request(body, ids, c.output, sample=i, top=ask.top)
+        choices.append(c)
+    if ask.prompt_top >= 0:  # one forward of each prompt, beside the engine's loop
+      for first in choices[::n]:
+        entries = await loop.run_in_executor(None, prompt_entries, engine, first.prompt_ids, ask.prompt_top)
+        for c in choices[first.index:first.index + n]:
+          c.prompt_entries = entries
+    try:
+      for c in choices:
+        submit(c.req)
+    except APIError:
+      for c in choices:
+        if c.req is not None:
+          engine.abort(c.req)
+      raise
     with_ids = bool(body.return_token_ids)
     if body.stream:
       include = bool(body.stream_options and body.stream_options.include_usage)
-      return stream(req, out, event, chat=chat, include_usage=include, with_ids=with_ids)
-    text, ids, d = await collect(request, req, out, event)
-    make = chat_body if chat else completion_body
-    return make(new_id("chatcmpl" if chat else "cmpl"), model_name, text, d.finish_reason, d.usage,
-                ids if with_ids else None, prompt_ids if with_ids else None)
+      return stream(choices, event, ask, fmt, chat=chat, include_usage=include, with_ids=with_ids)
+    try:
+      for c in choices:
+        await collect(request, c, event)
+    finally:
+      for c in choices:
+        if not c.req.finished:
+          engine.abort(c.req)
+    make, choice = (chat_body, ch.chat_choice) if chat else (completion_body, ch.completion_choice)
+    out = make(new_id("chatcmpl" if chat else "cmpl"), model_name, "", "stop", ch.total_usage(choices))
+    out["choices"] = [choice(fmt, c, ask, with_ids) for c in choices]
+    return out
 
   @guarded.post("/v1/completions")
   async def completions(body: CompletionRequest, request: Request):
     checked(body)
     p = body.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-      if len(p) != 1:
-        raise APIError(400, f"one prompt per request (got {len(p)})", "prompt")
-      p = p[0]
-    if not p:
-      raise APIError(400, "the prompt is empty", "prompt")
-    if isinstance(p, str):
-      prompt_ids = tokenizer.encode(p)
-    else:
-      bad = [t for t in p if not 0 <= t < engine.spec.config.vocab_size]
-      if bad:
-        raise APIError(400, f"prompt token ids outside the vocabulary: {bad[:5]}", "prompt")
-      prompt_ids = list(p)
-    return await complete(request, body, prompt_ids, chat=False)
+    many = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+    if len(many) * (body.n or 1) > MAX_CHOICES:
+      raise APIError(400, f"{len(many)} prompts x n={body.n} is over {MAX_CHOICES} choices per request", "n")
+    prompts = []
+    for p in many:
+      if not p:
+        raise APIError(400, "the prompt is empty", "prompt")
+      if isinstance(p, str):
+        prompts.append((tokenizer.encode(p), p))
+      else:
+        bad = [t for t in p if not 0 <= t < engine.spec.config.vocab_size]
+        if bad:
+          raise APIError(400, f"prompt token ids outside the vocabulary: {bad[:5]}", "prompt")
+        prompts.append((list(p), tokenizer.decode(p, skip_special=True)))
+    return await complete(request, body, prompts, chat=False)
 
   @guarded.post("/v1/chat/completions")
   async def chat(body: ChatRequest, request: Request):
@@ -240,7 +288,9 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       prompt_text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
     except (ValueError, TypeError) as e:
       raise APIError(400, f"messages: {e}", "messages")
-    return await complete(request, body, tokenizer.encode(prompt_text), chat=True)
+    if (body.n or 1) > MAX_CHOICES:
+      raise APIError(400, f"n={body.n} is over {MAX_CHOICES} choices per request", "n")
+    return await complete(request, body, [(tokenizer.encode(prompt_text), prompt_text)], chat=True)
 
   @guarded.get("/v1/models")
   async def models():

@@ -100,21 +100,21 @@ class Engine:
   def make_request(self, prompt_ids, *, max_new: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    speculate: bool = True, seed: int = 0, stop=(), output: Output | None = None,
                    timeout_s: Optional[float] = None, tenant: str = "", tag: str = "",
-                   controls: Optional[dict] = None) -> EngineRequest:
+                   controls: Optional[dict] = None, logprobs=(-1, "raw_logprobs")) -> EngineRequest:
     """Validate and pad a request (ValueError with the reason: the server answers 400)."""
     ctl = Controls.make(1, vocab_size=self.spec.config.vocab_size, **(controls or {}))  # ValueError names the field
     if int(ctl.min_tokens[0]) > max_new:
       raise ValueError(f"min_tokens ({int(ctl.min_tokens[0])}) is over the output budget ({max_new})")
     dev = slots.make_request(list(prompt_ids), max_new=max_new, spec=self.spec, capacity=self.capacity,
                              temperature=temperature, top_k=top_k, top_p=top_p, draft_cap=None if speculate else 0,
-                             seed=seed, controls=ctl)
+                             seed=seed, controls=ctl, logprobs=logprobs[0], logprobs_mode=logprobs[1])
     now = time.monotonic()
     timeout = self.request_timeout_s if timeout_s is None else timeout_s
     return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), device_req=dev,
                          stop=tuple(s for s in stop if s), output=output or Output(), arrival=now,
                          speculate=bool(speculate), tenant=tenant,
                          features=(float(temperature), int(max_new), str(tag), int(top_k), float(top_p)),
-                         deadline=now + timeout if timeout else None)
+                         deadline=now + timeout if timeout else None, logprobs=int(logprobs[0]))
 
   def submit(self, req: EngineRequest) -> None:
     with self._lock:

@@ -54,6 +54,7 @@ class EngineRequest:
   steps: int = 0
   accepted_at: Optional[np.ndarray] = None
   accepted_from_history: int = 0
+  logprobs: int = -1  # top logprobs per token it asked for (-1: none; spec_jax/logprobs.py)
 
   def advance(self, arr, slot: int, now: float, itl: list, m: Metrics) -> tuple[int, int, int, int]:
     """Take this request's new tokens from its row of snapshot `arr`, ITL samples appended to `itl` ->
@@ -77,12 +78,18 @@ class EngineRequest:
     done = bool(arr.done[slot])
     reason = FINISH_REASONS.get(FINISH_NAMES.get(int(arr.finish[slot])), "stop") if done else None
     if new:
-      self._deliver(new, now, itl, m, ends_with_stop_token=(reason == "stop"))
+      lp = None
+      if self.logprobs >= 0:  # (logprob, top ids, top values) per new token, from the same snapshot
+        at = range(start, start + len(new))
+        lp = [(float(arr.lp_chosen[slot, s]), arr.lp_top_ids[slot, s, :self.logprobs].tolist(),
+               arr.lp_top_vals[slot, s, :self.logprobs].tolist()) for s in at]
+      self._deliver(new, now, itl, m, ends_with_stop_token=(reason == "stop"), logprobs=lp)
     if done and not self.finished:
       self.finish(reason, now, m)
     return dd, da, self.n_tokens - n0, ds
 
-  def _deliver(self, ids: list, now: float, itl: list, m: Metrics, ends_with_stop_token: bool) -> None:
+  def _deliver(self, ids: list, now: float, itl: list, m: Metrics, ends_with_stop_token: bool,
+               logprobs=None) -> None:
     n = len(ids)
     if self.first_at is None:
       self.first_at = now
@@ -95,7 +102,7 @@ class EngineRequest:
     self.last_at = now
     m.generation_tokens.inc(n)
     text_ids = ids[:-1] if ends_with_stop_token else ids
-    taken = self.stream.push(ids, text_ids)
+    taken = self.stream.push(ids, text_ids, logprobs)
     self.n_tokens += taken
     if taken < n:  # a stop string ended the text
       self.finish("stop", now, m, flush=False)

@@ -29,6 +29,7 @@ class Delta:
   finish_reason: Optional[str] = None
   error: Optional[tuple] = None  # (status, kind, message)
   usage: Optional[Usage] = None
+  logprobs: list = dataclasses.field(default_factory=list)  # (logprob, top ids, top values) per token id, if asked
 
   @property
   def finished(self) -> bool:
@@ -45,17 +46,19 @@ class Output:
     self._lock = threading.Lock()
     self._text: list = []
     self._ids: list = []
+    self._lps: list = []
     self._final: Optional[Delta] = None
     self._taken_final = False
     self.notify = notify or (lambda: None)
 
-  def put(self, text: str = "", token_ids=(), *, finish_reason=None, error=None, usage=None) -> None:
+  def put(self, text: str = "", token_ids=(), *, finish_reason=None, error=None, usage=None, logprobs=()) -> None:
     with self._lock:
       if self._final is not None:
         return
       if text:
         self._text.append(text)
       self._ids.extend(token_ids)
+      self._lps.extend(logprobs or ())
       if finish_reason is not None or error is not None:
         self._final = Delta("", [], finish_reason, error, usage)
     try:
@@ -68,8 +71,8 @@ class Output:
     with self._lock:
       if not self._text and not self._ids and (self._final is None or self._taken_final):
         return None
-      d = Delta("".join(self._text), self._ids)
-      self._text, self._ids = [], []
+      d = Delta("".join(self._text), self._ids, logprobs=self._lps)
+      self._text, self._ids, self._lps = [], [], []
       if self._final is not None:
         d.finish_reason, d.error, d.usage = self._final.finish_reason, self._final.error, self._final.usage
         self._taken_final = True
@@ -85,11 +88,13 @@ class TextStream:
     self.output, self.decoder, self.stop = output, decoder, stop
     self.text = ""  # decoded but not yet handed over (the held-back tail)
 
-  def push(self, ids: list, text_ids: list) -> int:
-    """Hand over `ids` (their text: `text_ids`, which leaves out a final stop token). -> how many of `ids` were
-    taken: all of them, or fewer when a stop string ended the text (then the caller finishes the request)."""
+  def push(self, ids: list, text_ids: list, logprobs=None) -> int:
+    """Hand over `ids` (their text: `text_ids`, which leaves out a final stop token; `logprobs`: one entry per
+    id, or None). -> how many of `ids` were taken: all of them, or fewer when a stop string ended the text (then
+    the caller finishes the request)."""
+    lps = logprobs or ()
     if not self.stop:
-      self.output.put(self.decoder.add(text_ids), ids)
+      self.output.put(self.decoder.add(text_ids), ids, logprobs=lps)
       return len(ids)
     longest = max(len(s) for s in self.stop)
     for i, t in enumerate(ids):
@@ -98,15 +103,15 @@ class TextStream:
         self.text += self.decoder.add(t)
       hit = find_stop(self.text, self.stop, max(0, before - longest + 1))
       if hit >= 0:
-        self.output.put(self.text[:hit], ids[:i + 1])
+        self.output.put(self.text[:hit], ids[:i + 1], logprobs=lps[:i + 1])
         self.text = ""
         return i + 1
     safe = len(self.text) - (longest - 1)
     if safe > 0:
-      self.output.put(self.text[:safe], ids)
+      self.output.put(self.text[:safe], ids, logprobs=lps)
       self.text = self.text[safe:]
     else:
-      self.output.put("", ids)
+      self.output.put("", ids, logprobs=lps)
     return len(ids)
 
   def flush(self) -> str:

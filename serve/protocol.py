@@ -114,14 +114,14 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "parallel_tool_calls": HARMLESS,  # only with tools, which are refused
     "guided_decoding_backend": HARMLESS, "guided_whitespace_pattern": HARMLESS,  # only with guided_*: refused
     "length_penalty": HARMLESS,  # only scores beams; use_beam_search is refused
-    "return_tokens_as_token_ids": HARMLESS,  # only the logprobs' token strings; logprobs are refused
+    "return_tokens_as_token_ids": HONOURED,  # the logprobs' token strings as "token_id:<id>"
     "include_reasoning": HARMLESS,  # no reasoning parser: nothing is split out of the text
     "mm_processor_kwargs": HARMLESS,  # content is text only
     # more than one choice, scores, echoes
-    "n": Refused(noop=(1,), example=2), "best_of": Refused(noop=(1,), example=2),
-    "logprobs": Refused(noop=(False,), example=1),  # completions' 0 would still return the chosen tokens'
-    "top_logprobs": Refused(noop=(0,), example=2), "prompt_logprobs": Refused(example=0),
-    "echo": OFF, "suffix": Refused(noop=("",), example="x"),
+    "n": HONOURED, "best_of": Refused(noop=(1,), example=2),  # n: a choice per sample (serve/choices.py)
+    "logprobs": HONOURED, "top_logprobs": HONOURED, "prompt_logprobs": HONOURED,  # serve/logprobs_format.py
+    "echo": Refused(noop=(False,), routes=("chat",)),  # honoured on completions (the prompt and its logprobs)
+    "suffix": Refused(noop=("",), example="x"),
     # penalties and token constraints: exact at every verified position (spec_jax/controls.py)
     "presence_penalty": HONOURED, "frequency_penalty": HONOURED, "repetition_penalty": HONOURED, "min_p": HONOURED,
     "min_tokens": HONOURED, "ignore_eos": HONOURED, "logit_bias": HONOURED, "stop_token_ids": HONOURED,

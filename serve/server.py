@@ -24,7 +24,7 @@ from serve import run_flags
 
 SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "steps_per_sync", "timing_probe_s",
                 "api_key", "served_model_name", "guardrails", "switchback", "request_timeout_s", "drain_timeout_s",
-                "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict")
+                "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict", "max_logprobs", "logprobs_mode")
 
 
 def define_flags() -> None:
@@ -40,7 +40,7 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64
                        served_model_name=None,
                        guardrails=None, switchback=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
                        warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
-                       mesh="", strict=False)
+                       mesh="", strict=False, max_logprobs=20, logprobs_mode="raw_logprobs")
 log = logging.getLogger("spec_jax.server")
 
 
@@ -87,7 +87,9 @@ def build_engine(cfg: dict):
   # the state's rows (the engine adds one for bf16 x 1 on CPU, and pads to a multiple of the mesh's data axis)
   rows = sharding.pad_rows(backend.batch_rows(setup.params, cfg["max_num_seqs"]), setup.mesh)
   costs = setup_lib.step_costs(cfg, setup, ks, rows)
-  spec = setup_lib.loop_spec(setup, ks)
+  if cfg.get("max_logprobs", 20) < -1:
+    raise ValueError(f"--max_logprobs must be >= -1 (-1: off), got {cfg['max_logprobs']}")
+  spec = setup_lib.loop_spec(setup, ks, max_logprobs=cfg.get("max_logprobs", 20))
   capacity = min(cfg["max_model_len"], setup.config.max_seq_len)
   both = sharding.shard_params({"target": setup.params, "proposer": setup.proposer_params}, setup.mesh)
   engine = Engine(both, spec, setup.tokenizer, max_num_seqs=cfg["max_num_seqs"],

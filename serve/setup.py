@@ -106,10 +106,10 @@ def draft_lengths(setup: Setup, adaptive: bool, switchable: bool = False) -> tup
   return tuple(sorted(k for k in ks if k <= max(proposer.k, 0)))
 
 
-def loop_spec(setup: Setup, ks: tuple):
+def loop_spec(setup: Setup, ks: tuple, max_logprobs: int = -1):
   from spec_jax.decode import LoopSpec
   return LoopSpec(config=setup.config, proposer=setup.proposer, ks=ks, stop_ids=setup.stop_ids, impl=setup.impl,
-                  mesh=setup.mesh)
+                  mesh=setup.mesh, max_logprobs=max_logprobs)
 
 
 def step_costs(cfg: dict, setup: Setup, ks: tuple, rows: int):

@@ -83,6 +83,11 @@ ROWS: dict[str, Row] = {
     "max_queue": Row("integer", "Requests that may wait beyond the free slots; more get 429."),
     "max_model_len": Row("integer", "Tokens per slot (prompt + output + k + 1)."),
     "steps_per_sync": Row("integer", "Decode steps per engine iteration (between host looks at the state)."),
+    "max_logprobs": Row("integer", "The most top logprobs a request may ask for (vLLM's; -1: no logprobs, no "
+                        "buffers in the loop)."),
+    "logprobs_mode": Row("enum", "What logprobs report (vLLM's): raw_logprobs, the model's own log-softmax; "
+                         "processed_logprobs, after the controls, temperature, top-k and top-p "
+                         "(spec_jax/logprobs.py).", None, ("raw_logprobs", "processed_logprobs")),
     "timing_probe_s": Row("float", "Every this many seconds while drafting, time one propose() and one step on the "
                           "live batch (the proposer's share of a step in /metrics); 0 = never."),
     "api_key": Row("string", "When set, /v1 and /admin need 'Authorization: Bearer KEY'."),

@@ -85,7 +85,7 @@ def _check_answer(case, resp) -> None:
       assert all("choices" in c or "error" in c for c in chunks), where
     else:
       body = resp.json()
-      assert body["object"] in ("text_completion", "chat.completion") and len(body["choices"]) == 1, where
+      assert body["object"] in ("text_completion", "chat.completion") and len(body["choices"]) >= 1, where
       assert body["usage"]["completion_tokens"] >= 1, where
 
 
@@ -113,6 +113,8 @@ def test_schema_driven_fuzzing_finds_no_5xx_and_only_openai_errors(server):
         case.body.pop(name, None)
       if isinstance(case.body.get("max_tokens"), int):
         case.body["max_tokens"] = min(case.body["max_tokens"], 16)
+      if isinstance(case.body.get("n"), int):  # choices: a few
+        case.body["n"] = min(case.body["n"], 2)
       case.body.pop("max_completion_tokens", None)
       p = case.body.get("prompt")
       if isinstance(p, list) and p and isinstance(p[0], (str, list)):  # one prompt per request
