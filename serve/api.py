@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from serve import choices as ch
+from serve import structured, tools
 from serve.engine import EngineStopped, QueueFull
 from serve.logprobs_format import Formatter, ask_of, prompt_entries
 from serve.output_stream import Output
@@ -100,7 +101,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     request's extra_body `tenant`, so that a client never names itself into another key's history."""
     return ("key/" if api_key else "") + (body.tenant or "")
 
-  def engine_request(body, prompt_ids: list, output: Output, sample: int = 0, top: int = -1):
+  def engine_request(body, prompt_ids: list, output: Output, sample: int = 0, top: int = -1, grammar=None):
     max_tokens, budget_field = body.token_budget()
     room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
     if max_tokens is None:
@@ -125,7 +126,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
                         repetition=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
                         min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos),
                         logit_bias=body.logit_bias or None, stop_token_ids=tuple(body.stop_token_ids or ())),
-          logprobs=(top, cfg.get("logprobs_mode", "raw_logprobs")))
+          logprobs=(top, cfg.get("logprobs_mode", "raw_logprobs")), grammar=grammar)
     except ValueError as e:
       raise APIError(400, str(e))
 
@@ -217,7 +218,25 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     return StreamingResponse(gen(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-  async def complete(request: Request, body, prompts: list, *, chat: bool):
+  compiler = []  # the grammar compiler (spec_jax/grammar), made on first use: ~1 s for a 262k vocabulary
+
+  async def compile_grammar(plan):
+    """The plan's automaton (compiled off the event loop: 0.5-10 s for a schema at 262k tokens, then cached)."""
+    if plan.regex is None:
+      return None
+    from spec_jax.grammar.automaton import Compiler, GrammarError
+    if engine.table.grammar_capacity is None:
+      raise APIError(400, f"{plan.field}: structured outputs are off on this server (--grammar_capacity)",
+                     plan.field)
+    loop = asyncio.get_running_loop()
+    if not compiler:
+      compiler.append(await loop.run_in_executor(None, lambda: Compiler(tokenizer, engine.spec.stop_ids)))
+    try:
+      return await loop.run_in_executor(None, compiler[0].regex, plan.regex)
+    except GrammarError as e:
+      raise APIError(400, f"{plan.field}: {e}", plan.field)
+
+  async def complete(request: Request, body, prompts: list, *, chat: bool, plan=structured.Plan()):
     """The one path of both routes: a choice per (prompt, sample), then a stream or the whole answer. prompts:
     (token ids, text) per prompt."""
     loop = asyncio.get_running_loop()
@@ -225,12 +244,13 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     ask = ask_of(body, chat, max_logprobs)
     fmt = Formatter(tokenizer, as_ids=(body.model_extra or {}).get("return_tokens_as_token_ids") is True)
     n = body.n or 1
+    grammar = await compile_grammar(plan)  # one automaton for every choice
     choices = []
     for p, (ids, text) in enumerate(prompts):
       for i in range(n):  # each request checked (a 400) before anything runs
         c = ch.Choice(index=p * n + i, prompt_ids=ids, prompt_text=text, first_sample=i == 0,
                       output=Output(lambda: loop.call_soon_threadsafe(event.set)))
-        c.req = engine_request(body, ids, c.output, sample=i, top=ask.top)
+        c.req = engine_request(body, ids, c.output, sample=i, top=ask.top, grammar=grammar)
         choices.append(c)
     if ask.prompt_top >= 0:  # one forward of each prompt, beside the engine's loop
       for first in choices[::n]:
@@ -259,6 +279,9 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     make, choice = (chat_body, ch.chat_choice) if chat else (completion_body, ch.completion_choice)
     out = make(new_id("chatcmpl" if chat else "cmpl"), model_name, "", "stop", ch.total_usage(choices))
     out["choices"] = [choice(fmt, c, ask, with_ids) for c in choices]
+    if plan.tools:  # a choice whose whole text is one valid call answers with tool_calls
+      for c, body_choice in zip(choices, out["choices"]):
+        tools.answer({"choices": [body_choice]}, plan.tools, "".join(c.text))
     return out
 
   @guarded.post("/v1/completions")
@@ -279,18 +302,19 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
         if bad:
           raise APIError(400, f"prompt token ids outside the vocabulary: {bad[:5]}", "prompt")
         prompts.append((list(p), tokenizer.decode(p, skip_special=True)))
-    return await complete(request, body, prompts, chat=False)
+    return await complete(request, body, prompts, chat=False, plan=structured.plan(body, "completions"))
 
   @guarded.post("/v1/chat/completions")
   async def chat(body: ChatRequest, request: Request):
     checked(body)
+    plan = structured.plan(body, "chat")
     try:
-      prompt_text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-    except (ValueError, TypeError) as e:
+      prompt_text = tokenizer.apply_chat_template(tools.render([m.model_dump() for m in body.messages], plan.tools))
+    except (ValueError, TypeError, KeyError) as e:
       raise APIError(400, f"messages: {e}", "messages")
     if (body.n or 1) > MAX_CHOICES:
       raise APIError(400, f"n={body.n} is over {MAX_CHOICES} choices per request", "n")
-    return await complete(request, body, [(tokenizer.encode(prompt_text), prompt_text)], chat=True)
+    return await complete(request, body, [(tokenizer.encode(prompt_text), prompt_text)], chat=True, plan=plan)
 
   @guarded.get("/v1/models")
   async def models():

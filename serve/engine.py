@@ -60,10 +60,11 @@ class Engine:
   def __init__(self, params, spec, tokenizer, *, max_num_seqs: int, capacity: int, max_queue: int = 64,
                steps_per_sync: int = 8, costs=None, spec_config=None, guardrails=None,
                request_timeout_s: float = 600.0, seed: int = 0, metrics: Optional[Metrics] = None,
-               timing_probe_s: float = 10.0, switchback=None):
+               timing_probe_s: float = 10.0, switchback=None, grammar_capacity=None):
     if max_num_seqs < 1 or max_queue < 0 or steps_per_sync < 1:
       raise ValueError("max_num_seqs and steps_per_sync must be >= 1, max_queue >= 0")
-    self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed)
+    self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed,
+                           grammar_capacity=grammar_capacity)
     self.tenants = TenantTable(TENANT_IDS, max_num_seqs)
     self.params, self.tokenizer = params, tokenizer
     self.B, self.capacity, self.max_queue, self.steps = max_num_seqs, capacity, max_queue, steps_per_sync
@@ -100,14 +101,15 @@ class Engine:
   def make_request(self, prompt_ids, *, max_new: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    speculate: bool = True, seed: int = 0, stop=(), output: Output | None = None,
                    timeout_s: Optional[float] = None, tenant: str = "", tag: str = "",
-                   controls: Optional[dict] = None, logprobs=(-1, "raw_logprobs")) -> EngineRequest:
-    """Validate and pad a request (ValueError with the reason: the server answers 400)."""
+                   controls: Optional[dict] = None, logprobs=(-1, "raw_logprobs"), grammar=None) -> EngineRequest:
+    """Validate and pad a request (ValueError with the reason: the server answers 400); grammar: an automaton."""
     ctl = Controls.make(1, vocab_size=self.spec.config.vocab_size, **(controls or {}))  # ValueError names the field
     if int(ctl.min_tokens[0]) > max_new:
       raise ValueError(f"min_tokens ({int(ctl.min_tokens[0])}) is over the output budget ({max_new})")
     dev = slots.make_request(list(prompt_ids), max_new=max_new, spec=self.spec, capacity=self.capacity,
                              temperature=temperature, top_k=top_k, top_p=top_p, draft_cap=None if speculate else 0,
-                             seed=seed, controls=ctl, logprobs=logprobs[0], logprobs_mode=logprobs[1])
+                             seed=seed, controls=ctl, logprobs=logprobs[0], logprobs_mode=logprobs[1],
+                             grammar=(grammar, self.table.grammar_capacity))
     now = time.monotonic()
     timeout = self.request_timeout_s if timeout_s is None else timeout_s
     return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), device_req=dev,

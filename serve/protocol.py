@@ -18,7 +18,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      model_validator)
 
 
 class APIError(Exception):
@@ -111,8 +112,8 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "prompt_cache_key": HARMLESS, "safety_identifier": HARMLESS, "request_id": HARMLESS, "cache_salt": HARMLESS,
     "priority": HARMLESS,  # scheduling order only
     "prediction": HARMLESS,  # OpenAI's predicted outputs: a latency hint, the tokens are the same
-    "parallel_tool_calls": HARMLESS,  # only with tools, which are refused
-    "guided_decoding_backend": HARMLESS, "guided_whitespace_pattern": HARMLESS,  # only with guided_*: refused
+    "parallel_tool_calls": HARMLESS,  # one call per answer either way (serve/tools.py)
+    "guided_decoding_backend": HARMLESS,  # there is one: spec_jax/grammar
     "length_penalty": HARMLESS,  # only scores beams; use_beam_search is refused
     "return_tokens_as_token_ids": HONOURED,  # the logprobs' token strings as "token_id:<id>"
     "include_reasoning": HARMLESS,  # no reasoning parser: nothing is split out of the text
@@ -133,11 +134,11 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "spaces_between_special_tokens": Refused(noop=(True,), example=False),
     "add_special_tokens": Refused(noop=(True,), example=False, chat_noop=(False,), chat_example=True),
     # structured output, tools, other modalities and models
-    "response_format": Refused(noop=({"type": "text"},), example={"type": "json_object"}),
-    "guided_json": ABSENT, "guided_regex": Refused(example="[ab]+"), "guided_choice": Refused(example=["a", "b"]),
-    "guided_grammar": Refused(example='root ::= "a"'), "structured_outputs": Refused(example={"regex": "a+"}),
-    "tools": Refused(noop=([],), example=[{"type": "function", "function": {"name": "f"}}]),
-    "tool_choice": Refused(noop=("none", "auto"), example="required"),
+    # (structured outputs: serve/structured.py and serve/tools.py, a grammar automaton stepped in the loop)
+    "response_format": HONOURED, "guided_json": HONOURED, "guided_regex": HONOURED, "guided_choice": HONOURED,
+    "structured_outputs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED,
+    "guided_grammar": Refused(example='root ::= "a"'),  # outlines-core compiles regular languages only
+    "guided_whitespace_pattern": Refused(example="[ ]*"),  # JSON's whitespace is at most one space
     "functions": Refused(noop=([],), example=[{"name": "f"}]),
     "function_call": Refused(noop=("none", "auto"), example={"name": "f"}),
     "modalities": Refused(noop=(["text"],), example=["text", "audio"]), "audio": ABSENT,
@@ -228,10 +229,17 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-  """A turn; "model" is Gemma's name for the assistant. Only text content (a string or text parts)."""
+  """A turn; "model" is Gemma's name for the assistant. Only text content (a string or text parts); an assistant
+  turn may instead carry tool_calls and a tool turn answers one (serve/tools.py renders both)."""
   model_config = ConfigDict(extra="allow")
-  role: Literal["system", "user", "assistant", "model"]
-  content: Union[StrictStr, list[TextPart]]
+  role: Literal["system", "user", "assistant", "model", "tool"]
+  content: Optional[Union[StrictStr, list[TextPart]]] = None
+
+  @model_validator(mode="after")
+  def _has_content(self):
+    if self.content is None and not (self.role == "assistant" and self.model_extra.get("tool_calls")):
+      raise ValueError("content is required (null only in an assistant turn with tool_calls)")
+    return self
 
 
 class ChatRequest(_Sampling):

@@ -24,7 +24,8 @@ from serve import run_flags
 
 SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "steps_per_sync", "timing_probe_s",
                 "api_key", "served_model_name", "guardrails", "switchback", "request_timeout_s", "drain_timeout_s",
-                "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict", "max_logprobs", "logprobs_mode")
+                "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict", "max_logprobs", "logprobs_mode",
+                "grammar_capacity")
 
 
 def define_flags() -> None:
@@ -40,7 +41,8 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64
                        served_model_name=None,
                        guardrails=None, switchback=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
                        warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
-                       mesh="", strict=False, max_logprobs=20, logprobs_mode="raw_logprobs")
+                       mesh="", strict=False, max_logprobs=20, logprobs_mode="raw_logprobs",
+                       grammar_capacity=["1024", "1024"])
 log = logging.getLogger("spec_jax.server")
 
 
@@ -95,8 +97,22 @@ def build_engine(cfg: dict):
   engine = Engine(both, spec, setup.tokenizer, max_num_seqs=cfg["max_num_seqs"],
                   capacity=capacity, max_queue=cfg["max_queue"], steps_per_sync=cfg["steps_per_sync"], costs=costs,
                   spec_config=sc, guardrails=guard, request_timeout_s=cfg["request_timeout_s"], seed=cfg["seed"],
-                  timing_probe_s=cfg["timing_probe_s"], switchback=switchback)
+                  timing_probe_s=cfg["timing_probe_s"], switchback=switchback,
+                  grammar_capacity=grammar_capacity(cfg["grammar_capacity"]))
   return engine, setup.tokenizer, sc
+
+
+def grammar_capacity(value):
+  """--grammar_capacity=STATES,CLASSES -> (states, classes); empty -> None (no structured outputs)."""
+  if not value or value == [""]:
+    return None
+  try:
+    states, classes = (int(v) for v in value)
+  except ValueError:
+    raise ValueError(f"--grammar_capacity takes STATES,CLASSES (two integers), got {','.join(value)}") from None
+  if states < 1 or classes < 2:
+    raise ValueError(f"--grammar_capacity: at least 1 state and 2 token classes, got {states},{classes}")
+  return states, classes
 
 
 # ---------------------------------------------------------------------------------------------------- main

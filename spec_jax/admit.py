@@ -17,6 +17,7 @@ from spec_jax import adaptive, sharding
 from spec_jax import controls as ctl
 from spec_jax import logprobs as lps
 from spec_jax.controls import Controls
+from spec_jax.grammar import rows as grammar_rows
 from spec_jax.decode import FINISH_ABORT, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, DecodeState, LoopSpec
 from spec_jax.models.transformer import lm_head
 from spec_jax.prefill import prefill
@@ -85,10 +86,15 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   logits = ctl.apply(raw, controls, sampling.temperature, tokens,
                      prompt_lens, prompt_lens, none, jnp.ones((R, 1, 1), jnp.bool_), jnp.zeros((R, 1), jnp.int32),
                      spec.stop_ids)[:, 0]
+  if controls.grammar is not None:  # the first token from the grammar's initial state
+    g = controls.grammar
+    logits = grammar_rows.mask(logits[:, None], g, g.state[:, None])[:, 0]
   first = sample(k0, logits, sampling)
   want, mode = logprobs if logprobs is not None else (jnp.full((R,), -1, jnp.int32), jnp.zeros((R,), jnp.int32))
   lp = lps.record(lps.Logprobs.init(want, mode, capacity, spec.max_logprobs), raw, logits[:, None], sampling,
                   first[:, None], jnp.ones((R,), jnp.int32), prompt_lens)
+  if controls.grammar is not None:
+    controls = controls.replace(grammar=grammar_rows.advance(controls.grammar, first[:, None], jnp.ones((R,), jnp.int32)))
   tokens = tokens.at[rows, prompt_lens].set(first)
   lengths = prompt_lens + 1
   stop = ctl.is_stop(first[:, None], controls, spec.stop_ids)[:, 0]

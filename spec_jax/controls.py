@@ -22,7 +22,7 @@ control cost nothing: a lax.cond skips the work when no row of the batch has one
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,9 @@ class Controls:
   bias_ids: jax.Array  # int32 [B, MAX_BIAS]
   bias_vals: jax.Array  # float32 [B, MAX_BIAS]
   stop_ids: jax.Array  # int32 [B, MAX_STOP]
+  # Structured output: each row's grammar automaton and state (spec_jax/grammar/rows.py), None for a batch that
+  # constrains no row (the grammar code is then not traced at all).
+  grammar: Any = None
 
   @classmethod
   def make(cls, batch: int, *, presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0,

@@ -25,6 +25,7 @@ from spec_jax import adaptive, sharding, tree
 from spec_jax import logprobs as lps
 from spec_jax import controls as ctl
 from spec_jax.controls import Controls
+from spec_jax.grammar import rows as grammar_rows
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.models.transformer import forward
@@ -160,12 +161,15 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)  # [B, 1]
   pstate = state.pstate
+  grammar = state.controls.grammar
   if k > 0:
     ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
     draft, pstate = spec.proposer.propose(params["proposer"], pstate, ctx, k, k_draft)
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]
-    draft_tokens = jnp.where(pos < state.draft_cap[:, None], draft.tokens.astype(jnp.int32), -1)
-    draft_probs = draft.probs
+    draft_tokens, draft_probs = draft.tokens.astype(jnp.int32), draft.probs
+    if grammar is not None:  # the tokens the grammar forces are drafts too (spec_jax/grammar/rows.py)
+      draft_tokens, draft_probs = grammar_rows.forced_chain(grammar, draft_tokens, draft_probs)
+    draft_tokens = jnp.where(pos < state.draft_cap[:, None], draft_tokens, -1)
   else:
     draft_tokens, draft_probs = jnp.zeros((B, 0), jnp.int32), None
   feed = jnp.concatenate([last, jnp.maximum(draft_tokens, 0)], axis=1)  # no-draft slots feed a harmless 0
@@ -178,8 +182,13 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   raw = logits
   logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
                      state.prompt_lens, *ctl.chain_path(last, draft_tokens), spec.stop_ids)
+  if grammar is not None:  # each position masked by the grammar state after the drafts before it
+    feed_path = jnp.concatenate([last, draft_tokens], axis=1)
+    logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(
+        grammar, feed_path, grammar_rows.chain_parents(B, k + 1)))
   out, n_acc = verify_chain(logits, draft_tokens, draft_probs, k_verify, state.sampling)
   committed = _commit(state, spec, active, out, n_acc)
+  state = _advance_grammar(state, out, committed[2])
   n_emit = committed[2]
   state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit, state.lengths))
   cache = cache.replace(lengths=state.cache.lengths + n_emit)
@@ -221,9 +230,13 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   raw = logits
   logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
                      state.prompt_lens, tree_tokens, mask, depths, spec.stop_ids)
+  grammar = state.controls.grammar
+  if grammar is not None:  # each node masked by the grammar state after its path
+    logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(grammar, tree_tokens, parents))
   out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
                                   max_children=shape.max_children)
   committed = _commit(state, spec, active, out, n_acc)
+  state = _advance_grammar(state, out, committed[2])
   n_emit = committed[2]
   state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit, state.lengths,
                                             path=nodes))  # the logits of the committed path's nodes
@@ -240,6 +253,14 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                              drafted_count=jnp.sum(tree_tokens[:, 1:] >= 0, axis=1))
   return _step_done(params, state, spec, option, committed, out=out, n_acc=n_acc, cache=cache,
                     path_hidden=path_hidden, pstate=pstate, key=key, stats=stats)
+
+
+def _advance_grammar(state: DecodeState, out, n_emit) -> DecodeState:
+  """The rows' grammar states after this step's committed tokens (nothing without a grammar)."""
+  g = state.controls.grammar
+  if g is None:
+    return state
+  return state.replace(controls=state.controls.replace(grammar=grammar_rows.advance(g, out, n_emit)))
 
 
 def _step_done(params, state: DecodeState, spec: LoopSpec, option: int, committed, *, out, n_acc, cache, path_hidden,

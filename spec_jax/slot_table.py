@@ -23,8 +23,10 @@ class SlotTable:
   (a request); the state's rows are the slots, plus a never-used one for a bfloat16 batch of one on CPU and
   padding to the mesh's data axis."""
 
-  def __init__(self, params, spec: LoopSpec, *, num_slots: int, capacity: int, costs=None, seed: int = 0):
+  def __init__(self, params, spec: LoopSpec, *, num_slots: int, capacity: int, costs=None, seed: int = 0,
+               grammar_capacity=None):
     self.params, self.spec = params, spec
+    self.grammar_capacity = grammar_capacity  # (states, token classes) a slot's grammar may have; None: none
     self.num_slots, self.capacity, self.costs, self.seed = num_slots, capacity, costs, seed
     self.reset()
 
@@ -35,7 +37,7 @@ class SlotTable:
     # On XLA:CPU a bfloat16 state of one row takes the slow 1-row dot path: it gets a second, never-used row.
     rows = sharding.pad_rows(backend.batch_rows(self.params["target"], self.num_slots), self.spec.mesh)
     self.state = slots.empty_state(self.params, self.spec, batch=rows, capacity=self.capacity, costs=self.costs,
-                                   seed=self.seed)
+                                   seed=self.seed, grammar_capacity=self.grammar_capacity)
 
   @property
   def free(self) -> int:

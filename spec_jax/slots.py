@@ -21,6 +21,7 @@ from spec_jax import logprobs as lps
 from spec_jax.cache import KVCache
 from spec_jax.config import SamplingParams, validate_sampling
 from spec_jax.controls import Controls
+from spec_jax.grammar.rows import GrammarRows, blank_like, grammar_controls
 from spec_jax.admit import prefill_rows
 from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec
 from spec_jax.batch import check_fits
@@ -82,10 +83,11 @@ class Snapshot:
 def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, draft_cap: int | None = None, seed: int = 0,
                  chunk: int = DEFAULT_CHUNK, tenant: int = 0, controls: Controls | None = None, logprobs: int = -1,
-                 logprobs_mode: str = "raw_logprobs") -> Request:
+                 logprobs_mode: str = "raw_logprobs", grammar: tuple = (None, None)) -> Request:
   """Host-side: check the request (ValueError with the reason) and pad it for `insert`. draft_cap: the row's
   draft-length cap (None: the loop's largest k; 0: never drafts). logprobs: the top logprobs returned per token
-  (-1: none, 0: the token's own only), logprobs_mode: raw_logprobs or processed_logprobs."""
+  (-1: none, 0: the token's own only), logprobs_mode: raw_logprobs or processed_logprobs. grammar: (a
+  TokenAutomaton or None, the state's grammar capacity or None; spec_jax/grammar/rows.py)."""
   n = len(prompt_ids)
   check_fits(spec.config, n, int(max_new), spec.lookahead, capacity)
   validate_sampling(temperature, top_k, top_p)
@@ -99,29 +101,38 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
                  sampling=SamplingParams.make(1, temperature, top_k, top_p), 
                  draft_cap=jnp.int32(spec.k_max if draft_cap is None else min(max(int(draft_cap), 0), spec.k_max)),
                  key=jax.random.PRNGKey(seed), tenant=jnp.int32(tenant),
-                 controls=Controls.make(1) if controls is None else controls, logprobs=jnp.int32(logprobs),
-                 logprobs_mode=jnp.int32(lps.MODES[logprobs_mode]))
+                 controls=grammar_controls(Controls.make(1) if controls is None else controls, grammar[0],
+                                           grammar[1], spec.config.vocab_size),
+                 logprobs=jnp.int32(logprobs), logprobs_mode=jnp.int32(lps.MODES[logprobs_mode]))
 
 
-def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0) -> DecodeState:
+def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0,
+                grammar_capacity=None) -> DecodeState:
   """A state of `batch` free slots of `capacity` tokens each (a multiple of the prefill chunk is best). With a
-  mesh (spec.mesh) the slots split over `data`, so `batch` must be a multiple of it."""
+  mesh (spec.mesh) the slots split over `data`, so `batch` must be a multiple of it. grammar_capacity (states,
+  token classes): every slot can then take a request with a grammar of up to that size (its Request's controls
+  carry a GrammarRows of the same capacity; spec_jax/grammar/rows.py); None: no grammar."""
   if batch % sharding.axis_size(spec.mesh, "data"):
     raise ValueError(f"{batch} slots do not split over the mesh's data axis of {spec.mesh.shape['data']}")
+  controls = None
+  if grammar_capacity is not None:
+    controls = Controls.make(batch).replace(grammar=GrammarRows.make([None] * batch, spec.config.vocab_size,
+                                                                     tuple(grammar_capacity)))
   return _empty(params, spec, batch, capacity, jnp.asarray(adaptive.default_costs(spec.ks) if costs is None else
-                                                           costs, jnp.float32), jax.random.PRNGKey(seed))
+                                                           costs, jnp.float32), jax.random.PRNGKey(seed), controls)
 
 
 @sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec", "batch", "capacity"))
-def _empty(params, spec, batch, capacity, costs, key):
+def _empty(params, spec, batch, capacity, costs, key, controls=None):
   # One dummy request of one token per row, prefilled and marked free: every leaf gets its real shape and dtype.
   P, chunk = bucket(1)
   prompt = jnp.zeros((batch, P), jnp.int32).at[:, 0].set(spec.config.bos_id)
   lens = jnp.ones((batch,), jnp.int32)
   cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype)
   return prefill_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), jnp.int32), key,
-                      cache, capacity=capacity, chunk=chunk, live=jnp.zeros((batch,), bool), costs=costs)
+                      cache, capacity=capacity, chunk=chunk, live=jnp.zeros((batch,), bool), costs=costs,
+                      controls=controls)
 
 
 @sharding.settled
@@ -132,9 +143,12 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   P = req.tokens.shape[0]
   _, chunk = bucket(P)
   prompt, lens = req.tokens[None], req.prompt_len[None]
+  controls = req.controls
+  if state.controls.grammar is not None and controls.grammar is None:  # an unconstrained row of a state with grammars
+    controls = controls.replace(grammar=blank_like(state.controls.grammar, 1))
   cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
   row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.draft_cap[None], req.key,
-                     cache, capacity=S, chunk=chunk, controls=req.controls,
+                     cache, capacity=S, chunk=chunk, controls=controls,
                      logprobs=(req.logprobs[None], req.logprobs_mode[None]))
   put = functools.partial(write_row, slot=slot)
   row_pstate = row.pstate

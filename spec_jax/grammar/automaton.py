@@ -1,0 +1,164 @@
+"""A grammar compiled to a token automaton the decode loop steps on device.
+
+outlines-core compiles a regular expression over bytes into a DFA over *tokens* (`Index`: state x token ->
+state, every tokenization of a valid text allowed). We store it in two dense arrays:
+- `classes` int32[V]: tokens that behave alike in every state share a class (all the letters-only tokens of a
+  free string, say); a 262k vocabulary falls to a few hundred classes;
+- `table` int32[S, C]: the next state after a token of class c in state s, or -1 (the token is not allowed).
+So the allowed set of state s is `table[s, classes] >= 0` (one gather over V) and the next state one lookup: no
+host round trip, no per-step host mask. The model's stop tokens form one class of their own whose entry is the
+state itself in accepting states and -1 elsewhere: EOS is allowed exactly where the text is complete.
+`forced` int32[S]: a token the grammar forces (every allowed token is a byte-prefix of it, so its bytes come next
+whatever the tokenization), -1 where the grammar leaves a choice: drafted for free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+
+import numpy as np
+
+MAX_REGEX_CHARS = 20_000  # larger patterns are refused (a 400): outlines-core's build time grows with them
+MAX_TABLE = 8_000_000  # states x classes entries an automaton may hold (32 MB of int32)
+
+
+class GrammarError(ValueError):
+  """The grammar cannot be compiled (the message says why); the server answers 400."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenAutomaton:
+  classes: np.ndarray  # int32[V]
+  table: np.ndarray  # int32[S, C]
+  forced: np.ndarray  # int32[S]
+  initial: int
+  stop_token: int  # one of the stop tokens (their class is the stop class)
+
+  @property
+  def num_states(self) -> int:
+    return self.table.shape[0]
+
+  @property
+  def num_classes(self) -> int:
+    return self.table.shape[1]
+
+  def next_state(self, state: int, token: int) -> int:
+    return int(self.table[state, self.classes[token]]) if state >= 0 else -1
+
+  def allowed(self, state: int) -> np.ndarray:
+    """int ids of the tokens allowed in `state` (host side: tests and tools)."""
+    return np.nonzero(self.table[state, self.classes] >= 0)[0]
+
+  def accepts(self, tokens) -> bool:
+    """Does the token sequence end in an accepting state (stop tokens excluded)?"""
+    s = self.initial
+    for t in tokens:
+      s = self.next_state(s, int(t))
+      if s < 0:
+        return False
+    return bool(self.table[s, self.classes[self.stop_token]] >= 0)
+
+
+def _column_hash(num_vocab: int, per_state, prime: int) -> np.ndarray:
+  """uint64[V]: a hash of each token's column (its next state in every state, -1 where not allowed)."""
+  h = np.zeros(num_vocab, np.uint64)
+  col = np.empty(num_vocab, np.uint64)
+  with np.errstate(over="ignore"):
+    for toks, nxt in per_state:
+      col.fill(0)
+      col[toks] = nxt.astype(np.uint64) + np.uint64(1)
+      h = h * np.uint64(prime) + col
+  return h
+
+
+def _forced(table: np.ndarray, classes: np.ndarray, token_bytes: list, limit: int = 64) -> np.ndarray:
+  """Per state: the longest allowed token of which every allowed token is a byte-prefix, or -1."""
+  forced = np.full(table.shape[0], -1, np.int32)
+  class_size = np.bincount(classes, minlength=table.shape[1])
+  for s in range(table.shape[0]):
+    ok = np.nonzero(table[s] >= 0)[0]
+    if not 0 < class_size[ok].sum() <= limit:
+      continue
+    toks = np.nonzero(np.isin(classes, ok))[0]
+    if any(not token_bytes[t] for t in toks):  # a stop token is allowed: the text may end here, nothing forced
+      continue
+    longest = max(toks, key=lambda t: len(token_bytes[t]))
+    if all(token_bytes[longest].startswith(token_bytes[t]) for t in toks):
+      forced[s] = longest
+  return forced
+
+
+def from_regex(regex: str, token_bytes: list, stop_ids) -> TokenAutomaton:
+  """Compile `regex` (outlines-core's dialect) for a vocabulary (`token_bytes`: bytes per id, None for specials;
+  spec_jax/grammar/token_bytes.py). GrammarError on a pattern outlines-core rejects or one too large."""
+  from outlines_core import Index, Vocabulary
+  if len(regex) > MAX_REGEX_CHARS:
+    raise GrammarError(f"the pattern has {len(regex)} characters; at most {MAX_REGEX_CHARS}")
+  V = len(token_bytes)
+  stop_ids = sorted(int(t) for t in stop_ids if 0 <= int(t) < V)
+  if not stop_ids:
+    raise GrammarError("the tokenizer has no stop token to end a constrained output with")
+  by_bytes: dict = {}
+  for i, b in enumerate(token_bytes):
+    if b and i not in stop_ids:
+      by_bytes.setdefault(b, []).append(i)
+  try:
+    index = Index(regex, Vocabulary(stop_ids[0], by_bytes))
+  except Exception as e:  # outlines-core raises ValueError / its own errors with the reason
+    raise GrammarError(f"the grammar cannot be compiled: {e}") from None
+  transitions = index.get_transitions()
+  finals = set(index.get_final_states())
+  ids = {s: i for i, s in enumerate(sorted(set(transitions) | finals | {index.get_initial_state()}))}
+  per_state = []
+  for s in sorted(ids, key=ids.get):
+    d = transitions.get(s, {})
+    toks = np.fromiter(d.keys(), np.int64, len(d))
+    nxt = np.fromiter((ids[n] for n in d.values()), np.int64, len(d))
+    keep = ~np.isin(toks, stop_ids)  # outlines lists EOS in final states; ours is the stop class below
+    per_state.append((toks[keep], nxt[keep]))
+  S = len(ids)
+  h = np.stack([_column_hash(V, per_state, p) for p in (1_000_003, 998_244_353)], axis=1)
+  h[stop_ids] = np.iinfo(np.uint64).max  # the stop tokens: a class of their own
+  _, first, classes = np.unique(h, axis=0, return_index=True, return_inverse=True)
+  classes = classes.reshape(-1).astype(np.int32)
+  C = len(first)
+  if S * C > MAX_TABLE:
+    raise GrammarError(f"the grammar compiles to {S} states x {C} token classes, over the limit of {MAX_TABLE}")
+  table = np.full((S, C), -1, np.int32)
+  rep_class = classes  # token -> class; fill per state through the tokens it allows
+  for s, (toks, nxt) in enumerate(per_state):
+    table[s, rep_class[toks]] = nxt
+  stop_class = classes[stop_ids[0]]
+  for s in finals:
+    table[ids[s], stop_class] = ids[s]
+  return TokenAutomaton(classes=classes, table=table, forced=_forced(table, classes, token_bytes),
+                        initial=ids[index.get_initial_state()], stop_token=stop_ids[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _cached(regex: str, vocab_key: str, token_bytes_ref, stop_ids: tuple) -> TokenAutomaton:
+  return from_regex(regex, token_bytes_ref.value, stop_ids)
+
+
+class _Ref:
+  """Hashable by identity: lets lru_cache key on the vocabulary's digest without hashing 262k entries."""
+
+  def __init__(self, value):
+    self.value = value
+
+
+class Compiler:
+  """Compiles and caches automata for one tokenizer (compiling a schema at a 262k vocabulary takes 0.5-10 s)."""
+
+  def __init__(self, tokenizer, stop_ids=None):
+    from spec_jax.grammar.token_bytes import token_bytes
+    self.token_bytes = token_bytes(tokenizer)
+    self.stop_ids = tuple(sorted(tokenizer.stop_ids if stop_ids is None else stop_ids))
+    self._ref = _Ref(self.token_bytes)
+    self._key = hashlib.sha256(repr((len(self.token_bytes), self.stop_ids)).encode()).hexdigest()
+    self.vocab_size = len(self.token_bytes)
+
+  def regex(self, pattern: str) -> TokenAutomaton:
+    return _cached(pattern, self._key + str(id(self._ref)), self._ref, self.stop_ids)
