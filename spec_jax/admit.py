@@ -94,7 +94,8 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   lp = lps.record(lps.Logprobs.init(want, mode, capacity, spec.max_logprobs), raw, logits[:, None], sampling,
                   first[:, None], jnp.ones((R,), jnp.int32), prompt_lens)
   if controls.grammar is not None:
-    controls = controls.replace(grammar=grammar_rows.advance(controls.grammar, first[:, None], jnp.ones((R,), jnp.int32)))
+    g = grammar_rows.advance(controls.grammar, first[:, None], jnp.ones((R,), jnp.int32))
+    controls = controls.replace(grammar=g)
   tokens = tokens.at[rows, prompt_lens].set(first)
   lengths = prompt_lens + 1
   stop = ctl.is_stop(first[:, None], controls, spec.stop_ids)[:, 0]

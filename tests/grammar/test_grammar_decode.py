@@ -135,6 +135,8 @@ def test_sampled_constrained_keeps_the_distribution_with_forced_drafts_and_contr
         s = auto.next_state(s, int(t))
       assert s >= 0
   # the grammar changes this distribution: unconstrained, "a" is followed by other than "b" or "ba"
-  free = sample_plain_and_speculative(params, config, NgramProposer(k=2), {}, n=n, calls=1, sampling=samp)[0]
+  no_stop = Controls.stack([Controls.make(1, min_tokens=3, vocab_size=8)] * n)  # 3 tokens in every row
+  free = sample_plain_and_speculative(params, config, NgramProposer(k=2), {}, n=n, calls=1, sampling=samp,
+                                      controls=no_stop)[0]
   after_a = lambda x: x[x[:, 0] == 2, 1]
   assert not set(after_a(free)) <= {3, 6} and set(after_a(plain)) <= {3, 6} and len(after_a(plain))
