@@ -42,7 +42,7 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64
                        guardrails=None, switchback=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
                        warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
                        mesh="", strict=False, max_logprobs=20, logprobs_mode="raw_logprobs",
-                       grammar_capacity=["1024", "1024"])
+                       grammar_capacity=["2048", "512"])
 log = logging.getLogger("spec_jax.server")
 
 

@@ -101,7 +101,7 @@ ROWS: dict[str, Row] = {
     "drain_timeout_s": Row("float", "SIGTERM: how long running requests may take to finish."),
     "warmup_prompt_lens": Row("list", "Compile insert for these prompt lengths before serving."),
     "grammar_capacity": Row("list", "Structured outputs: the largest grammar automaton a slot holds, as "
-                            "STATES,CLASSES (token classes; default 1024,1024: 4 MB a slot); empty = none "
+                            "STATES,CLASSES (token classes; default 2048,512: 4 MB a slot); empty = none "
                             "(response_format, guided_*, tools with tool_choice required are then a 400)."),
     "log_level": Row("string", "debug, info, warning."),
     "compilation_cache_dir": Row("string", "JAX's persistent compilation cache: a restart loads the compiled "

@@ -31,7 +31,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def server(tiny_model):  # noqa: F811
-  s = tiny_server(tiny_model, "--max_queue=64")
+  s = tiny_server(tiny_model, "--max_queue=64", "--max_model_len=1024")  # the tools' system turn: ~600 tokens
   yield s
   assert s.stop() == 0, s.log()[-3000:]
 
@@ -120,7 +120,7 @@ def test_bad_structured_requests_are_400s_naming_the_problem(server):
       ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
        "not in tools"),
       ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-      ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex", "one structured output"),
+      ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "one structured output"),
       ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream", "streaming")]:
     r = h.post("/v1/chat/completions", json={**chat, **extra})
     assert r.status_code == 400, (extra, r.text)
