@@ -31,7 +31,8 @@ def test_gemma3_constrained_outputs_are_valid_and_speculation_is_exact(gemma3_f3
   prompts = [tok.encode(tok.apply_chat_template([p])) for p in PROMPTS]
   c = Controls.stack([Controls.make(1)] * len(prompts)).replace(grammar=GrammarRows.make(autos, config.vocab_size))
   plain = generate(params, config, prompts, max_new_tokens=48, controls=c)
-  spec = generate(params, config, prompts, max_new_tokens=48, controls=c, proposer=NgramProposer(k=4), adaptive_k=False)
+  spec = generate(params, config, prompts, max_new_tokens=48, controls=c, proposer=NgramProposer(k=4),
+                  adaptive_k=False)
   assert spec.token_ids == plain.token_ids
   assert spec.stats["accepted_tokens"] > 0
   for i, (ids, fin) in enumerate(zip(plain.token_ids, plain.finish_reasons)):
