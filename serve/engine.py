@@ -8,9 +8,8 @@ JetStream's orchestrator shape over `spec_jax.slots`. Each iteration of the engi
 4. reads the previous iteration's snapshot (its loop is done; the one just dispatched runs meanwhile, since JAX
    dispatch is asynchronous), and hands each request its new tokens: detokenized incrementally, cut at `stop`
    strings, merged into the request's `Output`.
-The HTTP layer talks to the engine only through `submit`, `abort` and each request's `Output`; the engine never
-waits for a client, so a slow client cannot stall the device loop. A snapshot remembers which request held each
-slot when it was taken, so a slot refilled meanwhile is never confused with its previous request.
+The HTTP layer talks to the engine only through `submit`, `abort` and each request's `Output`: a slow client cannot
+stall the device loop. A snapshot remembers who held each slot, so a refilled slot never gets its old tokens.
 
 Speculation per request: at admission a request gets its segment and draft cap (serve/segments.py). Before each
 dispatch every row's cap is set: 0 where the admin switch, the segment's guardrails or a switchback "off" window
@@ -110,13 +109,12 @@ class Engine:
                              temperature=temperature, top_k=top_k, top_p=top_p, draft_cap=None if speculate else 0,
                              seed=seed, controls=ctl, logprobs=logprobs[0], logprobs_mode=logprobs[1],
                              grammar=(grammar, self.table.grammar_capacity))
-    now = time.monotonic()
-    timeout = self.request_timeout_s if timeout_s is None else timeout_s
+    now, timeout = time.monotonic(), self.request_timeout_s if timeout_s is None else timeout_s
     return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), device_req=dev,
                          stop=tuple(s for s in stop if s), output=output or Output(), arrival=now,
-                         speculate=bool(speculate), tenant=tenant,
+                         speculate=bool(speculate), tenant=tenant, logprobs=int(logprobs[0]),
                          features=(float(temperature), int(max_new), str(tag), int(top_k), float(top_p)),
-                         deadline=now + timeout if timeout else None, logprobs=int(logprobs[0]))
+                         deadline=now + timeout if timeout else None)
 
   def submit(self, req: EngineRequest) -> None:
     with self._lock:
