@@ -48,7 +48,7 @@ def test_the_schema_carries_the_constraints(server):
   assert bounds(comp["max_tokens"]) == {"minimum": 1}
   assert bounds(comp["top_k"]) == {"minimum": -1}
   roles = models["ChatMessage"]["properties"]["role"]
-  assert sorted(roles["enum"]) == ["assistant", "model", "system", "user"]
+  assert sorted(roles["enum"]) == ["assistant", "model", "system", "tool", "user"]
   assert "HTTPBearer" in doc["components"]["securitySchemes"]
   # the validation error FastAPI would describe (422) is never what the server answers
   with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as h:

@@ -83,7 +83,7 @@ def test_every_refused_field_is_a_400_naming_it_and_its_no_op_values_are_served(
         assert r.status_code == 200, (route, name, value, r.text)
         assert r.json()["usage"]["completion_tokens"] == 1, (route, name, value)
         served += 1
-  assert refused == sum(len(rule.routes) for rule in REFUSED.values()) >= 50 and served >= refused  # all walked
+  assert refused == sum(len(rule.routes) for rule in REFUSED.values()) >= 40 and served >= refused  # all walked
 
 
 def test_the_issue_s_silently_ignored_fields_are_now_followed_streamed_or_not(http):
