@@ -22,6 +22,7 @@ def get_config(kind: str = "medusa"):
   c.noise = 0.0  # eagle feature noise
   c.feature_layers = ()  # eagle: () = the final-normed hidden (EAGLE-1); e.g. (1, 8, 14) = EAGLE-3's fused layers
   c.cached_feature_layers = ()  # layers the feature pass caches (() = feature_layers); feature_layers begins it
+  c.head_layout = "ours"  # eagle: "ours" (this project's layer) | "eagle3" (published EAGLE-3, exported exactly)
   c.ttt_passes = 1  # eagle: 1 + self-fed passes of the training-time test (train/losses.py eagle_unrolled)
   c.reg_weight = 1.0
   c.ce_weight = 1.0

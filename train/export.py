@@ -19,7 +19,9 @@ Formats, and which of this project's heads each can hold exactly (the same draft
   and keeps the FC's output as the residual; theirs reads [norm(embedding); hidden_norm(feature)] (2 D wide) and
   keeps the feature: the norm between our FC and q/k/v has no place in theirs. And on a Gemma 3 target our layer
   is a Gemma layer (GeGLU, QK norms, post norms), theirs a Llama layer. A converted file would draft other tokens,
-  so the export names these reasons instead of writing one. Exact export needs a head trained in a published layout.
+  so the export names these reasons instead of writing one. Exact export needs a head trained in a published layout:
+  EAGLE heads trained with head_layout="eagle3" (spec_jax/proposers/eagle3_layout.py) are written to eagle3 and
+  speculators as they are (train/export_eagle3.py).
 The written config.json names the verifier (base_model_name_or_path) and adds `spec_jax_target_fingerprint` and
 `spec_jax_vocab_digest`, which the pair check (serve.check_pair) compares with the target at hand.
 """
@@ -36,6 +38,7 @@ from absl import app, flags
 from spec_jax import flag_table
 
 FORMATS = ("eagle", "eagle3", "medusa", "speculators")
+EAGLE3_FORMATS = ("eagle3", "speculators")  # the formats of a head trained with head_layout="eagle3"
 # Why this project's EAGLE heads have no exact published form, each a part of the forward that the published ones
 # (EAGLE-1/2's cnets, SpecForge's LlamaForCausalLMEagle3, speculators' EagleSpeculator / Eagle3 model, and vLLM's
 # and SGLang's Llama EAGLE layers) do not compute, and that no choice of their weights reproduces.
@@ -97,6 +100,11 @@ def check_exportable(meta: dict, fmt: str, stem: str = "head") -> None:
     return
   if fmt == "medusa":
     raise ExportError(f"{stem} is an EAGLE head: --format=medusa holds Medusa heads")
+  if meta.get("head_layout") == "eagle3":  # trained in the published EAGLE-3 layout: an exact write
+    if fmt not in EAGLE3_FORMATS:
+      raise ExportError(f"{stem} is an EAGLE head in the published EAGLE-3 layout: it exports to --format=eagle3 or "
+                        f"--format=speculators ({fmt} is EAGLE-1/2's layout: no fused aux layers, no hidden_norm)")
+    return
   layers = meta.get("feature_layers") or []
   what = f"EAGLE-3 (feature layers {layers})" if layers else "EAGLE-1"
   reasons = "; ".join(f"({i}) {r}" for i, r in enumerate(_eagle_reasons(meta, fmt), 1))
@@ -115,7 +123,14 @@ def export(stem: str, fmt: str, output: str, target_config, target_params, token
   meta = _meta(stem)
   check_exportable(meta, fmt, stem)
   import jax.numpy as jnp
-  _, weights, _ = head_ckpt.load_heads(stem, target_config, meta["kind"], jnp.float32)
+  _, weights, d2t = head_ckpt.load_heads(stem, target_config, meta["kind"], jnp.float32)
+  provenance = {"base_model_name_or_path": target_name or target_config.name,
+                "spec_jax_target_fingerprint": head_ckpt.target_fingerprint(target_config)}
+  if tokenizer is not None:
+    provenance["spec_jax_vocab_digest"] = tokenizer.vocab_digest()
+  if meta["kind"] == "eagle":  # check_exportable let only the published EAGLE-3 layout through
+    from train import export_eagle3
+    return export_eagle3.export(meta, weights, d2t, fmt, output, target_config, target_params, stem, provenance)
   rows = vocab.output_rows(target_params)
   if isinstance(rows, QTensor):
     raise ExportError("the target is quantized (--quantize): export from its unquantized weights, whose output "
@@ -133,14 +148,8 @@ def export(stem: str, fmt: str, output: str, target_config, target_params, token
   os.makedirs(output, exist_ok=True)
   path = os.path.join(output, "medusa_lm_head.safetensors")
   safetensors_io.write(path, tensors)
-  config = {
-      "medusa_num_heads": K, "medusa_num_layers": 1, "hidden_size": D, "vocab_size": V,
-      "base_model_name_or_path": target_name or target_config.name,
-      "spec_jax_target_fingerprint": head_ckpt.target_fingerprint(target_config),
-      "spec_jax_exported_from": os.path.basename(stem),
-  }
-  if tokenizer is not None:
-    config["spec_jax_vocab_digest"] = tokenizer.vocab_digest()
+  config = {"medusa_num_heads": K, "medusa_num_layers": 1, "hidden_size": D, "vocab_size": V,
+            "spec_jax_exported_from": os.path.basename(stem), **provenance}
   with open(os.path.join(output, "config.json"), "w") as f:
     json.dump(config, f, indent=1, sort_keys=True)
   return path

@@ -78,7 +78,7 @@ def medusa_loss(heads, frozen, hidden, tokens, mask):
   return total / K, metrics
 
 
-def eagle_unrolled(params, cfg, feats, toks, passes: int):
+def eagle_unrolled(params, cfg, feats, toks, passes: int, published=None):
   """EAGLE's layer over a whole sequence, then `passes - 1` more passes fed with its own predicted features
   (EAGLE-3's training-time test), each as the decode loop would see it.
 
@@ -87,7 +87,9 @@ def eagle_unrolled(params, cfg, feats, toks, passes: int):
   (F_s, tok_{s+1}) and attends causally over pass 0: it predicts F_{s+1}. Pass j reads (P_{j-1}[s-1], tok_{s+1})
   and attends to pass 0's keys at positions <= s-j and to pass i's key at position s-(j-i) for i = 1..j: exactly
   the cache of draft step j+1 after s-j verified positions (slot == position). Every pass predicts F_{s+1}.
-  The fed-back features carry no gradient. params needs "embed". -> list of predictions [B, T, D] per pass.
+  The fed-back features carry no gradient. params needs "embed". `published`: a published layout's forward
+  (eagle.Published; the EAGLE-3 layout of spec_jax/proposers/eagle3_layout.py), the very input and output
+  functions drafting runs. -> list of predictions [B, T, D] per pass (what drafting feeds back).
   """
   B, T, _ = feats.shape
   lp = params["layer"]
@@ -98,8 +100,8 @@ def eagle_unrolled(params, cfg, feats, toks, passes: int):
   preds, ks, vs = [], [], []
   inp = feats
   for j in range(passes):
-    x = eagle.layer_input(params, cfg, inp, toks)
-    q, k, v = tfm.layer_qkv(cfg, x, lp, pos, base)
+    x, attn_in = eagle.layer_inputs(params, cfg, inp, toks, published)
+    q, k, v = tfm.layer_qkv(cfg, x, lp, pos, base, attn_in)
     ks.append(k)
     vs.append(v)
     qg = q.reshape(B, T, cfg.num_kv_heads, G, -1)
@@ -115,7 +117,7 @@ def eagle_unrolled(params, cfg, feats, toks, passes: int):
     for n, vv in enumerate(vi):
       o = o + jnp.einsum("bkgt,btkd->btkgd", w[..., T + n].astype(v.dtype), vv, preferred_element_type=jnp.float32)
     attn = o.reshape(B, T, cfg.num_heads, -1).astype(q.dtype)
-    pred = tfm.rms_norm(tfm.layer_finish(cfg, x, attn, lp), params["out_norm"], cfg.norm_eps)
+    pred = eagle.out_feature(params, cfg, tfm.layer_finish(cfg, x, attn, lp), published)
     preds.append(pred)
     inp = _shift_right(jax.lax.stop_gradient(pred), 1)
   return preds
@@ -130,16 +132,17 @@ def _shift_right(x, n):
 
 
 def eagle_loss(weights, frozen, hidden, tokens, mask, *, cfg, key=None, noise=0.0, reg_weight=1.0,
-               ce_weight=1.0, passes=1):
+               ce_weight=1.0, passes=1, published=None):
   """frozen: {"embed": [V, D], "rows": [N, D]}. Pairs (F_t, tok_{t+1}) -> F_{t+1} and the target's p(t+2),
-  averaged over `passes` (1 + the training-time test's self-fed passes; see eagle_unrolled)."""
+  averaged over `passes` (1 + the training-time test's self-fed passes; see eagle_unrolled). A published layout's
+  predicted feature is not the target's (no regression: reg_weight must be 0); its logits are its own head's."""
   D = cfg.d_model
   final, feats = (hidden, hidden) if hidden.shape[-1] == D else (hidden[..., :D], hidden[..., D:])
   feats, toks = feats[:, :-1], tokens[:, 1:]
   if noise and key is not None:  # EAGLE's feature noise: robustness to its own imperfect features
     feats = feats + noise * jax.random.uniform(key, feats.shape, feats.dtype, -1.0, 1.0)
-  params = dict(weights, embed=frozen["embed"])
-  preds = eagle_unrolled(params, cfg, feats.astype(weights["fc"].dtype), toks, passes)
+  params = dict(weights, embed=frozen["embed"], rows=frozen["rows"])
+  preds = eagle_unrolled(params, cfg, feats.astype(weights["layer"]["q"].dtype), toks, passes, published)
   want = final[:, 1:].astype(preds[0].dtype)
   ok = mask[:, 1:] & mask[:, :-1]
   teacher = jax.lax.stop_gradient(vocab.project(want, frozen["rows"]))
@@ -151,7 +154,7 @@ def eagle_loss(weights, frozen, hidden, tokens, mask, *, cfg, key=None, noise=0.
   for j, pred in enumerate(preds):
     okj = ok & (jnp.arange(ok.shape[1]) >= j)[None, :]
     reg = _masked_mean(jnp.mean(optax_smooth_l1(pred - want), axis=-1), okj)
-    student = vocab.project(pred, frozen["rows"])
+    student = eagle.head_logits(params, cfg, pred, published)
     kl = _masked_mean(jnp.sum(p * (p_log - jax.nn.log_softmax(student, -1)), axis=-1), okj)
     total = total + reg_weight * reg + ce_weight * kl
     metrics.update({f"reg_h{j}": reg, f"kl_h{j}": kl, f"top1_h{j}": _masked_mean(_topk_hits(student, best, 1), okj),

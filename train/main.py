@@ -94,6 +94,7 @@ def check_resume_config(cfg):
   if os.path.exists(path):
     with open(path) as f:
       before = _flat(json.load(f))
+    before.setdefault("head_layout", "ours")  # runs from before the option trained this project's layout
     diff = sorted(k for k in set(now) | set(before) if k not in _RESUMABLE and now.get(k) != before.get(k))
     if diff:
       raise ValueError(f"{cfg.train.workdir} holds a run with other settings ({', '.join(diff)}): use another "

@@ -12,7 +12,7 @@ def build_task(cfg, config, params, d2t):
   import jax
   import jax.numpy as jnp
   from spec_jax.checkpoints import heads as head_ckpt
-  from spec_jax.proposers import eagle, medusa, vocab
+  from spec_jax.proposers import eagle, eagle3_layout, medusa, vocab
   from spec_jax.proposers.draft import early_exit_params
   from train import losses
   from train.trainer import Task
@@ -46,14 +46,26 @@ def build_task(cfg, config, params, d2t):
     task = task_of("medusa", lambda p, fz, f, t, m, k: losses.medusa_loss(p, fz, f, t, m))
     return task, init, frozen, {"num_heads": cfg.num_heads}
   if cfg.kind == "eagle":
-    ecfg = eagle.layer_config(config, cfg.mlp_dim or None)
+    layout = cfg.get("head_layout", "ours")
     frozen = {"target": params, "embed": params["embed"], "rows": rows}
-    init = eagle.init_params(key, ecfg, jnp.float32, target_params=params, num_feature_layers=len(layers))
+    extra, published = {}, None
+    if layout == "ours":
+      ecfg = eagle.layer_config(config, cfg.mlp_dim or None)
+      init = eagle.init_params(key, ecfg, jnp.float32, target_params=params, num_feature_layers=len(layers))
+    elif layout == eagle3_layout.LAYOUT:  # the published EAGLE-3 layout: exported exactly (train/export_eagle3.py)
+      if len(layers) < 2 or cfg.reg_weight:
+        raise ValueError(f"head_layout='eagle3' needs 2 or more feature_layers (got {list(layers)}) and "
+                         f"reg_weight=0 (its fed-back feature is not the target's; got {cfg.reg_weight})")
+      ecfg = eagle3_layout.layer_config(config, cfg.mlp_dim or None)
+      init = eagle3_layout.init_params(key, ecfg, len(layers), params)
+      extra, published = {"head_layout": layout}, eagle3_layout.published()
+    else:
+      raise ValueError(f"head_layout must be 'ours' or 'eagle3', got {layout!r}")
     loss = functools.partial(losses.eagle_loss, cfg=ecfg, noise=cfg.noise, reg_weight=cfg.reg_weight,
-                             ce_weight=cfg.ce_weight, passes=cfg.ttt_passes)
+                             ce_weight=cfg.ce_weight, passes=cfg.ttt_passes, published=published)
     task = task_of("eagle", lambda p, fz, f, t, m, k: loss(p, fz, f, t, m, key=k))
     return task, init, frozen, {"mlp_dim": ecfg.mlp_dim, "ttt_passes": cfg.ttt_passes,
-                                "feature_layers": list(layers)}
+                                "feature_layers": list(layers), **extra}
   if cfg.kind == "draft":
     if not 1 <= cfg.draft_layers < config.num_layers:
       raise ValueError(f"draft_layers must be in [1, {config.num_layers}), got {cfg.draft_layers}")

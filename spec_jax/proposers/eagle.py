@@ -38,7 +38,7 @@ from spec_jax.config import ModelConfig
 from spec_jax.models import transformer as tfm
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
-from spec_jax.proposers import tree_expand
+from spec_jax.proposers import eagle3_layout, tree_expand
 from spec_jax.proposers.base import PrefillOut
 from spec_jax.rows import write_row
 from spec_jax.proposers.tree_expand import DynamicTree
@@ -137,8 +137,15 @@ def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, 
   run = functools.partial(tfm.decoder_layer, cfg, p=params["layer"], k_cache=k_cache, v_cache=v_cache,
                           layer=jnp.int32(0), window=jnp.int32(0), base=jnp.float32(cfg.rope_base),
                           positions=positions, lengths=lengths, impl=impl, tree_mask=tree_mask, mesh=mesh)
+  x, attn_in = layer_inputs(params, cfg, feats, toks, published)
+  return run(x, attn_input=attn_in)
+
+
+def layer_inputs(params: dict, cfg: ModelConfig, feats, toks, published: Optional[Published] = None):
+  """(feature, token) pairs -> (the layer's residual input x, what its q/k/v read: None = attn_norm(x)). The one
+  input computation of each layout, shared by drafting (layer_step) and training (train/losses.py)."""
   if published is None:
-    return run(layer_input(params, cfg, feats, toks))
+    return layer_input(params, cfg, feats, toks), None
   dtype = params["layer"]["q"].dtype
   e = _embed(params, cfg, toks, dtype)
   if published.kind == "eagle1":
@@ -147,7 +154,7 @@ def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, 
     x = tfm.dot("btd,de->bte", jnp.concatenate([e, feats.astype(dtype)], axis=-1), params["fc"])
     if "fc_bias" in params:
       x = x + params["fc_bias"].astype(x.dtype)
-    return run(x) if published.layernorms else run(x, attn_input=x)
+    return (x, None) if published.layernorms else (x, x)
   h = feats.astype(dtype)
   if h.shape[-1] != cfg.d_model:  # a committed position: the aux layers, fused
     if "fuse_norm" in params:
@@ -156,7 +163,7 @@ def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, 
       h = tfm.dot("...f,fd->...d", h, params["fuse"])
   hn = tfm.rms_norm(h, params["layer"]["hidden_norm"], cfg.norm_eps)
   attn_in = jnp.concatenate([tfm.rms_norm(e, params["layer"]["attn_norm"], cfg.norm_eps), hn], axis=-1)
-  return run(hn if published.norm_before_residual else h, attn_input=attn_in)
+  return (hn if published.norm_before_residual else h), attn_in
 
 
 def out_feature(params: dict, cfg: ModelConfig, x, published: Optional[Published] = None):
@@ -317,8 +324,14 @@ def load_eagle(path: str, target_config: ModelConfig, target_params: dict, k: in
                tree: Optional[DynamicTree] = None):
   dtype = target_params["final_norm"].dtype
   meta, weights, d2t = head_ckpt.load_heads(path, target_config, "eagle", dtype)
-  cfg = layer_config(target_config, int(meta.get("mlp_dim", target_config.mlp_dim)))
   layers = check_feature_layers(meta.get("feature_layers") or (), target_config, path)
+  if meta.get("head_layout") == eagle3_layout.LAYOUT:  # trained in the published EAGLE-3 layout
+    cfg = eagle3_layout.layer_config(target_config, int(meta["mlp_dim"]))
+    head_ckpt.check_shapes(weights, eagle3_layout.param_shapes(cfg, len(layers)), path)
+    proposer = EagleProposer(config=cfg, vocab_size=target_config.vocab_size, k=k, reduced=d2t is not None,
+                             impl=impl, tree=tree, feature_layers=layers, published=eagle3_layout.published())
+    return proposer, runtime_params(weights, target_params, d2t)
+  cfg = layer_config(target_config, int(meta.get("mlp_dim", target_config.mlp_dim)))
   if ("fuse" in weights) != bool(layers):
     raise ValueError(f"{path}: its metadata says feature layers {list(layers)} (EAGLE-{3 if layers else 1} "
                      f"features) but its weights {'have no' if layers else 'have a'} fusing FC: a head trained "
