@@ -168,8 +168,9 @@ def main(argv):
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  method = "eagle3" if F.format in EAGLE3_FORMATS else F.format
   print(f"wrote {path} and {os.path.join(F.output, 'config.json')}; load it with --speculative_config="
-        f"'{{\"method\": \"{F.format}\", \"model\": \"{F.output}\"}}'")
+        f"'{{\"method\": \"{method}\", \"model\": \"{F.output}\"}}'")
 
 
 if __name__ == "__main__":
