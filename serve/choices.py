@@ -73,6 +73,11 @@ def completion_choice(fmt: Formatter, c: Choice, ask: Ask, with_ids: bool) -> di
       lp = _merge(_prompt_lp(fmt, c, ask), lp)
   out = {"index": c.index, "text": (c.prompt_text if ask.echo else "") + text, "logprobs": lp,
          "finish_reason": c.final.finish_reason}
+  return _with_extras(out, fmt, c, ask, with_ids)
+
+
+def _with_extras(out: dict, fmt: Formatter, c: Choice, ask: Ask, with_ids: bool) -> dict:
+  """vLLM's prompt_logprobs and the token ids, where asked: the same on both routes."""
   if ask.vllm_prompt:
     out["prompt_logprobs"] = fmt.vllm_prompt(c.prompt_ids, c.prompt_entries, ask.prompt_top)
   if with_ids:
@@ -84,11 +89,7 @@ def chat_choice(fmt: Formatter, c: Choice, ask: Ask, with_ids: bool) -> dict:
   out = {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
          "logprobs": fmt.chat(c.ids, c.lps, ask.top) if ask.top >= 0 else None,
          "finish_reason": c.final.finish_reason}
-  if ask.vllm_prompt:
-    out["prompt_logprobs"] = fmt.vllm_prompt(c.prompt_ids, c.prompt_entries, ask.prompt_top)
-  if with_ids:
-    out.update(token_ids=c.ids, prompt_token_ids=c.prompt_ids)
-  return out
+  return _with_extras(out, fmt, c, ask, with_ids)
 
 
 def completion_delta(fmt: Formatter, c: Choice, d, ask: Ask, with_ids: bool) -> Optional[dict]:
