@@ -102,7 +102,8 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   hit_len = max_new <= 1
   finish = jnp.where(stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE)).astype(jnp.int32)
   pre = PrefillOut(prompt_tokens=prompt_tokens, tokens=tokens, lengths=lengths, prompt_lens=prompt_lens,
-                   prompt_hidden=prompt_hidden, last_hidden=feats, chunk=chunk)
+                   prompt_hidden=prompt_hidden, last_hidden=feats, chunk=chunk, pages=cache.pages,
+                   num_pages=cache.num_pages, block_size=cache.block_size)
   pstate = spec.proposer.init(params["proposer"], pre, capacity)
   return DecodeState(
       tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, max_new=max_new, cache=cache, pstate=pstate, key=key,

@@ -112,7 +112,8 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None) -> KVCache:
   """An empty target cache, created directly in its shards when there is a mesh (no full copy on one device)."""
-  make = lambda: KVCache.init(config, batch, capacity, dtype)
+  shards = sharding.axis_size(mesh, "data")
+  make = lambda: KVCache.init(config, batch, capacity, dtype, shards=shards)
   if mesh is None:
     return make()
   return sharding.settle(jax.jit(make, out_shardings=sharding.state_shardings(jax.eval_shape(make), mesh))())

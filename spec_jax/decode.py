@@ -240,8 +240,7 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   n_emit = committed[2]
   state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit, state.lengths,
                                             path=nodes))  # the logits of the committed path's nodes
-  ck, cv = tree.compact_accepted(cache.k, cache.v, state.cache.lengths, nodes, n_acc,
-                                  num_nodes=tree_tokens.shape[1], mesh=spec.mesh)
+  ck, cv = tree.compact_accepted(cache, state.cache.lengths, nodes, n_acc, mesh=spec.mesh)
   cache = cache.replace(k=ck, v=cv, lengths=state.cache.lengths + n_emit)
   # [B, k + 1, D] as a chain's; entries past the accepted path (node -1) repeat the root's (finite, never read)
   path_hidden = jnp.take_along_axis(hidden, jnp.maximum(nodes, 0)[:, :, None], axis=1)

@@ -53,7 +53,7 @@ _NORM = re.compile(r"norm$")  # the proposers' own norms (EAGLE's feat_norm, ...
 
 # Decode-state fields that are not per row (shared by the whole batch): replicated.
 REPLICATED_STATE = {"key", "spec_enabled", "step", "adapt.costs", "adapt.since_probe", "adapt.uses"}
-CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", "head_dim")  # KVCache.k / .v
+CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", "head_dim")  # KVCache.k / .v: pages split like rows
 
 
 def parse_mesh(text: str) -> dict:
@@ -154,7 +154,8 @@ def state_shardings(state, mesh: Mesh):
 
   def cache(c: KVCache):
     kv = NamedSharding(mesh, cache_spec(c.k.shape, mesh))
-    return KVCache(kv, kv, NamedSharding(mesh, logical_to_spec(("batch",), c.lengths.shape, mesh)))
+    return KVCache(kv, kv, NamedSharding(mesh, logical_to_spec(("batch",), c.lengths.shape, mesh)),
+                   NamedSharding(mesh, logical_to_spec(("batch", None), c.pages.shape, mesh)))
 
   def one(path, x):
     if _is_cache(x):

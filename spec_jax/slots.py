@@ -18,7 +18,7 @@ from flax import struct
 
 from spec_jax import adaptive, sharding
 from spec_jax import logprobs as lps
-from spec_jax.cache import KVCache
+from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache
 from spec_jax.config import SamplingParams, validate_sampling
 from spec_jax.controls import Controls
 from spec_jax.grammar.rows import GrammarRows, blank_like, grammar_controls
@@ -49,6 +49,7 @@ class Request:
   controls: Controls
   logprobs: jax.Array
   logprobs_mode: jax.Array
+  pages: jax.Array  # int32[pages_per_seq]: the slot's page table (serve/block_manager.py); -1s: keep the slot's own
 
 
 @struct.dataclass
@@ -83,11 +84,14 @@ class Snapshot:
 def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, draft_cap: int | None = None, seed: int = 0,
                  chunk: int = DEFAULT_CHUNK, tenant: int = 0, controls: Controls | None = None, logprobs: int = -1,
-                 logprobs_mode: str = "raw_logprobs", grammar: tuple = (None, None)) -> Request:
+                 logprobs_mode: str = "raw_logprobs", grammar: tuple = (None, None), pages=None,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> Request:
   """Host-side: check the request (ValueError with the reason) and pad it for `insert`. draft_cap: the row's
   draft-length cap (None: the loop's largest k; 0: never drafts). logprobs: the top logprobs returned per token
   (-1: none, 0: the token's own only), logprobs_mode: raw_logprobs or processed_logprobs. grammar: (a
-  TokenAutomaton or None, the state's grammar capacity or None; spec_jax/grammar/rows.py)."""
+  TokenAutomaton or None, the state's grammar capacity or None; spec_jax/grammar/rows.py). pages: the pages
+  the request's K/V go to (int32, one per `block_size` tokens of `capacity`: a block manager's table row); None
+  keeps the slot's own (the contiguous table of `empty_state`)."""
   n = len(prompt_ids)
   check_fits(spec.config, n, int(max_new), spec.lookahead, capacity)
   validate_sampling(temperature, top_k, top_p)
@@ -97,21 +101,29 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
     raise ValueError(f"prompt ({n} tokens) pads to {P}, over the slot capacity of {capacity} tokens")
   tokens = np.zeros((P,), np.int32)
   tokens[:n] = prompt_ids
+  pps = -(-capacity // block_size)
+  pages = np.full((pps,), -1, np.int32) if pages is None else np.asarray(pages, np.int32)
+  if pages.shape != (pps,):
+    raise ValueError(f"a page table row of {pages.shape} for {pps} pages of {block_size} tokens")
   return Request(tokens=jnp.asarray(tokens), prompt_len=jnp.int32(n), max_new=jnp.int32(max_new),
                  sampling=SamplingParams.make(1, temperature, top_k, top_p), 
                  draft_cap=jnp.int32(spec.k_max if draft_cap is None else min(max(int(draft_cap), 0), spec.k_max)),
                  key=jax.random.PRNGKey(seed), tenant=jnp.int32(tenant),
                  controls=grammar_controls(Controls.make(1) if controls is None else controls, grammar[0],
                                            grammar[1], spec.config.vocab_size),
-                 logprobs=jnp.int32(logprobs), logprobs_mode=jnp.int32(lps.MODES[logprobs_mode]))
+                 logprobs=jnp.int32(logprobs), logprobs_mode=jnp.int32(lps.MODES[logprobs_mode]),
+                 pages=jnp.asarray(pages))
 
 
 def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0,
-                grammar_capacity=None) -> DecodeState:
+                grammar_capacity=None, block_size: int = DEFAULT_BLOCK_SIZE, num_pages: int | None = None) -> DecodeState:
   """A state of `batch` free slots of `capacity` tokens each (a multiple of the prefill chunk is best). With a
   mesh (spec.mesh) the slots split over `data`, so `batch` must be a multiple of it. grammar_capacity (states,
   token classes): every slot can then take a request with a grammar of up to that size (its Request's controls
-  carry a GrammarRows of the same capacity; spec_jax/grammar/rows.py); None: no grammar."""
+  carry a GrammarRows of the same capacity; spec_jax/grammar/rows.py); None: no grammar. The KV caches are
+  paged (spec_jax/cache.py) in pages of `block_size` tokens: with `num_pages`, a pool of that many pages that
+  requests get pages of through their Request's table (a block manager's); without, each slot owns its
+  contiguous run (num_pages = 1 + batch * capacity / block_size per data shard)."""
   if batch % sharding.axis_size(spec.mesh, "data"):
     raise ValueError(f"{batch} slots do not split over the mesh's data axis of {spec.mesh.shape['data']}")
   controls = None
@@ -119,17 +131,24 @@ def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None
     controls = Controls.make(batch).replace(grammar=GrammarRows.make([None] * batch, spec.config.vocab_size,
                                                                      tuple(grammar_capacity)))
   return _empty(params, spec, batch, capacity, jnp.asarray(adaptive.default_costs(spec.ks) if costs is None else
-                                                           costs, jnp.float32), jax.random.PRNGKey(seed), controls)
+                                                           costs, jnp.float32), jax.random.PRNGKey(seed), controls,
+                block_size=block_size, num_pages=num_pages)
 
 
 @sharding.settled
-@functools.partial(jax.jit, static_argnames=("spec", "batch", "capacity"))
-def _empty(params, spec, batch, capacity, costs, key, controls=None):
+@functools.partial(jax.jit, static_argnames=("spec", "batch", "capacity", "block_size", "num_pages"))
+def _empty(params, spec, batch, capacity, costs, key, controls=None, *, block_size, num_pages):
   # One dummy request of one token per row, prefilled and marked free: every leaf gets its real shape and dtype.
   P, chunk = bucket(1)
   prompt = jnp.zeros((batch, P), jnp.int32).at[:, 0].set(spec.config.bos_id)
   lens = jnp.ones((batch,), jnp.int32)
-  cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype)
+  shards = sharding.axis_size(spec.mesh, "data")
+  pps = -(-capacity // block_size)
+  pages = None
+  if num_pages is not None:  # a pool handed out by the host: every row starts on its shard's null page
+    pages = np.repeat((np.arange(batch) // (batch // shards)) * (num_pages // shards), pps).reshape(batch, pps)
+  cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype, block_size=block_size,
+                       num_pages=num_pages, pages=pages, shards=shards)
   return prefill_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), jnp.int32), key,
                       cache, capacity=capacity, chunk=chunk, live=jnp.zeros((batch,), bool), costs=costs,
                       controls=controls)
@@ -146,7 +165,10 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   controls = req.controls
   if state.controls.grammar is not None and controls.grammar is None:  # an unconstrained row of a state with grammars
     controls = controls.replace(grammar=blank_like(state.controls.grammar, 1))
-  cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype)
+  cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype, block_size=state.cache.block_size)
+  pages_row = jnp.where(req.pages[0] < 0, state.cache.pages[slot], req.pages)
+  state = state.replace(cache=state.cache.with_page_row(slot, pages_row),
+                        pstate=set_page_row(state.pstate, slot, pages_row))
   row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.draft_cap[None], req.key,
                      cache, capacity=S, chunk=chunk, controls=controls,
                      logprobs=(req.logprobs[None], req.logprobs_mode[None]))
@@ -169,6 +191,32 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
       done_step=put(state.done_step, state.step[None]),
       logprobs=write_rows_tree(state.logprobs, row.logprobs, slot))
   return sharding.constrain_state(state, spec.mesh)
+
+
+def set_page_row(tree, slot, pages_row):
+  """Row `slot` of every KV cache's page table in a pytree (a proposer state) set to pages_row."""
+  one = lambda x: x.with_page_row(slot, pages_row) if isinstance(x, KVCache) else x
+  return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def set_page_tables(state: DecodeState, table) -> DecodeState:
+  """Host-side: every KV cache of the state (the target's, a proposer's) takes the page table int32[B, P] (the
+  block manager's, between loop calls); the new leaf takes the old one's layout, so the loop does not recompile."""
+  table = sharding.put(np.asarray(table, np.int32), state.cache.pages.sharding)
+  one = lambda x: x.replace(pages=table) if isinstance(x, KVCache) else x
+  return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+@sharding.settled
+@functools.partial(jax.jit, donate_argnames=("state",))
+def fill_pages(state: DecodeState, pages, value=float("nan")) -> DecodeState:
+  """Pages int32[n] (global ids) of every KV cache set to `value`: the test-only poisoning of freed pages (NaN
+  there turns any read of stale K/V into NaN output; serve's --poison_freed_pages)."""
+  def one(x):
+    if not isinstance(x, KVCache):
+      return x
+    return x.replace(k=x.k.at[:, pages].set(value), v=x.v.at[:, pages].set(value))
+  return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 @sharding.settled

@@ -23,7 +23,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from spec_jax.sharding import cache_spec
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
@@ -57,63 +56,27 @@ def tree_positions(base: jax.Array, parents: jax.Array) -> jax.Array:
   return (base.astype(jnp.int32)[:, None] + node_depths(parents)).astype(jnp.int32)
 
 
-def compact_accepted(cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array, accepted_nodes: jax.Array,
-                     num_accepted: jax.Array, num_nodes: int, mesh=None) -> tuple[jax.Array, jax.Array]:
-  """Move the accepted path's K/V into consecutive cache slots, per row, on device.
+def compact_accepted(cache, lengths: jax.Array, accepted_nodes: jax.Array, num_accepted: jax.Array, mesh=None):
+  """Move the accepted path's K/V into consecutive cache slots, per row, on device -> (k, v) pools.
 
-  cache_k, cache_v: [L, B, Hkv, S, Dh] (KVCache.k / .v) where the tree forward wrote node i < num_nodes of row b
-  at slot lengths[b] + i (clipped to S - 1). accepted_nodes int32 [B, D+1] and num_accepted int32 [B] as
-  verify_tree returns them: slot lengths[b] + t receives node accepted_nodes[b, t] for t <= num_accepted[b] (t = 0
-  is the root, which stays). Slots past lengths + num_accepted are stale and may hold anything afterwards (they are
-  beyond the new length). `lengths` is not advanced here: the caller advances the cache by the tokens it commits
-  (<= num_accepted + 1).
+  cache: the KVCache (spec_jax/cache.py) where the tree forward wrote node i of row b at its slot lengths[b] + i.
+  accepted_nodes int32 [B, D+1] and num_accepted int32 [B] as verify_tree returns them: slot lengths[b] + t
+  receives node accepted_nodes[b, t] for 1 <= t <= num_accepted[b] (t = 0 is the root, which stays). Slots past
+  lengths + num_accepted are stale and may hold anything afterwards (they are beyond the new length). `lengths`
+  is not advanced here: the caller advances the cache by the tokens it commits (<= num_accepted + 1).
 
-  Each row reads only the num_nodes slots its tree was written to (one dynamic slice), picks the path's entries
-  from that small window, and writes them back with one dynamic_update_slice per row and array,
-  in place under donation. A gather over the whole cache instead made XLA:TPU re-lay out and copy the whole cache
-  on every step at one slot. A window that would run past S is shifted back (not clamped onto other slots) and
-  fills its extra slots with their own contents.
-
-  With a `mesh`, each shard moves its own rows (`shard_map` over the cache's layout): the partitioner, given
-  per-row slices of a cache split over `data`, gathered the whole cache onto every chip (1 GiB copies per step
-  for Llama-8B on a data:4,model:4 pod).
+  Only the path's entries move (W per row, through the page table: cache.move_slots), every read before any
+  write; a gather over the whole cache instead made XLA:TPU re-lay out and copy it on every step.
   """
-  n_layers, b, hkv, s, dh = cache_k.shape
-  w = accepted_nodes.shape[1]
-  n = max(int(num_nodes), w)
-  if n > s:
-    raise ValueError(f"a tree of {n} nodes (accepted_nodes has {w} columns) does not fit the cache's {s} slots")
+  from spec_jax.cache import move_slots
   lengths = lengths.astype(jnp.int32)
-  start = jnp.clip(lengths, 0, s - w)  # [B] the first slot written
-  base = jnp.clip(lengths, 0, s - n)  # [B] the first slot of the window read: base <= start, start + w <= base + n
-  dest = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w] the slots written
-  t = dest - lengths[:, None]  # path index of each written slot
-  moves = (t >= 0) & (t <= num_accepted.astype(jnp.int32)[:, None])
-  node = jnp.take_along_axis(accepted_nodes.astype(jnp.int32), jnp.clip(t, 0, w - 1), axis=1)
-  src = jnp.clip(jnp.where(moves, lengths[:, None] + node, dest), 0, s - 1) - base[:, None]  # [B, w] in the window
-
-  def move(cache, base, src, start):
-    blocks = []
-    for r in range(cache.shape[1]):
-      window = lax.dynamic_slice(cache, (0, r, 0, base[r], 0), (n_layers, 1, cache.shape[2], n, dh))
-      blocks.append(jnp.take(window, src[r], axis=3))  # [L, 1, Hkv, w, Dh]
-    # Every row's block is read before any is written, and the barrier keeps the reads out of the writes' fusions:
-    # a fusion that also reads the cache cannot update it in place. (A fori_loop over rows, reading and writing
-    # each row's window in its body, made XLA:TPU copy the whole cache at 16 slots.)
-    blocks = lax.optimization_barrier(blocks)
-    for r in range(cache.shape[1]):
-      cache = lax.dynamic_update_slice(cache, blocks[r], (0, r, 0, start[r], 0))
-    return cache
-
-  def both(k, v, base, src, start):
-    return move(k, base, src, start), move(v, base, src, start)
-
-  if mesh is None:
-    return both(cache_k, cache_v, base, src, start)
-  kv = cache_spec(cache_k.shape, mesh)
-  rows = kv[1]
-  return jax.shard_map(both, mesh=mesh, in_specs=(kv, kv, P(rows), P(rows, None), P(rows)), out_specs=(kv, kv),
-                       check_vma=False)(cache_k, cache_v, base, src, start)
+  w = accepted_nodes.shape[1]
+  t = jnp.arange(w, dtype=jnp.int32)[None, :]
+  node = accepted_nodes.astype(jnp.int32)
+  moves = (t >= 1) & (t <= num_accepted.astype(jnp.int32)[:, None]) & (node != t) & (node >= 0)
+  src = lengths[:, None] + jnp.maximum(node, 0)
+  dst = jnp.where(moves, lengths[:, None] + t, -1)
+  return move_slots(cache.k, cache.v, cache.pages, src, dst, mesh)
 
 
 @dataclasses.dataclass(frozen=True)

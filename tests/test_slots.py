@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.paged import logical
 from spec_jax import slots
 from spec_jax.decode import FINISH_ABORT, decode_loop, make_spec
 from spec_jax.batch import generate
@@ -104,8 +105,8 @@ def test_insert_touches_no_other_row_and_loop_is_bounded():
   after = jax.tree.map(np.asarray, state)
   for field in ("tokens", "lengths", "prompt_lens", "max_new", "done", "finish", "last_hidden"):
     np.testing.assert_array_equal(getattr(after, field)[:2], getattr(before, field)[:2], err_msg=field)
-  np.testing.assert_array_equal(after.cache.k[:, :2], before.cache.k[:, :2])
-  np.testing.assert_array_equal(after.pstate.cache.k[:, :2], before.pstate.cache.k[:, :2])
+  for a, b in ((after.cache, before.cache), (after.pstate.cache, before.pstate.cache)):  # through the page tables
+    np.testing.assert_array_equal(logical(a.k, a.pages)[:, :2], logical(b.k, b.pages)[:, :2])
   np.testing.assert_array_equal(after.pstate.pend_feat[:2], before.pstate.pend_feat[:2])
   np.testing.assert_array_equal(after.stats.drafted[:2], before.stats.drafted[:2])
   assert int(after.stats.drafted[2]) == 0 and not after.done[2]
@@ -197,9 +198,9 @@ def test_a_row_without_room_finishes_with_a_capacity_error_not_a_clamped_write()
                                                                capacity=CAPACITY), spec)
   state = state.replace(max_new=state.max_new.at[0].set(10_000))  # misuse: a limit past the capacity
   n = int(state.cache.lengths[0])  # committed entries so far
-  cache_before = np.asarray(state.cache.k[:, 0, :, :n])
+  cache_before = logical(state.cache.k, state.cache.pages)[:, 0, :, :n]
   state = _run_to_end(both, state, spec, steps=50)
   assert int(state.finish[0]) == FINISH_CAPACITY
   assert int(state.lengths[0]) <= CAPACITY
-  np.testing.assert_array_equal(np.asarray(state.cache.k[:, 0, :, :n]), cache_before)
+  np.testing.assert_array_equal(logical(state.cache.k, state.cache.pages)[:, 0, :, :n], cache_before)
   assert len(_out(state, 1)) == 10

@@ -10,6 +10,7 @@ import pytest
 from spec_jax import tree
 from spec_jax.verify import verify_tree
 from spec_jax.config import SamplingParams
+from tests.paged import logical, to_paged
 
 
 def random_parents(rng, b, n, chain_bias=0.0):
@@ -69,7 +70,9 @@ def ref_compact(k, lengths, nodes, n_acc):
   return out
 
 
-def test_compact_accepted_moves_path_keeps_prefix():
+@pytest.mark.parametrize("block_size", [1, 2, 8])
+def test_compact_accepted_moves_path_keeps_prefix(block_size):
+  """Through a shuffled page table: rows whose path crosses page boundaries, one touching the end of its table."""
   rng = np.random.default_rng(3)
   l, b, s, h, d = 2, 4, 24, 2, 3
   k = rng.normal(size=(l, b, s, h, d)).astype(np.float32)
@@ -77,11 +80,11 @@ def test_compact_accepted_moves_path_keeps_prefix():
   lengths = np.array([0, 5, 9, 20], np.int32)  # row 3: lengths + D + 1 = 24 = S, the window touches the end
   nodes = np.array([[0, 2, 5, 7], [0, 1, 3, -1], [0, -1, -1, -1], [0, 1, 2, 3]], np.int32)
   n_acc = np.array([3, 2, 0, 3], np.int32)
-  fn = jax.jit(tree.compact_accepted, donate_argnums=(0, 1), static_argnums=5)
-  # The cache is [L, B, H, S, D]; the test keeps the slot-major view [L, B, S, H, D] of the reference.
-  heads_first = lambda x: jnp.swapaxes(jnp.asarray(x), 2, 3)
-  k2, v2 = fn(heads_first(k), heads_first(v), jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc), 8)
-  k2, v2 = np.swapaxes(np.asarray(k2), 2, 3), np.swapaxes(np.asarray(v2), 2, 3)
+  heads_first = lambda x: np.swapaxes(x, 2, 3)  # the cache is [L, B, H, S, D]; the reference is slot-major
+  cache = to_paged(heads_first(k), heads_first(v), lengths, block_size, rng, fill=np.nan)
+  fn = jax.jit(tree.compact_accepted)
+  k2, v2 = fn(cache, jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc))
+  k2, v2 = (np.swapaxes(logical(x, cache.pages), 2, 3) for x in (k2, v2))
   rk, rv = ref_compact(k, lengths, nodes, n_acc), ref_compact(v, lengths, nodes, n_acc)
   for r in range(b):
     keep = lengths[r] + n_acc[r] + 1  # the committed prefix after the step, including the moved entries
@@ -89,19 +92,6 @@ def test_compact_accepted_moves_path_keeps_prefix():
     np.testing.assert_array_equal(v2[:, r, :keep], rv[:, r, :keep])
     # Nothing below the old length is touched, in any row.
     np.testing.assert_array_equal(k2[:, r, :lengths[r]], k[:, r, :lengths[r]])
-
-
-def test_compact_accepted_window_near_the_end_is_shifted_not_clamped():
-  """lengths + D + 1 > S (a row whose tree was shorter than the window): the committed prefix must survive."""
-  rng = np.random.default_rng(4)
-  l, b, s, h, d = 1, 2, 10, 1, 2
-  k = rng.normal(size=(l, b, s, h, d)).astype(np.float32)
-  lengths = np.array([8, 7], np.int32)
-  nodes = np.array([[0, 1, -1, -1, -1], [0, 2, -1, -1, -1]], np.int32)
-  n_acc = np.array([1, 1], np.int32)
-  kh = jnp.swapaxes(jnp.asarray(k), 2, 3)
-  k2, _ = tree.compact_accepted(kh, kh, jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc), num_nodes=3)
-  np.testing.assert_array_equal(np.swapaxes(np.asarray(k2), 2, 3), ref_compact(k, lengths, nodes, n_acc))
 
 
 def test_compact_after_verify_tree_matches_path_tokens():
@@ -124,9 +114,9 @@ def test_compact_after_verify_tree_matches_path_tokens():
   cache = np.full((1, b, 1, s, 1), -5.0, np.float32)  # [L, B, H, S, D]
   for r in range(b):
     cache[0, r, 0, lengths[r]:lengths[r] + n, 0] = toks[r]
-  k2, _ = tree.compact_accepted(jnp.asarray(cache), jnp.asarray(cache), jnp.asarray(lengths), jnp.asarray(nodes),
-                                jnp.asarray(n_acc), num_nodes=n)
-  k2 = np.asarray(k2)[0, :, 0, :, 0]
+  paged = to_paged(cache, cache, lengths, 4, rng)
+  k2, _ = tree.compact_accepted(paged, jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc))
+  k2 = logical(k2, paged.pages)[0, :, 0, :, 0]
   for r in range(b):
     m = n_acc[r]
     np.testing.assert_array_equal(k2[r, lengths[r]:lengths[r] + m + 1], np.r_[toks[r, 0], tokens[r, :m]])

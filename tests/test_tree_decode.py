@@ -95,7 +95,7 @@ def test_tree_forward_equals_each_path_forward(impl):
       while parents[b, path[-1]] >= 0:
         path.append(int(parents[b, path[-1]]))
       path = path[::-1]
-      one = cache.replace(k=cache.k[:, b:b + 1], v=cache.v[:, b:b + 1], lengths=cache.lengths[b:b + 1])
+      one = cache.replace(lengths=cache.lengths[b:b + 1], pages=cache.pages[b:b + 1])
       want, _, _ = forward(params, jnp.asarray(tokens[b, path])[None], jnp.asarray(pos[b, path])[None], one,
                            config=CONFIG)
       np.testing.assert_allclose(np.asarray(logits[b, i]), np.asarray(want[0, -1]), rtol=2e-4, atol=2e-4)
@@ -322,7 +322,8 @@ def test_eagle_tree_children_are_the_drafters_top_candidates_after_their_path():
   tokens, parents = np.asarray(t.tokens), np.asarray(t.parents)
   L = np.asarray(state.lengths)
   for b in range(len(prompts)):
-    one_cache = jax.tree.map(lambda x: x[:, b:b + 1] if x.ndim > 1 else x[b:b + 1], state.pstate.cache)
+    c = state.pstate.cache
+    one_cache = c.replace(lengths=c.lengths[b:b + 1], pages=c.pages[b:b + 1])
     for i in range(1, N):
       path, j = [], parents[b, i]
       while j > 0:

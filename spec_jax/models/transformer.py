@@ -139,8 +139,9 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
                   impl: str = "xla", tree_mask=None, mesh=None, attn_input=None):
   """One decoder layer over x [B, T, D] at positions [B, T] -> (x, k_new, v_new [B, T, K, d]).
 
-  It reads the committed slots (< lengths[b]) of layer `layer` of the stacked cache k_cache/v_cache
-  [L, B, K, S, d], and does not write it: the caller writes k_new/v_new at slots lengths[b] .. (write_rows).
+  It reads the committed slots (< lengths[b]) of k_cache/v_cache [B, K, S, d] (a row's logical cache,
+  KVCache.layer_view; or a stack [L, B, K, S, d] with a traced `layer`), and does not write it: the caller writes
+  k_new/v_new at slots lengths[b] .. (KVCache.write).
   With k_cache = v_cache = None it attends over the T tokens only (causal, windowed by position), as training's
   cache-free forward does. `tree_mask` bool [B, T, T] (or [T, T]) replaces the causal mask among the T new tokens
   (a token tree). `mesh`: the device mesh a Pallas kernel runs per shard on (kernels.attention). `attn_input`:
@@ -172,44 +173,6 @@ def layers_unrolled():
     yield
   finally:
     _UNROLL_LAYERS.reset(token)
-
-
-def write_rows(buf, new, lengths, mesh=None):
-  """buf[L, B, K, S, d] with new[L, B, T, K, d] written at slots lengths[b] .. lengths[b]+T-1 of each row.
-
-  With a `mesh`, each shard writes its own rows (`shard_map` over the cache's layout): left to the partitioner,
-  the per-row updates of a cache split over `data` copied each chip's whole cache, four times a step (XLA:TPU,
-  Gemma 3 270M's EAGLE loop on data:4).
-
-  A loop of one dynamic_update_slice per row updates in place (XLA:CPU copies the whole buffer for a scatter).
-  Rows reach the cache's head-major layout as follows:
-  - One token (T = 1: plain decoding, every draft step) is swapped whole before the loop, a relabeling of a size-1
-    axis. Swapped per row inside the loop, XLA:TPU carried the plain loop's cache with the layers minor and copied
-    it in and back every call (2 x 512 MiB per chip for Llama-8B on model:4, two KV heads a chip).
-  - Longer blocks are swapped per row inside the loop: swapping the whole `new` before the loop makes XLA:TPU
-    (libtpu 0.0.42) fail a RET_CHECK for T >= 2 ("The shape doesn't match when replacing ... while").
-  Unrolling the rows instead makes programs grow with the slot count. Callers size buffers so that lengths[b] + T
-  fits: dynamic_update_slice clamps an overflow.
-  """
-  new = new.astype(buf.dtype)
-  one = new.shape[2] == 1
-  if one:
-    new = jnp.swapaxes(new, 2, 3)  # [L, B, K, 1, d]
-
-  def rows(buf, new, lengths):
-    def one_row(b, buf):
-      row = jax.lax.dynamic_slice_in_dim(new, b, 1, axis=1)
-      row = row if one else jnp.swapaxes(row, 2, 3)  # [L, 1, K, T, d]
-      return jax.lax.dynamic_update_slice(buf, row, (0, b, 0, lengths[b], 0))
-    return jax.lax.fori_loop(0, new.shape[1], one_row, buf)
-
-  if mesh is None:
-    return rows(buf, new, lengths)
-  spec = sharding.cache_spec(buf.shape, mesh)
-  r, h = spec[1], spec[2]
-  new_spec = P(None, r, h, None, None) if one else P(None, r, None, h, None)
-  return jax.shard_map(rows, mesh=mesh, in_specs=(spec, new_spec, P(r)), out_specs=spec,
-                       check_vma=False)(buf, new, lengths)
 
 
 def embed(params, tokens, config: ModelConfig):
@@ -286,20 +249,20 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
 
   def body(x, xs):
     p, window, base, layer = xs
-    x, k_new, v_new = decoder_layer(c, x, p, None if cache is None else cache.k, None if cache is None else cache.v,
-                                    layer, window, base, positions, lengths, impl=impl, tree_mask=tree_mask,
-                                    mesh=mesh)
+    # Each layer reads its rows' pages as logical [B, Hkv, S, D] caches (a gather; zero past each length).
+    kc, vc = (None, None) if cache is None else cache.layer_view(layer, mesh)
+    x, k_new, v_new = decoder_layer(c, x, p, kc, vc, None, window, base, positions, lengths, impl=impl,
+                                    tree_mask=tree_mask, mesh=mesh)
     return x, ((k_new, v_new) if cache is not None else None, x if collect else None)
 
-  # The cache is read in place inside the scan (each layer attends to its own slice of the stack); all layers'
-  # new entries are written after it, in place.
+  # Nothing writes the pool inside the scan; all layers' new entries are written after it, in place, through
+  # the page table.
   layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
   x, (new_kv, per_layer) = jax.lax.scan(body, x, (params["layers"], windows, bases, layer_ids),
                                         unroll=True if _UNROLL_LAYERS.get() else 1)
   new_cache = None
   if cache is not None:
-    new_cache = cache.replace(k=write_rows(cache.k, new_kv[0], lengths, mesh),
-                              v=write_rows(cache.v, new_kv[1], lengths, mesh))
+    new_cache = cache.write(new_kv[0], new_kv[1], mesh)
   hidden = rms_norm(x, params["final_norm"], c.norm_eps)
   logits = lm_head(params, hidden) if compute_logits else None
   if collect:

@@ -60,6 +60,9 @@ class PrefillOut:
     needs_prompt_hidden.
   last_hidden [B, D]: the target's hidden state at the last prompt token (it predicted the first new token).
   chunk int (static): the prefill chunk the prompt was padded for.
+  pages int32[B, P']: the target cache's page table; num_pages, block_size (static): its pool. A proposer with a
+    KV cache of its own makes it with `cache_for`: the same table over a pool of as many pages, so a page id
+    holds its tokens of every cache (spec_jax/cache.py).
   """
 
   prompt_tokens: jax.Array
@@ -68,7 +71,20 @@ class PrefillOut:
   prompt_lens: jax.Array
   prompt_hidden: Optional[jax.Array]
   last_hidden: jax.Array
+  pages: Optional[jax.Array] = None
   chunk: int = struct.field(pytree_node=False, default=512)
+  num_pages: int = struct.field(pytree_node=False, default=0)
+  block_size: int = struct.field(pytree_node=False, default=16)
+
+  def cache_for(self, config, dtype, capacity: int):
+    """An empty KV cache for a proposer's own model, paged like the target's (contiguous rows of `capacity`
+    slots when no table is given)."""
+    from spec_jax.cache import KVCache
+    if self.pages is None:
+      return KVCache.init(config, self.tokens.shape[0], capacity, dtype)
+    B, pps = self.pages.shape
+    return KVCache.init(config, B, pps * self.block_size, dtype, block_size=self.block_size,
+                        num_pages=self.num_pages, pages=self.pages)
 
 
 @struct.dataclass

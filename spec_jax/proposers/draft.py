@@ -56,7 +56,7 @@ class DraftModelProposer:
 
   def init(self, params, prefill: PrefillOut, capacity: int) -> KVCache:
     """Fill the draft cache with the prompts (the same padded chunks as the target's prefill)."""
-    cache = KVCache.init(self.config, prefill.tokens.shape[0], capacity, params["final_norm"].dtype)
+    cache = prefill.cache_for(self.config, params["final_norm"].dtype, capacity)
     cache, _ = prefill_fn(params, prefill.prompt_tokens, prefill.prompt_lens, cache, config=self.config,
                           impl=self.impl, chunk=prefill.chunk, mesh=self.mesh)
     return cache

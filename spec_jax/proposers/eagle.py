@@ -135,7 +135,7 @@ def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, 
                published: Optional[Published] = None, impl: str = "xla", tree_mask=None, mesh=None):
   """The head's layer over (feature, token) pairs -> (the layer's output x [B, T, D], k_new, v_new)."""
   run = functools.partial(tfm.decoder_layer, cfg, p=params["layer"], k_cache=k_cache, v_cache=v_cache,
-                          layer=jnp.int32(0), window=jnp.int32(0), base=jnp.float32(cfg.rope_base),
+                          layer=None, window=jnp.int32(0), base=jnp.float32(cfg.rope_base),
                           positions=positions, lengths=lengths, impl=impl, tree_mask=tree_mask, mesh=mesh)
   x, attn_in = layer_inputs(params, cfg, feats, toks, published)
   return run(x, attn_input=attn_in)
@@ -188,13 +188,13 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
 
   params needs "embed" (the target's frozen token embedding, or a published head's own) beside the EAGLE weights.
   """
-  x, k_new, v_new = layer_step(params, cfg, feats, toks, positions, cache.k, cache.v, cache.lengths,
+  kc, vc = cache.layer_view(jnp.int32(0), mesh)
+  x, k_new, v_new = layer_step(params, cfg, feats, toks, positions, kc, vc, cache.lengths,
                                published=published, impl=impl, mesh=mesh)
   # The rows are written after the layer has read the cache: with nothing ordering the attention call and the
   # row loop, XLA:GPU's copy insertion copied the whole cache around the loop (7 copies a step on an H200).
   x, ck, cv = jax.lax.optimization_barrier((x, cache.k, cache.v))
-  cache = cache.replace(k=tfm.write_rows(ck, k_new[None], cache.lengths, mesh),
-                        v=tfm.write_rows(cv, v_new[None], cache.lengths, mesh))
+  cache = cache.replace(k=ck, v=cv).write(k_new[None], v_new[None], mesh)
   return out_feature(params, cfg, x, published), cache
 
 
@@ -232,7 +232,7 @@ class EagleProposer:
     prompt, lens, hidden = prefill.prompt_tokens, prefill.prompt_lens, prefill.prompt_hidden
     B, P = prompt.shape
     dtype = params["layer"]["q"].dtype
-    cache = KVCache.init(self.config, B, capacity, dtype)
+    cache = prefill.cache_for(self.config, dtype, capacity)
     nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     _, cache = eagle_forward(params, self.config, hidden, nxt, pos, cache, impl=self.impl, mesh=self.mesh,
@@ -280,10 +280,11 @@ class EagleProposer:
                                 impl=self.impl, mesh=self.mesh, published=self.published)
     cache = cache.replace(lengths=ctx.lengths - 1)
     logp = lambda f: jax.nn.log_softmax(head_logits(params, self.config, f, self.published), axis=-1)
+    kc, vc = cache.layer_view(jnp.int32(0), self.mesh)  # read once for every expansion
 
     def score(tokens, parent_feat, depths, mask):
-      x, _, _ = layer_step(params, self.config, parent_feat, tokens, (ctx.lengths - 2)[:, None] + depths, cache.k,
-                           cache.v, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask,
+      x, _, _ = layer_step(params, self.config, parent_feat, tokens, (ctx.lengths - 2)[:, None] + depths, kc,
+                           vc, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask,
                            mesh=self.mesh)
       out = out_feature(params, self.config, x, self.published)
       return logp(out), out

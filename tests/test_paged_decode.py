@@ -1,0 +1,77 @@
+"""The paged KV cache end to end: requests whose pages come from a shuffled pool (no row's pages contiguous), every
+page no request owns (and every page freed by an abort) filled with NaN, decode exactly as alone, for chains and
+trees, at block sizes that make one verify step cross several page boundaries."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax import slots
+from spec_jax.batch import generate
+from spec_jax.decode import decode_loop, make_spec
+from tests.proposers.test_medusa_eagle import CONFIG, _params, _prompts
+from tests.test_slots import _proposer, _out, _run_to_end
+
+CAPACITY = 64
+MAX_NEW = 14
+
+
+class Pool:
+  """A shuffled free list of pages 1 .. n-1 (0 is the null page); what it takes back is poisoned before reuse."""
+
+  def __init__(self, num_pages, seed):
+    self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_pages)))
+    self.freed = []
+
+  def take(self, n, pps):
+    got, self.free = self.free[:n], self.free[n:]
+    assert len(got) == n, "the test's pool is too small"
+    return np.array(got + [0] * (pps - n), np.int32)
+
+  def give(self, row):
+    self.freed += [int(p) for p in row if p]
+    self.free += [int(p) for p in row if p]
+
+
+@pytest.mark.parametrize("name,block_size", [("ngram", 1), ("draft", 4), ("eagle", 2), ("eagle_tree", 16),
+                                             ("medusa_tree", 1), ("suffix_tree", 4)])
+def test_paged_requests_with_poisoned_free_pages_equal_alone(name, block_size):
+  params = _params()
+  proposer, pparams = _proposer(name, params)
+  prompts = _prompts(3, [9, 5, 12, 7])
+  alone = [generate(params, CONFIG, [p], max_new_tokens=MAX_NEW, proposer=proposer, proposer_params=pparams,
+                    adaptive_k=False).token_ids[0] for p in prompts]
+  spec = make_spec(CONFIG, proposer, adaptive_k=False)
+  both = {"target": params, "proposer": pparams}
+  pps = -(-CAPACITY // block_size)
+  num_pages = 1 + 3 * pps + 5  # a few more pages than the three slots' worth: the pool is shared, not per slot
+  pool = Pool(num_pages, seed=block_size)
+  state = slots.empty_state(both, spec, batch=3, capacity=CAPACITY, block_size=block_size, num_pages=num_pages)
+  state = slots.fill_pages(state, jnp.arange(1, num_pages))  # nothing is owned yet: every page is stale
+
+  def req(p, n=MAX_NEW):
+    need = -(-(len(p) + n + spec.lookahead + 1) // block_size)  # the whole request, reserved at once here
+    return slots.make_request(p, max_new=n, spec=spec, capacity=CAPACITY, block_size=block_size,
+                              pages=pool.take(need, pps))
+
+  rows = {}
+  for slot, (p, n) in ((0, (prompts[0], MAX_NEW)), (2, (prompts[1], 30))):
+    rows[slot] = req(p, n)
+    state = slots.insert(both, state, slot, rows[slot], spec)
+  state = decode_loop(both, state, spec, 3)
+  rows[1] = req(prompts[2])
+  state = slots.insert(both, state, 1, rows[1], spec)
+  state = decode_loop(both, state, spec, 2)
+  state = slots.release(state, 2)  # an abort: its pages go back, poisoned, and the next request reuses them
+  pool.give(np.asarray(rows[2].pages))
+  state = slots.fill_pages(state, jnp.asarray(pool.freed, jnp.int32))
+  pool.free = pool.freed + pool.free  # reused first
+  rows[2] = req(prompts[3])
+  assert set(np.asarray(rows[2].pages).tolist()) & set(pool.freed)
+  state = slots.insert(both, state, 2, rows[2], spec)
+  state = _run_to_end(both, state, spec)
+  assert [_out(state, s) for s in (0, 1, 2)] == [alone[0], alone[2], alone[3]]
+  for s in range(3):  # no row's pages are one contiguous run
+    pg = np.asarray(rows[s].pages)
+    pg = pg[pg > 0]
+    assert len(pg) < 2 or not np.all(np.diff(pg) == 1)
