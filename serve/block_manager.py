@@ -20,6 +20,10 @@ capped by its budget), a row reserved for `reserve(L + T)` holds ceil((L + T) / 
 ceil(T / block_size) more than its committed L needs (the pages a call may fill); after `trim(L')` it holds
 ceil(L' / block_size) pages, i.e. at most block_size - 1 token slots of slack in its last page and no wholly unused
 page. So while calls run, R running rows over-reserve at most R x ceil(T / block_size) pages, and between calls none.
+An engine that dispatches a call before reading the previous one's result has two calls in flight per row: T is then
+both calls' tokens, and it may trim only past L + (the in-flight call's T), never into pages that call may commit.
+Committed lengths here count tokens whose K/V are written (the decode state's cache.lengths = lengths - 1): a page
+is hashed, and so shared, only when all its K/V are final.
 """
 
 from __future__ import annotations
