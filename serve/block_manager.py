@@ -72,12 +72,19 @@ class BlockManager:
                        f"num_pages={num_pages}, block_size={block_size}, capacity={capacity}")
     self.num_pages, self.block_size, self.capacity = num_pages, block_size, capacity
     self.pages_per_seq = -(-capacity // block_size)
-    self.enable_prefix_caching = enable_prefix_caching
-    order = np.arange(1, num_pages)
-    if shuffle_seed is not None:
-      order = np.random.default_rng(shuffle_seed).permutation(order)
+    self.enable_prefix_caching, self.shuffle_seed = enable_prefix_caching, shuffle_seed
+    self.prefix_queries = 0  # tokens looked up at admission (vLLM's prefix_cache_queries)
+    self.prefix_hits = 0  # of which found cached (prefix_cache_hits)
+    self.reset()
+
+  def reset(self) -> None:
+    """Every page free and nothing cached (a fresh pool: after a device failure its contents are gone). The
+    prefix counters go on: they are monotonic metrics."""
+    order = np.arange(1, self.num_pages)
+    if self.shuffle_seed is not None:
+      order = np.random.default_rng(self.shuffle_seed).permutation(order)
     self._free: collections.deque = collections.deque(int(p) for p in order)
-    self._ref = np.zeros(num_pages, np.int32)
+    self._ref = np.zeros(self.num_pages, np.int32)
     self._lru: collections.OrderedDict = collections.OrderedDict()  # cached, unreferenced; oldest first
     self._hash_of_page: dict = {}  # every cached page, used or not
     self._page_of_hash: dict = {}
@@ -86,8 +93,6 @@ class BlockManager:
     self._salt: dict = {}
     self._committed: dict = {}
     self._freed: list = []  # pages whose contents became garbage since the last take_freed
-    self.prefix_queries = 0  # tokens looked up at admission (vLLM's prefix_cache_queries)
-    self.prefix_hits = 0  # of which found cached (prefix_cache_hits)
 
   # ---- sizes ----
   def pages_for(self, n_tokens: int) -> int:

@@ -201,6 +201,20 @@ def test_commit_and_trim_refuse_lengths_that_would_corrupt_the_cache():
     BlockManager(num_pages=1, block_size=2, capacity=4)
 
 
+def test_reset_frees_every_page_and_forgets_the_cache_but_not_the_counters():
+  bm = BlockManager(num_pages=10, block_size=2, capacity=20, shuffle_seed=1)
+  first = list(bm._free)
+  assert bm.allocate("a", 5, prefix=bm.lookup([1, 2, 3, 4, 5]))
+  bm.commit("a", [1, 2, 3, 4, 5], 5)
+  assert bm.allocate("b", 5, prefix=bm.lookup([1, 2, 3, 4, 5]))
+  assert bm.prefix_hits == 4
+  bm.reset()
+  bm.check_invariants()
+  assert "a" not in bm and bm.num_free == 9 and list(bm._free) == first
+  assert bm.lookup([1, 2, 3, 4, 5]) == ([], 0) and bm.take_freed() == []
+  assert bm.prefix_queries == 10 and bm.prefix_hits == 4
+
+
 def test_shuffled_free_list_gives_no_row_contiguous_pages():
   bm = BlockManager(num_pages=64, block_size=1, capacity=32, shuffle_seed=0)
   assert bm.allocate("a", 16)
