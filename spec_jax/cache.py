@@ -113,20 +113,9 @@ class KVCache:
     return self.replace(k=k, v=v)
 
   def insert_row(self, row: "KVCache", slot) -> "KVCache":
-    """Copy a 1-row cache's committed pages into row `slot`'s pages (this cache's table row `slot`, set before)
-    and take its length; no other row's pages are touched."""
-    n = -(-row.lengths[0] // row.block_size)
-    dst = self.pages[slot]
-
-    def one(j, kv):
-      k, v = kv
-      src = row.pages[0, j]
-      put = lambda full, r: lax.dynamic_update_index_in_dim(
-          full, lax.dynamic_index_in_dim(r, src, 1).astype(full.dtype), dst[j], 1)
-      return put(k, row.k), put(v, row.v)
-
-    k, v = lax.fori_loop(0, n, one, (self.k, self.v))
-    return self.replace(k=k, v=v, lengths=self.lengths.at[slot].set(row.lengths[0]))
+    """Take a one-row view's pool (a slot insert prefilled straight into row `slot`'s pages of this very pool,
+    spec_jax/slots.py) and its length; no other row's pages were written."""
+    return self.replace(k=row.k, v=row.v, lengths=self.lengths.at[slot].set(row.lengths[0]))
 
   def with_page_row(self, slot, pages_row) -> "KVCache":
     return self.replace(pages=self.pages.at[slot].set(pages_row.astype(jnp.int32)))

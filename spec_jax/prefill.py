@@ -28,11 +28,12 @@ def bucket(max_prompt: int, chunk: int = DEFAULT_CHUNK) -> tuple[int, int]:
 
 
 def _chunk(params, chunk, start, cache, prompt_lens, last_hidden, *, config, impl, feature_layers=(), mesh=None):
-  """One chunk at positions start..start+C-1. Keeps each row's hidden state at its last prompt token; returns the
-  chunk's target features too (target_features: the hidden states, or the feature layers' outputs)."""
+  """One chunk at positions start[b]..start[b]+C-1 (int32[B]). Keeps each row's hidden state at its last prompt
+  token; returns the chunk's target features too (target_features: the hidden states, or the feature layers')."""
   B, C = chunk.shape
-  positions = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
-  cache = cache.replace(lengths=jnp.full((B,), start, jnp.int32))
+  start = start.astype(jnp.int32)
+  positions = start[:, None] + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
+  cache = cache.replace(lengths=start)
   _, hidden, cache, *layers = forward(params, chunk, positions, cache, config=config, impl=impl,
                                       compute_logits=False, return_layers=feature_layers, mesh=mesh)
   idx = prompt_lens - 1 - start
@@ -47,9 +48,11 @@ prefill_chunk = sharding.settled(jax.jit(_chunk, static_argnames=("config", "imp
 
 def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *, config: ModelConfig,
             impl: str = "xla", chunk: int = DEFAULT_CHUNK, return_all: bool = False, feature_layers: tuple = (),
-            mesh=None):
+            mesh=None, offsets=None):
   """Right-padded prompts [B, P] (P a multiple of `chunk`) -> (cache with lengths = prompt_lens, hidden[B, D]).
 
+  `offsets` int32[B] (None: zeros): row b's tokens are its positions offsets[b] .. on, after a cached prefix
+  whose K/V its pages already hold (a prefix-cache hit); prompt_lens are then whole lengths, prefix included.
   With `return_all`, the target features of every prompt position [B, P, F] come back third (EAGLE reads them):
   the hidden states, or the outputs of `feature_layers` side by side (spec_jax.rows.target_features).
   Inside another jit (slot insert) the jitted chunks simply inline.
@@ -60,8 +63,10 @@ def prefill(params, tokens: jax.Array, prompt_lens: jax.Array, cache: KVCache, *
   # numpy, not jnp: a host value every process holds, so a multi-host jit takes it as replicated
   last_hidden = np.zeros((B, config.d_model), params["final_norm"].dtype)
   every = []
+  offsets = np.zeros((B,), np.int32) if offsets is None else offsets
   for start in range(0, P, chunk):
-    cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], np.int32(start), cache,
+    cache, last_hidden, hidden = prefill_chunk(params, tokens[:, start:start + chunk], offsets + np.int32(start),
+                                               cache,
                                                prompt_lens, last_hidden, config=config, impl=impl,
                                                feature_layers=tuple(feature_layers) if return_all else (),
                                                mesh=mesh)

@@ -22,7 +22,7 @@ from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache
 from spec_jax.config import SamplingParams, validate_sampling
 from spec_jax.controls import Controls
 from spec_jax.grammar.rows import GrammarRows, blank_like, grammar_controls
-from spec_jax.admit import prefill_rows
+from spec_jax.admit import Resume, prefill_rows
 from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec
 from spec_jax.batch import check_fits
 from spec_jax.prefill import DEFAULT_CHUNK, bucket
@@ -50,6 +50,9 @@ class Request:
   logprobs: jax.Array
   logprobs_mode: jax.Array
   pages: jax.Array  # int32[pages_per_seq]: the slot's page table (serve/block_manager.py); -1s: keep the slot's own
+  cached: jax.Array  # int32[]: leading positions whose K/V `pages` already hold (a prefix-cache hit)
+  known: jax.Array  # int32[capacity]: the prompt, then the tokens already streamed (a recomputed request)
+  known_len: jax.Array  # int32[]
 
 
 @struct.dataclass
@@ -79,28 +82,43 @@ class Snapshot:
   lp_chosen: jax.Array  # the committed tokens' logprobs (spec_jax/logprobs.py; [B, 0] when the loop has none)
   lp_top_ids: jax.Array
   lp_top_vals: jax.Array
+  kv_lengths: jax.Array  # int32[B]: positions whose K/V every cache of the row holds (what a prefix cache may keep)
 
 
 def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, capacity: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, draft_cap: int | None = None, seed: int = 0,
                  chunk: int = DEFAULT_CHUNK, tenant: int = 0, controls: Controls | None = None, logprobs: int = -1,
                  logprobs_mode: str = "raw_logprobs", grammar: tuple = (None, None), pages=None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> Request:
+                 block_size: int = DEFAULT_BLOCK_SIZE, cached: int = 0, output_ids: Sequence[int] = ()) -> Request:
   """Host-side: check the request (ValueError with the reason) and pad it for `insert`. draft_cap: the row's
   draft-length cap (None: the loop's largest k; 0: never drafts). logprobs: the top logprobs returned per token
   (-1: none, 0: the token's own only), logprobs_mode: raw_logprobs or processed_logprobs. grammar: (a
   TokenAutomaton or None, the state's grammar capacity or None; spec_jax/grammar/rows.py). pages: the pages
   the request's K/V go to (int32, one per `block_size` tokens of `capacity`: a block manager's table row); None
-  keeps the slot's own (the contiguous table of `empty_state`)."""
+  keeps the slot's own (the contiguous table of `empty_state`). cached: the first `cached` prompt positions' K/V
+  are already in `pages` (a prefix-cache hit: a multiple of block_size, at most what `usable_prefix` allows);
+  only the rest is prefilled. output_ids: tokens already streamed for this request (it was preempted): the row
+  is recomputed from prompt + output_ids and continues after them, with max_new counting them."""
   n = len(prompt_ids)
   check_fits(spec.config, n, int(max_new), spec.lookahead, capacity)
+  known = list(prompt_ids) + list(output_ids)
+  if len(output_ids) >= int(max_new):
+    raise ValueError(f"{len(output_ids)} tokens already streamed of max_new {max_new}: nothing left to resume")
+  m = len(known) - (1 if output_ids else 0)  # the prefilled positions: the last streamed token is fed next
+  cached = int(cached)
+  if cached % block_size or not 0 <= cached < m:
+    raise ValueError(f"a cached prefix of {cached} tokens must be a multiple of block_size {block_size} below the "
+                     f"{m} positions to prefill")
   validate_sampling(temperature, top_k, top_p)
   lps.check(int(logprobs), logprobs_mode, spec.max_logprobs)
-  P, _ = bucket(n, chunk)
-  if P > capacity:
-    raise ValueError(f"prompt ({n} tokens) pads to {P}, over the slot capacity of {capacity} tokens")
+  P, _ = bucket(m - cached, chunk)
+  if cached + P > capacity:
+    raise ValueError(f"prompt ({m - cached} tokens to prefill) pads to {P}, over the slot capacity of {capacity} "
+                     f"tokens")
   tokens = np.zeros((P,), np.int32)
-  tokens[:n] = prompt_ids
+  tokens[:m - cached] = known[cached:m]
+  known_buf = np.zeros((capacity,), np.int32)
+  known_buf[:len(known)] = known
   pps = -(-capacity // block_size)
   pages = np.full((pps,), -1, np.int32) if pages is None else np.asarray(pages, np.int32)
   if pages.shape != (pps,):
@@ -112,7 +130,8 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
                  controls=grammar_controls(Controls.make(1) if controls is None else controls, grammar[0],
                                            grammar[1], spec.config.vocab_size),
                  logprobs=jnp.int32(logprobs), logprobs_mode=jnp.int32(lps.MODES[logprobs_mode]),
-                 pages=jnp.asarray(pages))
+                 pages=jnp.asarray(pages), cached=jnp.int32(cached), known=jnp.asarray(known_buf),
+                 known_len=jnp.int32(len(known)))
 
 
 def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0,
@@ -161,17 +180,22 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   S = state.capacity
   P = req.tokens.shape[0]
   _, chunk = bucket(P)
-  prompt, lens = req.tokens[None], req.prompt_len[None]
+  prompt = req.tokens[None]
   controls = req.controls
   if state.controls.grammar is not None and controls.grammar is None:  # an unconstrained row of a state with grammars
     controls = controls.replace(grammar=blank_like(state.controls.grammar, 1))
-  cache = KVCache.init(spec.config, 1, S, state.cache.k.dtype, block_size=state.cache.block_size)
   pages_row = jnp.where(req.pages[0] < 0, state.cache.pages[slot], req.pages)
   state = state.replace(cache=state.cache.with_page_row(slot, pages_row),
                         pstate=set_page_row(state.pstate, slot, pages_row))
+  # The prefill writes straight into the row's pages of the state's pools (the target's and the proposer's): a
+  # one-row view of each, starting after the cached prefix. Nothing is copied.
+  cache = state.cache.replace(lengths=req.cached[None], pages=pages_row[None])
+  lens = (req.known_len - (req.known_len > req.prompt_len))[None]  # the prefilled positions
+  resume = Resume(offsets=req.cached[None], known=req.known[None], known_lens=req.known_len[None],
+                  orig_lens=req.prompt_len[None], proposer_cache=proposer_cache(state.pstate))
   row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.draft_cap[None], req.key,
                      cache, capacity=S, chunk=chunk, controls=controls,
-                     logprobs=(req.logprobs[None], req.logprobs_mode[None]))
+                     logprobs=(req.logprobs[None], req.logprobs_mode[None]), resume=resume)
   put = functools.partial(write_row, slot=slot)
   row_pstate = row.pstate
   with_tenant = getattr(spec.proposer, "with_tenant", None)  # a proposer that drafts from others' text (suffix)
@@ -191,6 +215,23 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
       done_step=put(state.done_step, state.step[None]),
       logprobs=write_rows_tree(state.logprobs, row.logprobs, slot))
   return sharding.constrain_state(state, spec.mesh)
+
+
+def proposer_cache(pstate):
+  """The proposer state's own KV cache (a draft model's, the EAGLE layer's), or None."""
+  found = [x for x in jax.tree_util.tree_leaves(pstate, is_leaf=lambda x: isinstance(x, KVCache))
+           if isinstance(x, KVCache)]
+  return found[0] if found else None
+
+
+def usable_prefix(spec: LoopSpec, hit: int, block_size: int) -> int:
+  """Of a prefix-cache hit of `hit` tokens (whole pages), what a request may reuse: all of it, but one page less
+  for a proposer that starts from the target's features at every prompt position (EAGLE): its cached slot
+  before the reused prefix pairs that position's feature with the next token, so the page whose next token is
+  not part of the hit is recomputed (vLLM drops the last matched block for EAGLE the same way)."""
+  if spec.proposer.needs_prompt_hidden:
+    return max(0, hit - block_size)
+  return hit
 
 
 def set_page_row(tree, slot, pages_row):
@@ -255,4 +296,9 @@ def snapshot(state: DecodeState) -> Snapshot:
                   option_uses=cp(state.adapt.uses), step=cp(state.step), spec_enabled=cp(state.spec_enabled),
                   accepted_from_history=jnp.zeros_like(s.accepted) if from_hist is None else cp(from_hist),
                   lp_chosen=cp(state.logprobs.chosen), lp_top_ids=cp(state.logprobs.top_ids),
-                  lp_top_vals=cp(state.logprobs.top_vals))
+                  lp_top_vals=cp(state.logprobs.top_vals), kv_lengths=_kv_lengths(state))
+
+
+def _kv_lengths(state: DecodeState):
+  pc = proposer_cache(state.pstate)
+  return jnp.copy(state.cache.lengths) if pc is None else jnp.minimum(state.cache.lengths, pc.lengths)

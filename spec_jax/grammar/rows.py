@@ -127,6 +127,17 @@ def advance(g: GrammarRows, out, n_emit) -> GrammarRows:
   return g.replace(state=s)
 
 
+def advance_over(g: GrammarRows, tokens, start, stop) -> GrammarRows:
+  """The rows' states after tokens[b, start[b]:stop[b]] (a loop: the span may be long, e.g. a recomputed row's
+  streamed tokens)."""
+  def body(j, s):
+    tok = jnp.take_along_axis(tokens, jnp.clip(j, 0, tokens.shape[1] - 1)[:, None], axis=1)[:, 0]
+    return jnp.where(j < stop, _step(g, s, tok), s)
+  n = jnp.max(stop - start)
+  s = jax.lax.fori_loop(0, n, lambda i, s: body(start + i, s), g.state)
+  return g.replace(state=s)
+
+
 def forced_chain(g: GrammarRows, drafts, draft_probs):
   """Drafts [B, k] with every position the grammar forces (after the drafts before it) replaced by the forced
   token, and draft_probs [B, k, V] (None: deterministic drafts) one-hot there: the q that drew it. Positions

@@ -63,6 +63,11 @@ class PrefillOut:
   pages int32[B, P']: the target cache's page table; num_pages, block_size (static): its pool. A proposer with a
     KV cache of its own makes it with `cache_for`: the same table over a pool of as many pages, so a page id
     holds its tokens of every cache (spec_jax/cache.py).
+  offsets int32[B] | None: positions before prompt_tokens' first column, whose K/V (the proposer's too) the pages
+    already hold (a prefix-cache hit); prompt_tokens are then the positions offsets .. prompt_lens - 1, and
+    prompt_hidden holds those positions only.
+  proposer_cache: the decode state's own proposer cache (a slot insert): its pool is what `cache_for` returns, so
+    the proposer prefills straight into the request's pages.
   """
 
   prompt_tokens: jax.Array
@@ -75,11 +80,15 @@ class PrefillOut:
   chunk: int = struct.field(pytree_node=False, default=512)
   num_pages: int = struct.field(pytree_node=False, default=0)
   block_size: int = struct.field(pytree_node=False, default=16)
+  offsets: Optional[jax.Array] = None
+  proposer_cache: Optional[object] = None
 
   def cache_for(self, config, dtype, capacity: int):
     """An empty KV cache for a proposer's own model, paged like the target's (contiguous rows of `capacity`
     slots when no table is given)."""
     from spec_jax.cache import KVCache
+    if self.proposer_cache is not None:
+      return self.proposer_cache.replace(lengths=self.offsets, pages=self.pages)
     if self.pages is None:
       return KVCache.init(config, self.tokens.shape[0], capacity, dtype)
     B, pps = self.pages.shape

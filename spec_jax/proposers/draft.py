@@ -58,7 +58,7 @@ class DraftModelProposer:
     """Fill the draft cache with the prompts (the same padded chunks as the target's prefill)."""
     cache = prefill.cache_for(self.config, params["final_norm"].dtype, capacity)
     cache, _ = prefill_fn(params, prefill.prompt_tokens, prefill.prompt_lens, cache, config=self.config,
-                          impl=self.impl, chunk=prefill.chunk, mesh=self.mesh)
+                          impl=self.impl, chunk=prefill.chunk, mesh=self.mesh, offsets=prefill.offsets)
     return cache
 
   def insert(self, state: KVCache, slot, row_state: KVCache) -> KVCache:

@@ -232,12 +232,13 @@ class EagleProposer:
     prompt, lens, hidden = prefill.prompt_tokens, prefill.prompt_lens, prefill.prompt_hidden
     B, P = prompt.shape
     dtype = params["layer"]["q"].dtype
-    cache = prefill.cache_for(self.config, dtype, capacity)
+    off = jnp.zeros((B,), jnp.int32) if prefill.offsets is None else prefill.offsets
+    cache = prefill.cache_for(self.config, dtype, capacity).replace(lengths=off)
     nxt = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
-    pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    pos = off[:, None] + jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     _, cache = eagle_forward(params, self.config, hidden, nxt, pos, cache, impl=self.impl, mesh=self.mesh,
                              published=self.published)
-    last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(hidden, (lens - 1 - off)[:, None, None], axis=1)[:, 0]
     first = jnp.take_along_axis(prefill.tokens, (prefill.lengths - 1)[:, None], axis=1)[:, 0]
     return EagleState(cache=cache.replace(lengths=(lens - 1).astype(jnp.int32)), pend_feat=last.astype(dtype),
                       pend_tok=first.astype(jnp.int32))
