@@ -22,9 +22,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from spec_jax import kernels, sharding
+from spec_jax import kernels
 from spec_jax.quant import QTensor, qdot, take_rows
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
