@@ -135,7 +135,8 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
 
 
 def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None, seed: int = 0,
-                grammar_capacity=None, block_size: int = DEFAULT_BLOCK_SIZE, num_pages: int | None = None) -> DecodeState:
+                grammar_capacity=None, block_size: int = DEFAULT_BLOCK_SIZE,
+                num_pages: int | None = None) -> DecodeState:
   """A state of `batch` free slots of `capacity` tokens each (a multiple of the prefill chunk is best). With a
   mesh (spec.mesh) the slots split over `data`, so `batch` must be a multiple of it. grammar_capacity (states,
   token classes): every slot can then take a request with a grammar of up to that size (its Request's controls

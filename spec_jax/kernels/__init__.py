@@ -20,7 +20,16 @@ def resolve_impl(impl: str) -> str:
   return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(target_platform(), "xla")
 
 
-def check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer):
+def reads_pages(impl: str, block_size: int = 16) -> bool:
+  """Whether the kernel `impl` reads a paged cache of `block_size`-token pages through its page table (the XLA
+  reference reads each row's pages gathered into a logical cache, spec_jax/cache.py layer_view; so does the GPU
+  kernel when a page is not a Triton tile: a power of two >= 16)."""
+  impl = resolve_impl(impl).removesuffix(INTERPRET)
+  return impl == "pallas_tpu" or (impl == "pallas_gpu" and block_size >= 16 and not block_size & (block_size - 1))
+
+
+def check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer,
+                         pages=None):
   """Shape checks at trace time, with errors that say which argument disagrees."""
   if q.ndim != 4 or k_new.ndim != 4 or v_new.ndim != 4:
     raise ValueError(f"q, k_new, v_new must be 4-D, got {q.shape}, {k_new.shape}, {v_new.shape}")
@@ -32,6 +41,10 @@ def check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   if k_cache.shape != v_cache.shape:
     raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} disagree")
   Bk, Hkv, S, Dk = k_cache.shape[-4:]
+  if pages is not None:  # a pool of pages [L, N, Hkv, block, D]: the rows are the page table's
+    if pages.ndim != 2 or pages.shape[0] != B:
+      raise ValueError(f"pages must be [B, pages_per_seq] with B = {B}, got {pages.shape}")
+    Bk = B
   if Bk != B or Dk != D:
     raise ValueError(f"q {q.shape} and k_cache {k_cache.shape} disagree on batch or head_dim")
   if Hq % Hkv:
@@ -51,7 +64,7 @@ def check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale, window=None, tree_mask=None,
-              layer=None, impl: str = "auto", interpret: bool = False, mesh=None):
+              layer=None, impl: str = "auto", interpret: bool = False, mesh=None, pages=None):
   """q[B,T,Hq,D] of the T new tokens, their keys and values k_new/v_new[B,T,Hkv,D], against the committed
   cache -> [B,T,Hq,D].
 
@@ -61,9 +74,12 @@ def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale,
   tokens t' <= t, or those with tree_mask[(b,) t, t'] (bool [T, T] or per row [B, T, T]: a token tree, whose
   positions are the root's + depth). `window` is None, an int, or a traced int32 scalar (per scanned layer); a
   value <= 0 means none. With a `mesh`, a Pallas kernel runs per shard (`shard_map`): Mosaic and Triton calls
-  cannot be partitioned automatically.
+  cannot be partitioned automatically. `pages` int32[B, P]: k_cache/v_cache are page pools [L, N, Hkv, block, D]
+  read through this table (kernels that `reads_pages` only).
   """
-  check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer)
+  check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer, pages)
+  if pages is not None and not reads_pages(impl, k_cache.shape[-2]):
+    raise ValueError(f"attention impl {impl!r} reads gathered caches, not a page table")
   impl = resolve_impl(impl)
   if impl.endswith(INTERPRET):
     impl, interpret = impl.removesuffix(INTERPRET), True
@@ -78,9 +94,10 @@ def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale,
   if mesh is not None:
     from spec_jax.kernels.sharded import per_shard
     return per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask,
-                     layer)
+                     layer, pages)
+  extra = {} if pages is None else {"pages": pages}
   return kernel(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window=window, tree_mask=tree_mask,
-                layer=layer)
+                layer=layer, **extra)
 
 
-__all__ = ["attention", "attention_xla", "visibility", "resolve_impl", "IMPLS"]
+__all__ = ["attention", "attention_xla", "visibility", "resolve_impl", "reads_pages", "IMPLS"]

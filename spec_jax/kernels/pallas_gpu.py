@@ -27,9 +27,9 @@ from spec_jax.kernels.common import (NEG_INF, block_bounds, committed_visible, c
                                      row_inputs, to_rows)
 
 
-def _kernel(layer_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos_ref, q_ref, k_ref, v_ref, kn_ref,
-            vn_ref, *out_refs, scale: float, S: int, T: int, G: int, D: int, block_k: int, num_row_blocks: int,
-            num_splits: int, tree: bool, precision):
+def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos_ref, q_ref, k_ref,
+            v_ref, kn_ref, vn_ref, *out_refs, scale: float, S: int, T: int, G: int, D: int, block_k: int,
+            num_row_blocks: int, num_splits: int, tree: bool, precision, paged: bool):
   b = pl.program_id(0)
   h = pl.program_id(1)
   cell = b * num_row_blocks + pl.program_id(2)
@@ -76,7 +76,10 @@ def _kernel(layer_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos
     j = blk * block_k + offs
     # Masked loads: slots past the length (stale, or past S) and head-dim padding read as 0.
     ok = (j < length)[:, None] & d_ok
-    at = (layer, b, h, pl.ds(blk * block_k, block_k), pl.ds(0, Dp))
+    if paged:  # a block is a page, found through the table
+      at = (layer, pages_ref[b * (S // block_k) + blk], h, pl.ds(0, block_k), pl.ds(0, Dp))
+    else:
+      at = (layer, b, h, pl.ds(blk * block_k, block_k), pl.ds(0, Dp))
     k = plgpu.load(k_ref.at[at], mask=ok, other=0)
     v = plgpu.load(v_ref.at[at], mask=ok, other=0)
     return update(carry, scores(k), committed_visible(j[None, :], pos, length, win), v)
@@ -134,9 +137,12 @@ def _default_splits(programs: int, num_blocks: int) -> int:
 
 def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale, window=None,
                          tree_mask=None, layer=None, interpret=False, block_k: int = 64, max_rows: int | None = None,
-                         num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2):
+                         num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                         pages=None):
   """Same contract as spec_jax.kernels.attention (see reference.attention_xla).
 
+  pages int32[B, P]: k_cache/v_cache are page pools [L, N, Hkv, block, D] (spec_jax/cache.py; block a power of
+  two >= 16, a Triton tile): each loop step reads one page, found through the table.
   block_k: KV slots per loop step. max_rows: the most query rows (tokens x heads per kv head) one program
   holds; more (prefill) are cut into row blocks. num_splits: programs per row along the KV axis (None: enough
   to fill the GPU).
@@ -146,6 +152,12 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
     k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
   B, T, Hq, D = q.shape
   _, _, Hkv, S, _ = k_cache.shape
+  flat_pages = jnp.zeros((1,), jnp.int32)
+  if pages is not None:
+    if S < 16 or S & (S - 1):
+      raise ValueError(f"the GPU kernel reads pages of a power of two >= 16 tokens, got {S}")
+    block_k, S = S, pages.shape[1] * S
+    flat_pages = pages.astype(jnp.int32).reshape(-1)
   G = Hq // Hkv
   # Triton tiles must be powers of two, and tl.dot wants >= 16 per side.
   Dp = max(16, next_pow2(D))
@@ -155,7 +167,8 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   block_rows = min(max(16, next_pow2(T * G)), max_rows)
   R = round_up(T * G, block_rows)
   num_row_blocks = R // block_rows
-  block_k = max(16, next_pow2(min(block_k, max(S, 16))))
+  if pages is None:
+    block_k = max(16, next_pow2(min(block_k, max(S, 16))))
   Tp = round_up(T, block_k)
   num_blocks = -(-S // block_k)
   if num_splits is None:
@@ -174,6 +187,7 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
 
   kernel = functools.partial(_kernel, scale=float(scale), S=S, T=T, G=G, D=D, block_k=block_k,
                              num_row_blocks=num_row_blocks, num_splits=num_splits, tree=tree,
+                             paged=pages is not None,
                              # explicit: not jax_default_matmul_precision's (see pallas_tpu)
                              precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
   whole = lambda shape: pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -182,12 +196,12 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   else:
     aux_spec = pl.BlockSpec((None, block_rows), lambda b, h, r, s: (b, r))
   in_specs = [
-      whole((1,)), whole((B,)), whole(lo.shape), whole(hi.shape), whole((1,)),
+      whole((1,)), whole(flat_pages.shape), whole((B,)), whole(lo.shape), whole(hi.shape), whole((1,)),
       pl.BlockSpec((None, block_rows), lambda b, h, r, s: (b, r)),
       aux_spec,
       pl.BlockSpec((None, Tp), lambda b, h, r, s: (b, 0)),
       pl.BlockSpec((None, None, block_rows, Dp), lambda b, h, r, s: (b, h, r, 0)),
-      whole(k_cache.shape),  # the whole stacked cache: the kernel indexes layer, row and head itself
+      whole(k_cache.shape),  # the whole stacked cache (or pool): the kernel indexes layer, row (page), head
       whole(v_cache.shape),
       pl.BlockSpec((None, None, Tp, Dp), lambda b, h, r, s: (b, h, 0, 0)),
       pl.BlockSpec((None, None, Tp, Dp), lambda b, h, r, s: (b, h, 0, 0)),
@@ -203,7 +217,7 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
     out_shape = jax.ShapeDtypeStruct((B, Hkv, R, Dp), q.dtype)
     out_specs = pl.BlockSpec((None, None, block_rows, Dp), lambda b, h, r, s: (b, h, r, 0))
 
-  flops, transcendentals, bytes_accessed = cost_estimate(q, k_new, k_cache.shape[1:], k_cache.dtype)
+  flops, transcendentals, bytes_accessed = cost_estimate(q, k_new, (B, Hkv, S, D), k_cache.dtype)
   out = pl.pallas_call(
       kernel,
       grid=(B, Hkv, num_row_blocks, num_splits),
@@ -214,7 +228,8 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
       cost_estimate=pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed),
       interpret=interpret,
       name="spec_attention_gpu",
-  )(jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), lo, hi, win.reshape(1), pos, aux, npos,
+  )(jnp.asarray(layer, jnp.int32).reshape(1), flat_pages, lengths.astype(jnp.int32), lo, hi, win.reshape(1), pos,
+    aux, npos,
     q_rows, k_cache, v_cache, kn, vn)
 
   if num_splits > 1:

@@ -29,10 +29,10 @@ from spec_jax.kernels.common import (NEG_INF, block_bounds, committed_visible, c
 LANES = 128
 
 
-def _kernel(layer_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos_ref, q_ref, k_ref, v_ref, kn_ref,
-            vn_ref, o_ref, m_sc, l_sc, acc_sc, *, scale: float, num_row_blocks: int, num_committed: int,
+def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos_ref, q_ref, k_ref,
+            v_ref, kn_ref, vn_ref, o_ref, m_sc, l_sc, acc_sc, *, scale: float, num_row_blocks: int, num_committed: int,
             num_steps: int, last_token: tuple, tree: bool, precision):
-  del layer_ref  # used by the index maps only
+  del layer_ref, pages_ref  # used by the index maps only
   b = pl.program_id(0)
   r = pl.program_id(2)
   cell = b * num_row_blocks + r
@@ -96,9 +96,13 @@ def _kernel(layer_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos
 
 
 def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale, window=None,
-                         tree_mask=None, layer=None, interpret=False, block_k: int = 512, max_rows: int = 256):
+                         tree_mask=None, layer=None, interpret=False, block_k: int = 512, max_rows: int = 256,
+                         pages=None):
   """Same contract as spec_jax.kernels.attention (see reference.attention_xla).
 
+  pages int32[B, P]: k_cache/v_cache are then page pools [L, N, Hkv, block, D] (spec_jax/cache.py), row b's
+  slot s in page pages[b, s // block]: one grid step reads one page, found through the scalar-prefetched table
+  (no gathered copy of the rows' caches).
   block_k: KV slots per grid step. max_rows: the most query rows (tokens x heads per kv head) one step
   holds; more (prefill) are cut into row blocks. `interpret` may be True (generic Pallas interpreter) or a
   pltpu.InterpretParams (TPU-faithful interpreter: DMAs, NaN-filled uninitialized memory, bounds checks).
@@ -108,6 +112,12 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
     k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
   B, T, Hq, D = q.shape
   _, _, Hkv, S, _ = k_cache.shape
+  if pages is not None:  # pools of pages: a block is a page
+    block_k = S
+    S = pages.shape[1] * block_k
+    flat_pages = pages.astype(jnp.int32).reshape(-1)
+  else:
+    flat_pages = jnp.zeros((1,), jnp.int32)
   G = Hq // Hkv
   # Rows fill whole sublane tiles: 8 rows of 32-bit, 16 of 16-bit values.
   sublanes = 8 * max(1, 4 // q.dtype.itemsize)
@@ -117,7 +127,8 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   num_row_blocks = R // block_rows
   # A block's last two dims must be multiples of (8, 128) or the full array dims: (block_k, D) with D whole, and
   # block_k a multiple of 16 (f32 and packed bf16 tiles) or the whole S.
-  block_k = S if S <= block_k else round_up(block_k, 16)
+  if pages is None:
+    block_k = S if S <= block_k else round_up(block_k, 16)
   num_committed = -(-S // block_k)
   Tp = round_up(T, LANES)  # the new tokens lie along the lanes of the score tile
   num_steps = num_committed + Tp // LANES
@@ -137,10 +148,13 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   q_rows = to_rows(q, Hkv, R, D)
   kn, vn = new_tokens(k_new.astype(k_cache.dtype), Tp, D), new_tokens(v_new.astype(v_cache.dtype), Tp, D)
 
-  def kv_map(b, h, r, i, layer_ref, lens_ref, lo_ref, hi_ref, win_ref):
+  def kv_map(b, h, r, i, layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref):
     # Past the range (and at the new-token steps), repeat its last block: the same index is not fetched again.
     cell = b * num_row_blocks + r
-    return layer_ref[0], b, h, jnp.maximum(jnp.minimum(lo_ref[cell] + i, hi_ref[cell] - 1), 0), 0
+    blk = jnp.maximum(jnp.minimum(lo_ref[cell] + i, hi_ref[cell] - 1), 0)
+    if pages is None:
+      return layer_ref[0], b, h, blk, 0
+    return layer_ref[0], pages_ref[b * num_committed + blk], h, 0, 0
 
   new_block = lambda i: jnp.maximum(i - num_committed, 0)  # block 0 during the committed steps: fetched once
   row_map = lambda b, h, r, i, *_: (b, r, 0)
@@ -153,7 +167,7 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
       # user's setting), a bfloat16 dot asks Mosaic for float32 passes and fails ("Bad lhs type").
       precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=5,
+      num_scalar_prefetch=6,
       grid=(B, Hkv, num_row_blocks, num_steps),
       in_specs=[
           pl.BlockSpec((None, block_rows, 1), row_map),
@@ -169,7 +183,7 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
       scratch_shapes=[pltpu.VMEM((block_rows, 1), jnp.float32), pltpu.VMEM((block_rows, 1), jnp.float32),
                       pltpu.VMEM((block_rows, D), jnp.float32)],
   )
-  flops, transcendentals, bytes_accessed = cost_estimate(q, k_new, k_cache.shape[1:], k_cache.dtype)
+  flops, transcendentals, bytes_accessed = cost_estimate(q, k_new, (B, Hkv, S, D), k_cache.dtype)
   out = pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
@@ -179,6 +193,6 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
       cost_estimate=pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed),
       interpret=interpret,
       name="spec_attention_tpu",
-  )(jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), lo, hi, win.reshape(1), pos, aux, npos,
-    q_rows, k_cache, v_cache, kn, vn)
+  )(jnp.asarray(layer, jnp.int32).reshape(1), flat_pages, lengths.astype(jnp.int32), lo, hi, win.reshape(1), pos,
+    aux, npos, q_rows, k_cache, v_cache, kn, vn)
   return from_rows(out, T, Hq, D)

@@ -26,24 +26,34 @@ def head_split(num_heads: int, num_kv_heads: int, model: int) -> tuple:
   return None, None
 
 
-def per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer):
-  """kernel(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window=, tree_mask=, layer=) per shard."""
+def per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer,
+              pages=None):
+  """kernel(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window=, tree_mask=, layer=[, pages=]) per
+  shard. With `pages` (global ids, each row's in its data shard's share of the pool), each shard reads its own
+  share with its rows' ids made local."""
   B, _, Hq, _ = q.shape
   Hkv = k_cache.shape[-3]
   rows = "data" if B % mesh.shape["data"] == 0 else None
   qh, kvh = head_split(Hq, Hkv, mesh.shape["model"])
   stacked = (None,) if layer is not None else ()
   traced = {"window": window if isinstance(window, jax.Array) else None,
-            "tree_mask": tree_mask, "layer": None if layer is None else jnp.asarray(layer, jnp.int32)}
+            "tree_mask": tree_mask, "layer": None if layer is None else jnp.asarray(layer, jnp.int32),
+            "pages": pages}
   static_window = None if traced["window"] is not None else window
   names = [n for n, v in traced.items() if v is not None]
-  extra_specs = {"window": P(), "layer": P(),
+  extra_specs = {"window": P(), "layer": P(), "pages": P(rows, None),
                  "tree_mask": P(rows, None, None) if tree_mask is not None and tree_mask.ndim == 3 else P()}
 
   def one(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *extra):
     kw = dict(zip(names, extra))
+    paged = {}
+    if "pages" in kw:
+      share = k_cache.shape[-4]  # this shard's pages (the pool's axis after the layers)
+      index = jax.lax.axis_index("data") if rows else 0
+      paged = {"pages": kw["pages"] - index * share}
     return kernel(q, k_new, v_new, k_cache, v_cache, q_positions, lengths,
-                  window=kw.get("window", static_window), tree_mask=kw.get("tree_mask"), layer=kw.get("layer"))
+                  window=kw.get("window", static_window), tree_mask=kw.get("tree_mask"), layer=kw.get("layer"),
+                  **paged)
 
   cache = P(*stacked, rows, kvh, None, None)
   in_specs = (P(rows, None, qh, None), P(rows, None, kvh, None), P(rows, None, kvh, None), cache, cache,

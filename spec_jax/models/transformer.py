@@ -135,7 +135,7 @@ def layer_finish(c: ModelConfig, x, attn, p):
 
 
 def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, base, positions, lengths, *,
-                  impl: str = "xla", tree_mask=None, mesh=None, attn_input=None):
+                  impl: str = "xla", tree_mask=None, mesh=None, attn_input=None, pages=None):
   """One decoder layer over x [B, T, D] at positions [B, T] -> (x, k_new, v_new [B, T, K, d]).
 
   It reads the committed slots (< lengths[b]) of k_cache/v_cache [B, K, S, d] (a row's logical cache,
@@ -156,7 +156,7 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
     impl, layer = "xla", None
   attn = kernels.attention(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, positions,
                            lengths, scale=c.attn_scale, window=window, tree_mask=tree_mask, layer=layer, impl=impl,
-                           mesh=mesh)
+                           mesh=mesh, pages=pages)
   return layer_finish(c, x, attn, p), k, v
 
 
@@ -248,10 +248,14 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
 
   def body(x, xs):
     p, window, base, layer = xs
-    # Each layer reads its rows' pages as logical [B, Hkv, S, D] caches (a gather; zero past each length).
-    kc, vc = (None, None) if cache is None else cache.layer_view(layer, mesh)
-    x, k_new, v_new = decoder_layer(c, x, p, kc, vc, None, window, base, positions, lengths, impl=impl,
-                                    tree_mask=tree_mask, mesh=mesh)
+    # A kernel that reads pages gets the pools and the table; the others read each row's pages gathered into a
+    # logical [B, Hkv, S, D] cache (zero past each length).
+    if cache is not None and kernels.reads_pages(impl, cache.block_size):
+      kc, vc, at, pages = cache.k, cache.v, layer, cache.pages
+    else:
+      (kc, vc), at, pages = ((None, None) if cache is None else cache.layer_view(layer, mesh)), None, None
+    x, k_new, v_new = decoder_layer(c, x, p, kc, vc, at, window, base, positions, lengths, impl=impl,
+                                    tree_mask=tree_mask, mesh=mesh, pages=pages)
     return x, ((k_new, v_new) if cache is not None else None, x if collect else None)
 
   # Nothing writes the pool inside the scan; all layers' new entries are written after it, in place, through

@@ -318,3 +318,30 @@ def test_reference_per_row_tree_is_each_row_alone(window):
     np.testing.assert_allclose(np.asarray(got[b:b + 1]), np.asarray(one), rtol=1e-6, atol=1e-6)
   shared = attention_xla(q, kn, vn, kc, vc, pos, lens, scale=0.3, window=window, tree_mask=tree[0])
   assert not np.allclose(np.asarray(shared[1:]), np.asarray(got[1:]))  # the rows' own trees were used
+
+
+@pytest.mark.parametrize("impl,block,tree,window", [("pallas_tpu", 16, False, None), ("pallas_tpu", 8, "rows", 12),
+                                                    ("pallas_tpu", 32, True, None), ("pallas_gpu", 16, "rows", 12),
+                                                    ("pallas_gpu", 32, False, None)])
+def test_kernels_read_pages_through_the_table(impl, block, tree, window):
+  """Page pools with shuffled tables (no row's pages contiguous), every page no row owns NaN: the kernel reading
+  pages through the table equals the reference on the rows' logical caches, for chains and tree masks."""
+  from spec_jax.cache import KVCache
+  from tests.paged import to_paged
+  rng = np.random.default_rng(block)
+  B, T, Hq, Hkv, D, S, L = 3, 5, 4, 2, 128, 64, 2
+  lengths = [37, 5, 60 - T]
+  q, kn, vn, kc, vc, pos, lens, mask = make_inputs(rng, B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, S=S, lengths=lengths,
+                                                   dtype=jnp.float32, tree=tree, L=L)
+  cache = to_paged(np.asarray(kc), np.asarray(vc), lengths, block, rng, fill=np.nan)
+  scale = 1.0 / np.sqrt(D)
+  for layer in range(L):
+    kview, vview = KVCache.layer_view(cache, jnp.int32(layer))
+    ref = attention_xla(q, kn, vn, kview, vview, pos, lens, scale=scale, window=window, tree_mask=mask)
+    out = jax.jit(lambda p: attention(q, kn, vn, cache.k, cache.v, pos, lens, scale=scale, window=window,
+                                      tree_mask=mask, layer=jnp.int32(layer), impl=impl + ":interpret",
+                                      pages=p))(cache.pages)
+    assert not np.isnan(np.asarray(out)).any()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="page table"):
+    attention(q, kn, vn, cache.k, cache.v, pos, lens, scale=scale, impl="xla", layer=jnp.int32(0), pages=cache.pages)
