@@ -173,14 +173,15 @@ def temporaries(dump_dir: str, top: int = 0) -> list:
   return [{"bytes": b, "instruction": n, "shape": sh} for b, n, sh in (values[:top] if top else values)]
 
 
-def cache_sized(temps: list, layer: tuple, itemsize: int, rows: tuple = ()) -> list:
+def cache_sized(temps: list, layer: tuple, itemsize: int, rows: tuple = (), pool: tuple = ()) -> list:
   """Temporaries that copy the KV cache (a layer of it, or more): `layer` = (slots, kv heads, capacity, head dim)
   of one layer's K on one chip; `rows`: the slot counts a copy may show (the chip's, and the whole batch's where
   the partitioner gathers the slots; default the layer's). A copy ends in the cache's (capacity, head dim)
   dimensions, has the slots' too (unless there is one slot), and at least half a layer's bytes (a weight re-laid
   out as [L, d_model, heads, head dim] can have the same numbers in other places). Logits, sampling and
   attention-score buffers are big too, but lack one of those; slot insert's one-row prefill cache has one row,
-  not the slots."""
+  not the slots. `pool` = (pages, kv heads, block, head dim) of one layer of the page pool on one chip: a
+  temporary ending in (block, head dim), with the pages, of half a pool layer or more, is a copy of the pool."""
   per_chip, _, capacity, head_dim = layer
   rows = set(rows) or {per_chip}
   half = int(np.prod(layer)) * itemsize // 2
@@ -188,6 +189,8 @@ def cache_sized(temps: list, layer: tuple, itemsize: int, rows: tuple = ()) -> l
   for t in temps:
     dims = [int(d) for d in re.findall(r"\d+", t["shape"].split("[", 1)[-1])]
     if dims[-2:] == [capacity, head_dim] and (per_chip == 1 or rows & set(dims)) and t["bytes"] >= half:
+      out.append(t)
+    elif pool and dims[-2:] == list(pool[2:]) and pool[0] in dims and t["bytes"] >= np.prod(pool) * itemsize // 2:
       out.append(t)
   return out
 
@@ -212,8 +215,9 @@ def compile_program(prog, device, capacity: int, cost: bool = True) -> dict:
       # Every temporary is checked (a small program's cache copies rank below its logits); the report keeps 5.
       temps = temporaries(dump)
       rec.update(compiled=True, **analyse(compiled, capacity), cost_source="the program as compiled",
-                 temporaries=temps[:5], cache_copies=cache_sized(temps, prog.cache_layer, prog.cache_itemsize,
-                                                                 prog.cache_rows) if prog.cache_layer else [])
+                 temporaries=temps[:5],
+                 cache_copies=cache_sized(temps, prog.cache_layer, prog.cache_itemsize, prog.cache_rows,
+                                          prog.cache_pool) if prog.cache_layer else [])
   if cost and rec["compiled"] and (rec["optimal_seconds"] or 0) < 0 and "ConcatBitcast" in compiled.as_text():
     with jax.default_device(device):
       cost = analyse(lowered.compile(compiler_options=UNSLICED), capacity)

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from spec_jax import sharding
-from spec_jax.cache import KVCache
+from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache, contiguous_pages
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.controls import Controls
 from spec_jax.proposers import registry
@@ -44,6 +44,7 @@ class Program:
   cache_layer: tuple = ()
   cache_rows: tuple = ()
   cache_itemsize: int = 2
+  cache_pool: tuple = ()  # one layer of the page pool on one chip: (pages, kv heads, block, head dim)
 
 
 def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -> dict:
@@ -53,8 +54,10 @@ def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -
     spec = sharding.cache_spec((config.num_layers, slots, heads, capacity, config.head_dim), mesh)
     rows //= mesh.shape[spec[1]] if spec[1] else 1
     heads //= mesh.shape[spec[2]] if spec[2] else 1
+  pages = contiguous_pages(slots, -(-capacity // DEFAULT_BLOCK_SIZE), sharding.axis_size(mesh, "data"))
+  pages //= sharding.axis_size(mesh, "data")
   return dict(cache_layer=(rows, heads, capacity, config.head_dim), cache_rows=tuple(sorted({rows, slots})),
-              cache_itemsize=jnp.dtype(dtype).itemsize)
+              cache_itemsize=jnp.dtype(dtype).itemsize, cache_pool=(pages, heads, DEFAULT_BLOCK_SIZE, config.head_dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +220,10 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
                             sampling=jax.eval_shape(lambda: SamplingParams.make(1)),
                             draft_cap=SDS((), jnp.int32), key=SDS((2,), jnp.uint32),
                             tenant=SDS((), jnp.int32), controls=jax.eval_shape(lambda: Controls.make(1)),
-                            logprobs=SDS((), jnp.int32), logprobs_mode=SDS((), jnp.int32))
+                            logprobs=SDS((), jnp.int32), logprobs_mode=SDS((), jnp.int32),
+                            pages=SDS((-(-max_model_len // DEFAULT_BLOCK_SIZE),), jnp.int32),
+                            cached=SDS((), jnp.int32), known=SDS((max_model_len,), jnp.int32),
+                            known_len=SDS((), jnp.int32))
         out.append(Program(f"insert[{label}, prompt {P_}]", slots.insert,
                            (params, state, place.replicated(SDS((), jnp.int32)), place.replicated(req), spec),
                            **cache_info))
@@ -232,7 +238,7 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
       chunk = min(DEFAULT_CHUNK, bucket(max_model_len // 2)[1])
       out.append(Program(f"prefill_chunk[{chunk} tokens x {rows} rows]", prefill_chunk,
                          (params["target"], place.rows(SDS((rows, chunk), jnp.int32)),
-                          place.replicated(SDS((), jnp.int32)), cache, place.rows(SDS((rows,), jnp.int32)),
+                          place.rows(SDS((rows,), jnp.int32)), cache, place.rows(SDS((rows,), jnp.int32)),
                           place.rows(SDS((rows, config.d_model), dtype))),
                          dict(config=config, impl=impl, mesh=place.mesh), **cache_info))
   return out

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from spec_jax import kernels
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models import transformer as tfm
@@ -131,11 +132,21 @@ def _embed(params: dict, cfg: ModelConfig, toks, dtype):
   return tfm.embed({"embed": params["embed"], "final_norm": jnp.zeros((), dtype)}, toks, cfg).astype(dtype)
 
 
+def cache_read(cache: KVCache, impl: str, mesh=None):
+  """What the head's attention reads: (pool k, pool v, page table) for a kernel that reads pages, else each row's
+  pages gathered ([B, Hkv, S, D] each, no table)."""
+  if kernels.reads_pages(impl, cache.block_size):
+    return cache.k, cache.v, cache.pages
+  return (*cache.layer_view(jnp.int32(0), mesh), None)
+
+
 def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, v_cache, lengths, *,
-               published: Optional[Published] = None, impl: str = "xla", tree_mask=None, mesh=None):
-  """The head's layer over (feature, token) pairs -> (the layer's output x [B, T, D], k_new, v_new)."""
+               published: Optional[Published] = None, impl: str = "xla", tree_mask=None, mesh=None, pages=None):
+  """The head's layer over (feature, token) pairs -> (the layer's output x [B, T, D], k_new, v_new). With
+  `pages`, k_cache/v_cache are the head's page pools (cache_read)."""
   run = functools.partial(tfm.decoder_layer, cfg, p=params["layer"], k_cache=k_cache, v_cache=v_cache,
-                          layer=None, window=jnp.int32(0), base=jnp.float32(cfg.rope_base),
+                          layer=None if pages is None else jnp.int32(0), pages=pages, window=jnp.int32(0),
+                          base=jnp.float32(cfg.rope_base),
                           positions=positions, lengths=lengths, impl=impl, tree_mask=tree_mask, mesh=mesh)
   x, attn_in = layer_inputs(params, cfg, feats, toks, published)
   return run(x, attn_input=attn_in)
@@ -188,9 +199,9 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
 
   params needs "embed" (the target's frozen token embedding, or a published head's own) beside the EAGLE weights.
   """
-  kc, vc = cache.layer_view(jnp.int32(0), mesh)
+  kc, vc, pages = cache_read(cache, impl, mesh)
   x, k_new, v_new = layer_step(params, cfg, feats, toks, positions, kc, vc, cache.lengths,
-                               published=published, impl=impl, mesh=mesh)
+                               published=published, impl=impl, mesh=mesh, pages=pages)
   # The rows are written after the layer has read the cache: with nothing ordering the attention call and the
   # row loop, XLA:GPU's copy insertion copied the whole cache around the loop (7 copies a step on an H200).
   x, ck, cv = jax.lax.optimization_barrier((x, cache.k, cache.v))
@@ -281,11 +292,11 @@ class EagleProposer:
                                 impl=self.impl, mesh=self.mesh, published=self.published)
     cache = cache.replace(lengths=ctx.lengths - 1)
     logp = lambda f: jax.nn.log_softmax(head_logits(params, self.config, f, self.published), axis=-1)
-    kc, vc = cache.layer_view(jnp.int32(0), self.mesh)  # read once for every expansion
+    kc, vc, pages = cache_read(cache, self.impl, self.mesh)  # read once for every expansion
 
     def score(tokens, parent_feat, depths, mask):
       x, _, _ = layer_step(params, self.config, parent_feat, tokens, (ctx.lengths - 2)[:, None] + depths, kc,
-                           vc, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask,
+                           vc, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask, pages=pages,
                            mesh=self.mesh)
       out = out_feature(params, self.config, x, self.published)
       return logp(out), out

@@ -30,3 +30,14 @@ def test_a_weight_with_the_same_numbers_is_not_a_cache_copy():
   layer = (8, 2, 4096, 128)
   temps = [_t("bf16[32,4096,8,128]", 32 * 4096 * 8 * 128 * 2), _t("bf16[32,8,2,4096,128]", 32 * 8 * 2 * 4096 * 256)]
   assert [t["shape"] for t in cache_sized(temps, layer, 2)] == ["bf16[32,8,2,4096,128]"]
+
+
+def test_a_copy_of_the_page_pool_is_found():
+  """A paged cache: one layer of the pool on a chip is (pages, kv heads, block, head dim); a temporary ending in
+  (block, head dim) with the pages and half a pool layer's bytes is a copy, a page-sized one is not."""
+  layer, pool = (16, 8, 4096, 128), (4097, 8, 16, 128)
+  full = 4097 * 8 * 16 * 128 * 2
+  temps = [_t("bf16[32,4097,8,16,128]", 32 * full), _t("bf16[1,8,16,128]", 8 * 16 * 128 * 2),
+           _t("bf16[4097,8,16,128]", full)]
+  assert [t["shape"] for t in cache_sized(temps, layer, 2, pool=pool)] == ["bf16[32,4097,8,16,128]",
+                                                                          "bf16[4097,8,16,128]"]
