@@ -199,7 +199,7 @@ def compile_program(prog, device, capacity: int, cost: bool = True) -> dict:
   """Compile `prog` for `device` and analyse it. `cost=False` skips the second compile that a program needs for a
   cost estimate when XLA:TPU's sliced prefetch leaves it without one (what a check of memory alone can spare)."""
   t0 = time.perf_counter()
-  rec = {"name": prog.name, "note": prog.note}
+  rec = {"name": prog.name, "note": prog.note, "pool_bytes": prog.pool_bytes, "pool_pages": prog.pool_pages}
   options = dict(GPU_OPTIONS) if device.platform == "gpu" else {}
   with tempfile.TemporaryDirectory() as dump:
     options.update(xla_dump_to=dump, xla_dump_hlo_pass_re="^$")  # the buffer assignment only, no pass dumps

@@ -45,6 +45,10 @@ class Program:
   cache_rows: tuple = ()
   cache_itemsize: int = 2
   cache_pool: tuple = ()  # one layer of the page pool on one chip: (pages, kv heads, block, head dim)
+  # The decode state's page pools on one chip (every KV cache: the target's and a proposer's), in bytes and pages:
+  # what the report sizes the largest pool that fits from.
+  pool_bytes: int = 0
+  pool_pages: int = 0
 
 
 def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -> dict:
@@ -58,6 +62,16 @@ def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -
   pages //= sharding.axis_size(mesh, "data")
   return dict(cache_layer=(rows, heads, capacity, config.head_dim), cache_rows=tuple(sorted({rows, slots})),
               cache_itemsize=jnp.dtype(dtype).itemsize, cache_pool=(pages, heads, DEFAULT_BLOCK_SIZE, config.head_dim))
+
+
+def pool_of(state, mesh=None) -> dict:
+  """Bytes and pages of every KV page pool of an (abstract) decode state, on one chip."""
+  from spec_jax.cache import KVCache
+  pools = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, KVCache))
+           if isinstance(x, KVCache)]
+  chip = lambda a: (a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None else a.shape)
+  nbytes = sum(2 * int(np.prod(chip(c.k))) * jnp.dtype(c.k.dtype).itemsize for c in pools)
+  return dict(pool_bytes=nbytes, pool_pages=int(chip(pools[0].k)[1]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +192,8 @@ def empty_state(params, spec, batch: int, capacity: int):
   """The abstract DecodeState of `batch` free slots (slots.empty_state's own program, traced)."""
   from spec_jax import slots
   costs = SDS((len(spec.ks),), jnp.float32)
-  return jax.eval_shape(functools.partial(slots._empty, spec=spec, batch=batch, capacity=capacity), params,
+  return jax.eval_shape(functools.partial(slots._empty, spec=spec, batch=batch, capacity=capacity,
+                                          block_size=DEFAULT_BLOCK_SIZE, num_pages=None), params,
                         costs=costs, key=SDS((2,), jnp.uint32))
 
 
@@ -210,7 +225,8 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
       cache_info = cache_of(config, B, max_model_len, dtype, place.mesh)
       steps = place.replicated(SDS((), jnp.int32))
       out.append(Program(f"decode_loop[{label}]", decode_loop, (params, state, spec, steps),
-                         note=f"{B} slots x {max_model_len} tokens, options k in {list(ks)}", **cache_info))
+                         note=f"{B} slots x {max_model_len} tokens, options k in {list(ks)}",
+                         **pool_of(state, place.mesh), **cache_info))
       if tree_k > 1:
         continue
       # A request inserted into a running state: the prefill of one prompt plus a write of its row.

@@ -9,6 +9,37 @@ def num(x, scale: float, digits: int) -> str:
   return "n/a" if x is None else f"{x * scale:.{digits}f}"
 
 
+def pool_fit(run: dict, r: dict, block_size: int) -> dict | None:
+  """The largest KV page pool that fits beside everything else a decode loop holds on a chip: what the program
+  holds apart from its pools (weights, the rest of the state, temporaries) stays, the pools grow to the chip's
+  capacity. -> pages and bytes per chip, and how many max_model_len requests that is (per data shard's pool)."""
+  if not r.get("compiled") or not r.get("pool_pages"):
+    return None
+  page = r["pool_bytes"] / r["pool_pages"]
+  fixed = r["memory"]["total_bytes"] - r["pool_bytes"]
+  pages = max(int((run["capacity_bytes"] - fixed) // page), 0)
+  per_request = -(-run["max_model_len"] // block_size)
+  return dict(pages=pages, bytes=pages * page, page_bytes=page, requests=pages // per_request, fixed=fixed)
+
+
+def pool_section(run: dict, records: list, block_size: int = 16) -> list:
+  rows = [(r["name"], pool_fit(run, r, block_size)) for r in records]
+  rows = [(n, f) for n, f in rows if f is not None]
+  if not rows:
+    return []
+  gib = lambda b: f"{b / 2**30:.2f}"
+  out = ["", f"## The largest KV page pool per chip ({block_size}-token pages)", "",
+         f"Everything a decode loop holds apart from its page pools stays; the pools (the target's and a proposer's "
+         f"KV) grow to the chip's {gib(run['capacity_bytes'])} GiB. Requests: of {run['max_model_len']} tokens each, "
+         "in one data shard's pool.", "",
+         "| program | held apart from the pools GiB | bytes per page | pages | pool GiB | requests of max_model_len |",
+         "|---|---|---|---|---|---|"]
+  for name, f in rows:
+    out.append(f"| {name} | {gib(f['fixed'])} | {f['page_bytes']:.0f} | {f['pages']} | {gib(f['bytes'])} | "
+               f"{f['requests']} |")
+  return out
+
+
 def report_md(run: dict, records: list) -> str:
   gib = lambda b: f"{b / 2**30:.2f}"
   lines = [f"# AOT report: {run['model_shape']} on {run['topology']} ({run['chip']}, {run['chips']} chips, "
@@ -37,6 +68,7 @@ def report_md(run: dict, records: list) -> str:
         f"{num(r['flops'], 1e-9, 1)} | "
         f"{num(r['bytes_accessed'], 1e-9, 2)} | {num(r['optimal_seconds'], 1e3, 3)} | {kern} | "
         f"{', '.join(r['host_callbacks']) or 'none'} | {r['compile_seconds']} |")
+  lines += pool_section(run, records)
   bad = [r["name"] for r in records if not aot_compile.ok(r)]
   planned = run.get("programs_planned", len(records))
   lines += ["", f"**{len(records) - len(bad)} of {len(records)} programs compiled and fit, with no copy of the KV "
