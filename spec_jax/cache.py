@@ -216,36 +216,3 @@ def scatter_rows(k_pool, v_pool, k_new, v_new, pages, lengths, mesh=None):
 
   return _per_shard(fn, mesh, k_pool, pages, pool_args=(k_pool, v_pool), row_args=(k_new, v_new, lengths),
                     out_pool=True)
-
-
-def move_slots(k_pool, v_pool, pages, src, dst, mesh=None):
-  """Copy each row's logical slots src[b, j] to dst[b, j] (int32[B, W]; dst < 0: nothing), every layer: all W
-  entries are read before any is written, so a path may move onto slots that other moves read."""
-
-  def fn(kp, vp, pg, src, dst):
-    L, _, H, bs, D = kp.shape
-    B, W = src.shape
-    sp, so = _address(pg, src, bs)
-    dp, do = _address(pg, jnp.where(dst >= 0, dst, -1), bs)
-
-    n = B * W
-    at = lambda a, i: a[i // W, i % W]
-
-    def read(pool):
-      def one(i, buf):
-        return lax.dynamic_update_index_in_dim(
-            buf, lax.dynamic_slice(pool, (0, at(sp, i), 0, at(so, i), 0), (L, 1, H, 1, D)), i, 0)
-      return lax.fori_loop(0, n, one, jnp.zeros((n, L, 1, H, 1, D), pool.dtype))
-
-    # Every entry is read before any is written (two loops, a barrier between): a path may move onto slots that
-    # other moves read, and a loop that both read and wrote the pool made XLA:TPU copy it whole.
-    blocks = lax.optimization_barrier((read(kp), read(vp)))
-
-    def write(pool, blk):
-      def one(i, pool):
-        return lax.dynamic_update_slice(pool, blk[i], (0, at(dp, i), 0, at(do, i), 0))
-      return lax.fori_loop(0, n, one, pool)
-
-    return write(kp, blocks[0]), write(vp, blocks[1])
-
-  return _per_shard(fn, mesh, k_pool, pages, pool_args=(k_pool, v_pool), row_args=(src, dst), out_pool=True)

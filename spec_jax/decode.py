@@ -202,7 +202,7 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
 def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> DecodeState:
   """spec_step with a token tree: the proposer drafts N nodes per row, the target scores them all in one forward
   under the tree mask (positions = the root's + depth), `verify_tree` walks the tree, and the accepted path's K/V
-  are moved into consecutive cache slots (`tree.compact_accepted`) so the cache is a plain prefix again."""
+  are written into consecutive cache slots (`tree.write_accepted`; the forward writes none) so the cache stays a plain prefix."""
   k = spec.ks[option]
   shape = spec.proposer.tree
   N = shape.nodes
@@ -223,9 +223,10 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   tree_tokens = jnp.where(node == 0, last[:, None],
                           jnp.where(depths <= state.draft_cap[:, None], draft.tokens.astype(jnp.int32), -1))
   positions = (state.lengths - 1)[:, None] + depths
-  logits, hidden, cache, *layers = forward(params["target"], jnp.maximum(tree_tokens, 0), positions, state.cache,
-                                           config=spec.config, impl=spec.impl, tree_mask=mask,
-                                           return_layers=feature_layers(spec.proposer), mesh=spec.mesh)
+  logits, hidden, (k_new, v_new), *layers = forward(params["target"], jnp.maximum(tree_tokens, 0), positions,
+                                                    state.cache, config=spec.config, impl=spec.impl, tree_mask=mask,
+                                                    return_layers=feature_layers(spec.proposer), mesh=spec.mesh,
+                                                    write=False)
   hidden = target_features(hidden, layers[0] if layers else None)
   raw = logits
   logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
@@ -240,8 +241,8 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   n_emit = committed[2]
   state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit, state.lengths,
                                             path=nodes))  # the logits of the committed path's nodes
-  ck, cv = tree.compact_accepted(cache, state.cache.lengths, nodes, n_acc, mesh=spec.mesh)
-  cache = cache.replace(k=ck, v=cv, lengths=state.cache.lengths + n_emit)
+  cache = tree.write_accepted(state.cache, k_new, v_new, nodes, mesh=spec.mesh)
+  cache = cache.replace(lengths=state.cache.lengths + n_emit)
   # [B, k + 1, D] as a chain's; entries past the accepted path (node -1) repeat the root's (finite, never read)
   path_hidden = jnp.take_along_axis(hidden, jnp.maximum(nodes, 0)[:, :, None], axis=1)
   # Per depth d: drafted when the row's tree reaches depth d + 1; accepted when the committed path does.

@@ -1,13 +1,13 @@
-"""Token trees for tree speculation: depths, the tree attention mask, positions, and KV compaction after a verify.
+"""Token trees for tree speculation: depths, the tree attention mask, positions, and the accepted path's KV write.
 
 A tree is given per row by `parents` int32 [B, N]: node 0 is the root (parent -1), and every other node's parent
 has a lower index (so a node at depth d has index >= d). A node whose parent is -1 other than the root (e.g. a
 padding slot) counts as a root of its own: depth 0, attends to itself only. Everything is jittable with static
 shapes; nothing loops over nodes at run time.
 
-The loop feeds the N tree tokens at cache slots lengths + node index (positions base + depth), verifies with
-`spec_jax.verify.verify_tree`, then `compact_accepted` moves the kept K/V (root, then the accepted nodes) into
-consecutive slots so the cache is a plain prefix again.
+The loop feeds the N tree tokens (positions base + depth) in one forward that reads the cache without writing it,
+verifies with `spec_jax.verify.verify_tree`, then `write_accepted` writes the kept K/V (root, then the accepted
+nodes) into consecutive slots, so the cache is a plain prefix.
 """
 
 from __future__ import annotations
@@ -55,27 +55,14 @@ def tree_positions(base: jax.Array, parents: jax.Array) -> jax.Array:
   return (base.astype(jnp.int32)[:, None] + node_depths(parents)).astype(jnp.int32)
 
 
-def compact_accepted(cache, lengths: jax.Array, accepted_nodes: jax.Array, num_accepted: jax.Array, mesh=None):
-  """Move the accepted path's K/V into consecutive cache slots, per row, on device -> (k, v) pools.
-
-  cache: the KVCache (spec_jax/cache.py) where the tree forward wrote node i of row b at its slot lengths[b] + i.
-  accepted_nodes int32 [B, D+1] and num_accepted int32 [B] as verify_tree returns them: slot lengths[b] + t
-  receives node accepted_nodes[b, t] for 1 <= t <= num_accepted[b] (t = 0 is the root, which stays). Slots past
-  lengths + num_accepted are stale and may hold anything afterwards (they are beyond the new length). `lengths`
-  is not advanced here: the caller advances the cache by the tokens it commits (<= num_accepted + 1).
-
-  Only the path's entries move (W per row, through the page table: cache.move_slots), every read before any
-  write; a gather over the whole cache instead made XLA:TPU re-lay out and copy it on every step.
-  """
-  from spec_jax.cache import move_slots
-  lengths = lengths.astype(jnp.int32)
-  w = accepted_nodes.shape[1]
-  t = jnp.arange(w, dtype=jnp.int32)[None, :]
-  node = accepted_nodes.astype(jnp.int32)
-  moves = (t >= 1) & (t <= num_accepted.astype(jnp.int32)[:, None]) & (node != t) & (node >= 0)
-  src = lengths[:, None] + jnp.maximum(node, 0)
-  dst = jnp.where(moves, lengths[:, None] + t, -1)
-  return move_slots(cache.k, cache.v, cache.pages, src, dst, mesh)
+def write_accepted(cache, k_new, v_new, accepted_nodes, mesh=None):
+  """The accepted path's K/V, from the tree forward's unwritten k_new/v_new [L, B, N, Hkv, D] (node order), into
+  consecutive slots cache.lengths[b] + t (t = 0 the root) -> the cache (lengths not advanced). accepted_nodes
+  int32 [B, D+1] as verify_tree returns them (-1 past the path: those slots get the root's K/V again, beyond the
+  length the caller commits, never read). Only D + 1 entries per row are written, and the pool is never read
+  (moving the path within the pool after writing every node made XLA:TPU re-lay out and copy it every step)."""
+  take = lambda x: jnp.take_along_axis(x, jnp.maximum(accepted_nodes, 0)[None, :, :, None, None], axis=2)
+  return cache.write(take(k_new), take(v_new), mesh)
 
 
 @dataclasses.dataclass(frozen=True)

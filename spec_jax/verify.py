@@ -177,7 +177,7 @@ def verify_tree(
     num_accepted int32 [B] in [0, D].
     accepted_nodes int32 [B, D+1]: the root 0, then the accepted nodes in path order; -1 after the first
       num_accepted[b] + 1. These are the nodes whose fed tokens' K/V the cache keeps (root included): see
-      spec_jax.tree.compact_accepted.
+      spec_jax.tree.write_accepted.
   """
   b, n, _ = target_logits.shape
   depth = n - 1 if max_depth is None else int(max_depth)

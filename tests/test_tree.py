@@ -61,41 +61,28 @@ def test_chain_depth_is_index():
   np.testing.assert_array_equal(tree.node_depths(jnp.asarray(parents)), np.arange(8)[None])
 
 
-def ref_compact(k, lengths, nodes, n_acc):
-  """k in slot-major order [L, B, S, H, D]: the reference moves whole slots."""
-  out = k.copy()
-  for r in range(k.shape[1]):
-    for t in range(n_acc[r] + 1):
-      out[:, r, lengths[r] + t] = k[:, r, lengths[r] + nodes[r, t]]
-  return out
-
-
 @pytest.mark.parametrize("block_size", [1, 2, 8])
-def test_compact_accepted_moves_path_keeps_prefix(block_size):
-  """Through a shuffled page table: rows whose path crosses page boundaries, one touching the end of its table."""
+def test_write_accepted_writes_the_path_and_keeps_the_prefix(block_size):
+  """Through a shuffled page table with NaN elsewhere: rows whose path crosses page boundaries, one reaching the
+  end of its table; slots lengths + t receive node nodes[t] for t <= n_acc, nothing below the length moves."""
   rng = np.random.default_rng(3)
-  l, b, s, h, d = 2, 4, 24, 2, 3
-  k = rng.normal(size=(l, b, s, h, d)).astype(np.float32)
-  v = rng.normal(size=(l, b, s, h, d)).astype(np.float32)
-  lengths = np.array([0, 5, 9, 20], np.int32)  # row 3: lengths + D + 1 = 24 = S, the window touches the end
+  l, b, s, h, d, n = 2, 4, 24, 2, 3, 8
+  k = rng.normal(size=(l, b, h, s, d)).astype(np.float32)
+  kn = rng.normal(size=(l, b, n, h, d)).astype(np.float32)  # the tree forward's unwritten K/V, node order
+  lengths = np.array([0, 5, 9, 20], np.int32)  # row 3: lengths + D + 1 = 24 = S
   nodes = np.array([[0, 2, 5, 7], [0, 1, 3, -1], [0, -1, -1, -1], [0, 1, 2, 3]], np.int32)
   n_acc = np.array([3, 2, 0, 3], np.int32)
-  heads_first = lambda x: np.swapaxes(x, 2, 3)  # the cache is [L, B, H, S, D]; the reference is slot-major
-  cache = to_paged(heads_first(k), heads_first(v), lengths, block_size, rng, fill=np.nan)
-  fn = jax.jit(tree.compact_accepted)
-  k2, v2 = fn(cache, jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc))
-  k2, v2 = (np.swapaxes(logical(x, cache.pages), 2, 3) for x in (k2, v2))
-  rk, rv = ref_compact(k, lengths, nodes, n_acc), ref_compact(v, lengths, nodes, n_acc)
+  cache = to_paged(k, k, lengths, block_size, rng, fill=np.nan)
+  out = jax.jit(tree.write_accepted)(cache, jnp.asarray(kn), jnp.asarray(kn), jnp.asarray(nodes))
+  got = logical(out.k, out.pages)
   for r in range(b):
-    keep = lengths[r] + n_acc[r] + 1  # the committed prefix after the step, including the moved entries
-    np.testing.assert_array_equal(k2[:, r, :keep], rk[:, r, :keep])
-    np.testing.assert_array_equal(v2[:, r, :keep], rv[:, r, :keep])
-    # Nothing below the old length is touched, in any row.
-    np.testing.assert_array_equal(k2[:, r, :lengths[r]], k[:, r, :lengths[r]])
+    np.testing.assert_array_equal(got[:, r, :, :lengths[r]], k[:, r, :, :lengths[r]])
+    for t in range(n_acc[r] + 1):
+      np.testing.assert_array_equal(got[:, r, :, lengths[r] + t], kn[:, r, nodes[r, t]])
 
 
-def test_compact_after_verify_tree_matches_path_tokens():
-  """End to end on fake K/V that store the fed token: after verify_tree + compaction, slots lengths .. lengths + n
+def test_write_after_verify_tree_matches_path_tokens():
+  """End to end on fake K/V that store the fed token: after verify_tree + write_accepted, slots lengths .. lengths + n
   hold the root then the accepted tokens, i.e. the committed tokens minus the not-yet-fed last one."""
   rng = np.random.default_rng(5)
   b, n, v, s = 6, 9, 7, 32
@@ -112,11 +99,10 @@ def test_compact_after_verify_tree_matches_path_tokens():
   assert n_acc.max() >= 2
   lengths = rng.integers(0, s - n, size=b).astype(np.int32)
   cache = np.full((1, b, 1, s, 1), -5.0, np.float32)  # [L, B, H, S, D]
-  for r in range(b):
-    cache[0, r, 0, lengths[r]:lengths[r] + n, 0] = toks[r]
+  fed = np.broadcast_to(toks[None, :, :, None, None], (1, b, n, 1, 1)).astype(np.float32)  # K/V = the fed token
   paged = to_paged(cache, cache, lengths, 4, rng)
-  k2, _ = tree.compact_accepted(paged, jnp.asarray(lengths), jnp.asarray(nodes), jnp.asarray(n_acc))
-  k2 = logical(k2, paged.pages)[0, :, 0, :, 0]
+  out = tree.write_accepted(paged, jnp.asarray(fed), jnp.asarray(fed), jnp.asarray(nodes))
+  k2 = logical(out.k, out.pages)[0, :, 0, :, 0]
   for r in range(b):
     m = n_acc[r]
     np.testing.assert_array_equal(k2[r, lengths[r]:lengths[r] + m + 1], np.r_[toks[r, 0], tokens[r, :m]])

@@ -222,8 +222,11 @@ def lm_head(params, hidden):
 
 def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, *, config: ModelConfig,
             impl: str = "xla", compute_logits: bool = True, return_layers: Sequence[int] = (),
-            tree_mask=None, mesh=None):
+            tree_mask=None, mesh=None, write: bool = True):
   """tokens/positions [B, T] -> (logits [B, T, V] float32 | None, hidden [B, T, D], cache | None[, layer hiddens]).
+
+  write=False: the cache is read but not written, and the new tokens' K/V come back in its place as
+  (k_new, v_new) [L, B, T, Hkv, D] (a token tree writes only its accepted path, spec_jax/decode.py).
 
   With a cache, the new K/V land at slots cache.lengths[b] + t; `cache.lengths` is not advanced (the caller
   commits). With cache=None, the T tokens attend only to each other (causal, sliding-windowed by position), no
@@ -232,8 +235,9 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
   of those layers (0-based, before the final norm) come back too as [len(return_layers), B, T, D].
   `tree_mask` bool [B, T, T]: the T tokens are a token tree (spec_jax/tree.py): token t attends to the committed
   cache and to the new tokens t' with tree_mask[b, t, t'] (its ancestors and itself) instead of t' <= t; pass
-  positions = the root's position + each node's depth. The K/V still land at slots lengths[b] + t (node order);
-  tree.compact_accepted moves the accepted path together afterwards. `mesh`: where a Pallas kernel runs per shard.
+  positions = the root's position + each node's depth. Written, the K/V land at slots lengths[b] + t (node
+  order); the decode loop passes write=False and tree.write_accepted writes the accepted path alone. `mesh`:
+  where a Pallas kernel runs per shard.
   """
   c = config
   impl = kernels.resolve_impl(impl)
@@ -265,7 +269,7 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
                                         unroll=True if _UNROLL_LAYERS.get() else 1)
   new_cache = None
   if cache is not None:
-    new_cache = cache.write(new_kv[0], new_kv[1], mesh)
+    new_cache = cache.write(new_kv[0], new_kv[1], mesh) if write else new_kv
   hidden = rms_norm(x, params["final_norm"], c.norm_eps)
   logits = lm_head(params, hidden) if compute_logits else None
   if collect:
