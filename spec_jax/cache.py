@@ -197,33 +197,22 @@ def _address(pages, slots, bs):
 def scatter_rows(k_pool, v_pool, k_new, v_new, pages, lengths, mesh=None):
   """k_new, v_new [L, B, T, Hkv, D] -> pools with token t of row b at its slot lengths[b] + t.
 
-  Page by page: each page a row's T tokens touch is read, merged with the tokens that fall in it and written back
-  whole (a loop of dynamic_update_slices, each in place; XLA:CPU copies the whole buffer for a scatter). A
-  page-shaped update keeps the pool's (block, head dim) tiles: one token's [L, 1, Hkv, 1, D] updates made
-  XLA:TPU carry the pool with its layers minor, copied in and out of every loop call."""
+  One dynamic_update_slice per token (B * T of them, in a loop): each updates the pool in place, where XLA:CPU
+  copies the whole buffer for a scatter."""
 
   def fn(kp, vp, pg, kn, vn, lengths):
     L, B, T, H, D = kn.shape
-    bs, npp = kp.shape[3], pg.shape[1]
-    span = -(-(T + bs - 1) // bs)  # the most pages T consecutive slots touch
-    rows = jnp.arange(bs, dtype=jnp.int32)
+    page, off = _address(pg, lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], kp.shape[3])
 
     def one(i, pools):
-      b, j = i // span, i % span
-      blk = lengths[b] // bs + j
-      page = jnp.where(blk < npp, pg[b, jnp.minimum(blk, npp - 1)], NULL_PAGE)
-      t = blk * bs + rows - lengths[b]  # the token each row of the page receives, if in [0, T)
-      inside = ((t >= 0) & (t < T))[None, None, None, :, None]
+      b, t = i // T, i % T
       out = []
       for pool, new in zip(pools, (kn, vn)):
-        old = lax.dynamic_slice(pool, (0, page, 0, 0, 0), (L, 1, H, bs, D))
-        mine = lax.dynamic_index_in_dim(new, b, 1, keepdims=False)  # [L, T, H, D]
-        tok = jnp.take(mine, jnp.clip(t, 0, T - 1), axis=1).transpose(0, 2, 1, 3)[:, None]  # [L, 1, H, bs, D]
-        out.append(lax.dynamic_update_slice(pool, jnp.where(inside, tok.astype(pool.dtype), old),
-                                            (0, page, 0, 0, 0)))
+        tok = lax.dynamic_slice(new, (0, b, t, 0, 0), (L, 1, 1, H, D)).reshape(L, 1, H, 1, D)
+        out.append(lax.dynamic_update_slice(pool, tok.astype(pool.dtype), (0, page[b, t], 0, off[b, t], 0)))
       return tuple(out)
 
-    return lax.fori_loop(0, B * span, one, (kp, vp))
+    return lax.fori_loop(0, B * T, one, (kp, vp))
 
   return _per_shard(fn, mesh, k_pool, pages, pool_args=(k_pool, v_pool), row_args=(k_new, v_new, lengths),
                     out_pool=True)
