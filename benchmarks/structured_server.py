@@ -6,8 +6,9 @@ arm, all started at once on loopback (as the load matrix starts them: serve/load
   ngram+forced  n-gram, k = --num_speculative_tokens; the grammar's forced tokens are drafts too (always, in the server)
   forced        grammar-forced drafts alone (method "grammar", spec_jax/proposers/grammar_only.py, via --plugins)
 
-Every server runs the same flags (configs/gemma3_270m.py, bfloat16, 4 slots, adaptive k with the config's step costs,
-the plugin loaded) but its --speculative_config. The points run interleaved: for each repeat, for each concurrency,
+Every server runs the same flags (configs/gemma3_270m.py, bfloat16, 4 slots, the plugin loaded, k fixed as in
+benchmarks/structured.py: --adaptive=false) but its --speculative_config. (With adaptive k the controller turns
+forced drafts alone off: it scores a probe step with nothing forced as 0 of k accepted.) The points run interleaved: for each repeat, for each concurrency,
 each arm in turn (plain, ngram+forced, forced, plain, ...); idle servers sleep. Per arm and concurrency: output tok/s
 (completion tokens over the point's wall time, first send to last answer), mean request latency, the acceptance rate
 (usage's accepted / drafted tokens), the share of outputs valid against the schema (must be 100 %) and of outputs
@@ -40,7 +41,7 @@ flag_table.define(FLAG_NAMES, limit=24, max_new_tokens=96, num_speculative_token
 FLAGS = flags.FLAGS
 
 SERVER_FLAGS = {"config": "configs/gemma3_270m.py", "dtype": "bfloat16", "max_num_seqs": 4, "max_queue": 64,
-                "plugins": "spec_jax.proposers.grammar_only"}
+                "plugins": "spec_jax.proposers.grammar_only", "adaptive": False}
 
 
 def arms(k: int) -> dict:
