@@ -121,7 +121,8 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
           top_k=0 if top_k == -1 else top_k, top_p=body.top_p if body.top_p is not None else cfg["top_p"],
           speculate=body.speculate is not False,
           seed=(body.seed + sample) % (1 << 31) if body.seed is not None else secrets.randbits(31),
-          stop=body.stop_list(), output=output, tenant=tenant_of(body), tag=body.segment or "",
+          stop=body.stop_list(), output=output, tenant=tenant_of(body),
+          tag=body.segment or ("structured" if grammar is not None else ""),  # the policy's "structured" segment
           controls=dict(presence=body.presence_penalty or 0.0, frequency=body.frequency_penalty or 0.0,
                         repetition=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
                         min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos),

@@ -187,6 +187,7 @@ ROWS: dict[str, Row] = {
     "requests_per_kind": Row("integer", "benchmarks/suffix.py: requests per traffic kind (retries: that many rounded "
                              "up to whole prompts sent 3 times)."),
     "retry_temperature": Row("float", "benchmarks/suffix.py: the temperature of the sampled retries."),
+    "concurrencies": Row("list", "benchmarks/structured_server.py: the closed-loop concurrencies to measure at."),
 }
 
 SPEC_ROWS = ("speculative_config", "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",

@@ -9,7 +9,8 @@ An ordered list of rules; the first rule whose every match key holds wins, and t
 - `temperature`: "zero" (greedy) or "nonzero";
 - `prompt_tokens`, `max_tokens`, `busy_slots`: [lo, hi) buckets (hi null = no bound); busy_slots counts the
   requests holding a slot, this one included;
-- `segment`: the request's tag (`extra_body={"segment": "code"}`), compared as is.
+- `segment`: the request's tag (`extra_body={"segment": "code"}`), compared as is; a request with a structured
+  output (a grammar) and no tag of its own is tagged "structured".
 A rule's `num_speculative_tokens` caps the row's draft length (0: the row never drafts); the adaptive controller
 still picks the batch's k per step, and a row drafts min(that k, its cap). A rule's segment label (its `name`, or
 one made from its match) names it in metrics and the live report, so label values come from the policy and never

@@ -38,9 +38,10 @@ def prompt_lengths(records) -> dict:
 
 
 def segments_of(r: dict, plens: dict, edges) -> list[str]:
+  """"structured": the requests that asked for structured output (response_format), whatever their category."""
   return ["all", f"category={r['category']}",
           f"prompt={prompt_len_bucket(plens.get((r['prompt_id'], r.get('is_chat', False))), edges)}",
-          f"output={r['max_tokens']}"]
+          f"output={r['max_tokens']}"] + (["structured"] if r.get("structured") else [])
 
 
 def cell_stats(recs: list, wall_s: float) -> dict:

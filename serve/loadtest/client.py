@@ -109,6 +109,7 @@ async def stream_request(http: httpx.AsyncClient, base_url: str, req: Request, *
   """Send one streamed request, append its record to `sink` and return it. Never raises for server-side
   failures; a cancellation (the point's time bound) is recorded as 'cut' and re-raised."""
   rec = {"seq": req.seq, "prompt_id": req.prompt.id, "category": req.prompt.category, "is_chat": req.prompt.is_chat,
+         "structured": bool(req.prompt.response_format),
          "max_tokens": req.max_tokens, "sampling": req.sampling, "status": "ok", "http_status": None, "error": None,
          "t_send": None, "e2e": None, "prompt_tokens": None, "completion_tokens": None, "drafted_tokens": None,
          "accepted_tokens": None, "queue_time": None, "finish_reason": None, "token_count_source": None,

@@ -195,7 +195,7 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
   # Per-arm cell matrix.
   L += ["", "## Verdict per load and segment", "",
         "Each cell: verdict (deciding metric). Segments: all traffic, Spec-Bench category, prompt-length bucket "
-        "(prompt tokens), output budget (max_tokens).", ""]
+        "(prompt tokens), output budget (max_tokens), structured (requests with a response_format).", ""]
   keys = list(points)
   for arm in summary["arms"]:
     segs = sorted({s for k in keys for s in verdicts[arm].get(k, {})}, key=lambda s: (s != "all", s))
@@ -285,8 +285,8 @@ def _match_text(m: dict) -> str:
     return "everything else"
   parts = []
   for key, v in m.items():
-    if key == "temperature":
-      parts.append(f"temperature {v}")
+    if key in ("temperature", "segment"):
+      parts.append(f"{key} {v}")
     else:
       parts.append(f"{key} [{v[0]}, {'∞' if v[1] is None else v[1]})")
   return ", ".join(parts)

@@ -9,6 +9,7 @@ holds the same requests in every arm.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from typing import Optional
 
@@ -23,6 +24,7 @@ class PromptRec:
   text: str  # the raw prompt, or the first user turn of a chat prompt
   is_chat: bool
   index: int  # position in the prompt file: decides the output budget, stable across arms and points
+  response_format: str = ""  # the request's response_format as JSON text ('' = none): the "structured" segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,8 @@ class Request:
       b["messages"] = [{"role": "user", "content": self.prompt.text}]
     else:
       b["prompt"] = self.prompt.text
+    if self.prompt.response_format:
+      b["response_format"] = json.loads(self.prompt.response_format)
     return b
 
   @property
@@ -69,20 +73,29 @@ class LoadPoint:
     return f"{self.sampling}/{lvl}"
 
 
-def load_prompts(path: Optional[str], limit: int = 0, categories=()) -> list[PromptRec]:
-  """JSONL with 'prompt' or 'turns' (Spec-Bench reads as is); '' = serve.prompts' built-in demo prompts."""
-  if path:
-    raw = read_jsonl(path)  # relative paths: the repository's own files first (configs write them so)
-  else:
-    raw = [(f"default prompt {i}", r) for i, r in enumerate(DEFAULT_PROMPTS)]
+def load_prompts(path, limit: int = 0, categories=()) -> list[PromptRec]:
+  """JSONL with 'prompt' or 'turns' (Spec-Bench reads as is), optional 'response_format' (an OpenAI
+  response_format object: the request asks for structured output); several paths (a list, or one string with
+  commas) read each in turn: a mix of traffic; '' = serve.prompts' built-in demo prompts."""
+  paths = (path or "").split(",") if isinstance(path, str) or path is None else list(path)
+  raw = []
+  for p in paths:
+    if p:
+      raw += read_jsonl(p)  # relative paths: the repository's own files first (configs write them so)
+    else:
+      raw += [(f"default prompt {i}", r) for i, r in enumerate(DEFAULT_PROMPTS)]
   out = []
   for i, (where, rec) in enumerate(raw):
     pid = str(rec.get("id", rec.get("question_id", i)))
     cat = str(rec.get("category", "")) or "uncategorized"
+    rf = rec.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and isinstance(rf.get("type"), str)):
+      raise ValueError(f"{where}: 'response_format' must be an object with a 'type'")
+    rf = json.dumps(rf, sort_keys=True) if rf else ""
     if "prompt" in rec and isinstance(rec["prompt"], str) and rec["prompt"]:
-      out.append(PromptRec(pid, cat, rec["prompt"], False, i))
+      out.append(PromptRec(pid, cat, rec["prompt"], False, i, rf))
     elif "turns" in rec and isinstance(rec["turns"], list) and rec["turns"] and rec["turns"][0]:
-      out.append(PromptRec(pid, cat, str(rec["turns"][0]), True, i))
+      out.append(PromptRec(pid, cat, str(rec["turns"][0]), True, i, rf))
     else:
       raise ValueError(f"{where}: a line needs a non-empty 'prompt' or 'turns'")
   if categories:
@@ -90,7 +103,7 @@ def load_prompts(path: Optional[str], limit: int = 0, categories=()) -> list[Pro
   if limit:
     out = out[:limit]
   if not out:
-    raise ValueError(f"no prompts in {path or 'the default set'}")
+    raise ValueError(f"no prompts in {', '.join(p for p in paths if p) or 'the default set'}")
   return out
 
 

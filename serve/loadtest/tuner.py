@@ -39,6 +39,9 @@ range is left out of the match, rules equal to the default are dropped (the rule
 order does not matter), and the last rule is {"match": {}, "num_speculative_tokens": 0}, unless every segment is on,
 when the default takes the most common k. Nothing on anywhere: {} (speculation off).
 
+Requests with a response_format (the "structured" segment) get rules of their own, ahead of the grid's: per
+temperature, the k of the method's arm that keeps at the structured cell of every point (0 where none does).
+
 choose() returns the config and, per rule, its evidence (cells with verdict, deciding metric, gain and request
 counts; fallbacks), which goes into summary.json and the report but never into the written config.
 """
@@ -219,6 +222,8 @@ def choose(stats: dict, verdicts: dict, points: dict, arms: dict, baselines: lis
   for use_prompt, use_output in ((True, True), (True, False), (False, False)):
     method, leaves = policy_of(grid(use_prompt, use_output))
     rules = _compress(leaves, temps, bands, prompts if use_prompt else [], outputs if use_output else [])
+    if "structured" in seg_names and method != "none":
+      rules = _structured_rules(ev, arms, method, temps, temp_points) + rules
     if len(rules) <= MAX_RULES:
       break
     notes.append(f"{len(rules)} rules with the {'output budget' if use_output else 'prompt length'} dimension; "
@@ -229,13 +234,44 @@ def choose(stats: dict, verdicts: dict, points: dict, arms: dict, baselines: lis
             "fallbacks": _all_fallbacks(leaves), "notes": notes, "min_requests": int(min_requests)}
   src = max((a for a in arms if arm_method(arms[a])[0] == method), key=lambda a: arm_method(arms[a])[1])
   config = dict(arms[src])
-  config["num_speculative_tokens"] = max(L["k"] for L in leaves.values())
+  config["num_speculative_tokens"] = max(r["k"] for r in rules)
   config["policy"] = [{"match": r["match"], "num_speculative_tokens": r["k"]} for r in rules]
   names = parse_policy(config["policy"], "tuned policy", config["num_speculative_tokens"]).names
   for r, n in zip(rules, names):
     r["name"] = n
   return {"config": config, "method": method, "rules": rules, "segments": _segments(leaves, bands),
           "fallbacks": _all_fallbacks(leaves), "notes": notes, "min_requests": int(min_requests)}
+
+
+def _structured_rules(ev: _Evidence, arms: dict, method: str, temps: list, temp_points: dict) -> list:
+  """The "structured" segment (requests with a response_format; the server tags them segment "structured" when
+  they carry no tag of their own): per temperature, the k of the method's arm that keeps at the structured cell of
+  every closed point of that temperature (the largest gain; 0 where none keeps), as rules ahead of the grid's, so
+  structured requests get their own k whatever their prompt length or budget. One rule when both agree."""
+  out = []
+  for t in temps:
+    best = None
+    for arm, sc in arms.items():
+      if arm_method(sc)[0] != method:
+        continue
+      d = ev.decide(arm, t, temp_points[t], "structured", f"temperature {t}")
+      gains = [c["gain"] for c in d["cells"] if c["gain"] is not None]
+      gain = sum(gains) / len(gains) if gains else 0.0
+      leaf = {"arm": arm, "decision": {"cells": d["cells"], "fallbacks": [d["fallback"]] if d["fallback"] else []}}
+      if best is None or (d["on"] and (not best[0] or gain > best[1])):
+        best = (d["on"], gain, leaf)
+    if best is None:
+      continue
+    on, _, leaf = best
+    ev_ = _evidence([leaf])
+    if not on:
+      ev_["arms"] = []
+    out.append({"match": {"segment": "structured", "temperature": t}, "k": arm_method(arms[leaf["arm"]])[1] if on else 0,
+                "evidence": ev_})
+  if len(out) == 2 and out[0]["k"] == out[1]["k"]:
+    out = [{"match": {"segment": "structured"}, "k": out[0]["k"],
+            "evidence": {**out[0]["evidence"], "cells": out[0]["evidence"]["cells"] + out[1]["evidence"]["cells"]}}]
+  return out
 
 
 def _band_label(band: tuple) -> str:

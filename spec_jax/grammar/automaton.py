@@ -8,8 +8,8 @@ state, every tokenization of a valid text allowed). We store it in two dense arr
 So the allowed set of state s is `table[s, classes] >= 0` (one gather over V) and the next state one lookup: no
 host round trip, no per-step host mask. The model's stop tokens form one class of their own whose entry is the
 state itself in accepting states and -1 elsewhere: EOS is allowed exactly where the text is complete.
-`forced` int32[S]: a token the grammar forces (every allowed token is a byte-prefix of it, so its bytes come next
-whatever the tokenization), -1 where the grammar leaves a choice: drafted for free.
+`forced` int32[S]: a token the grammar forces (its bytes come next whatever the tokenization: `_forced`), -1 where
+the grammar leaves a choice: drafted for free.
 """
 
 from __future__ import annotations
@@ -74,19 +74,52 @@ def _column_hash(num_vocab: int, per_state, prime: int) -> np.ndarray:
 
 
 def _forced(table: np.ndarray, classes: np.ndarray, token_bytes: list, limit: int = 64) -> np.ndarray:
-  """Per state: the longest allowed token of which every allowed token is a byte-prefix, or -1."""
-  forced = np.full(table.shape[0], -1, np.int32)
-  class_size = np.bincount(classes, minlength=table.shape[1])
-  for s in range(table.shape[0]):
+  """Per state: the longest allowed token whose bytes every valid continuation begins with, or -1.
+
+  Every allowed token being a byte-prefix of the longest one is not enough: after `"name` Gemma's vocabulary
+  allows `"`, `":` and `":"","` (all prefixes of the last), yet the text may go on `": "` too. So a candidate's
+  bytes count as forced only when, down every tokenization, each allowed token either starts with the bytes still
+  to come or is a prefix of them (and the bytes after it are forced the same way from the state it leads to)."""
+  S, C = table.shape
+  class_size = np.bincount(classes, minlength=C)
+  order = np.argsort(classes, kind="stable")
+  starts = np.searchsorted(classes[order], np.arange(C + 1))
+  memo: dict = {}
+
+  def allowed(s: int):
+    """(class, token) pairs allowed in s, or None when more than `limit` tokens are (a free choice)."""
     ok = np.nonzero(table[s] >= 0)[0]
     if not 0 < class_size[ok].sum() <= limit:
+      return None
+    return [(c, t) for c in ok for t in order[starts[c]:starts[c + 1]]]
+
+  def comes_next(s: int, rest: bytes) -> bool:
+    if not rest:
+      return True
+    if (s, rest) not in memo:
+      pairs, ok = allowed(s), True
+      for c, t in pairs or ():
+        b = token_bytes[t]
+        if not b:  # a stop token: the text may end here
+          ok = False
+        elif not b.startswith(rest):
+          ok = rest.startswith(b) and comes_next(int(table[s, c]), rest[len(b):])
+        if not ok:
+          break
+      memo[(s, rest)] = ok and pairs is not None
+    return memo[(s, rest)]
+
+  forced = np.full(S, -1, np.int32)
+  for s in range(S):
+    pairs = allowed(s)
+    if pairs is None or any(not token_bytes[t] for _, t in pairs):
       continue
-    toks = np.nonzero(np.isin(classes, ok))[0]
-    if any(not token_bytes[t] for t in toks):  # a stop token is allowed: the text may end here, nothing forced
-      continue
-    longest = max(toks, key=lambda t: len(token_bytes[t]))
-    if all(token_bytes[longest].startswith(token_bytes[t]) for t in toks):
-      forced[s] = longest
+    # longest first; equal bytes: the highest id (SentencePiece's byte-fallback pieces come first, and a model
+    # emits the merged piece)
+    for _, t in sorted(pairs, key=lambda p: (-len(token_bytes[p[1]]), -p[1])):
+      if comes_next(s, token_bytes[t]):
+        forced[s] = t
+        break
   return forced
 
 

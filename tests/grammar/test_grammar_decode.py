@@ -103,6 +103,22 @@ def test_greedy_constrained_is_valid_and_speculation_equals_plain(method):
   assert spec.stats["drafted_tokens"] > 0
 
 
+def test_forced_tokens_are_bytes_every_continuation_begins_with():
+  """After `"a`, JSON allows `"` then an optional space before `:`: the token `":"` is allowed and every allowed
+  token is a prefix of it, yet `" :` may follow, so only `"` is forced. Two ids with the same bytes: the later
+  (SentencePiece's byte-fallback pieces come first)."""
+  tb = [None, None, b'"', b"a", b":", b" ", b'":"', b"b", b"{", b"{"]
+  a = automaton.from_regex('\\{"a"[ ]?:[ ]?"b"', tb, (1,))
+  assert a.forced[a.initial] == 9
+  s = a.initial
+  for t in (9, 2, 3):  # {"a
+    s = a.next_state(s, t)
+  assert {tb[t] for t in a.allowed(s)} == {b'"', b'":"'} and a.forced[s] == 2
+  s = a.next_state(s, 2)  # {"a": a space or the colon
+  assert a.forced[s] == -1
+  assert a.forced[a.next_state(s, 5)] == 4  # {"a" : the colon
+
+
 def test_sampled_constrained_keeps_the_distribution_with_forced_drafts_and_controls():
   """Chi-square, the first 3 sampled tokens: plain constrained decoding against a sampling draft model (its q,
   one-hot where the grammar forces a token) and n-gram, with a penalty and min_p as well, on 8 tokens."""

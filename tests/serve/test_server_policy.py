@@ -15,6 +15,7 @@ from tests.serve.test_server import MODEL, metric, reference_greedy, tiny_model,
 POLICY = {"method": "ngram", "num_speculative_tokens": 4,
           "policy": [{"match": {"temperature": "zero"}, "num_speculative_tokens": 4, "name": "greedy"},
                      {"match": {"segment": "code"}, "num_speculative_tokens": 2, "name": "code"},
+                     {"match": {"segment": "structured"}, "num_speculative_tokens": 2, "name": "structured"},
                      {"match": {}, "num_speculative_tokens": 0, "name": "sampled"}]}
 PROMPTS = ["the cat sat on the mat", "a a a a a a a a", "dog dog dog ran", "the the the"]
 
@@ -28,7 +29,7 @@ def test_policy_drafts_only_for_its_segments_and_greedy_stays_exact(tiny_model):
   try:
     with s.http() as h:
       status = h.get("/admin/speculation").json()
-      assert [r["name"] for r in status["policy"]] == ["greedy", "code", "sampled"]
+      assert [r["name"] for r in status["policy"]] == ["greedy", "code", "structured", "sampled"]
       outs = {}
       for p in PROMPTS:
         for kind, extra in (("greedy", {"temperature": 0}), ("sampled", {"temperature": 1.0, "seed": 7}),
@@ -46,6 +47,11 @@ def test_policy_drafts_only_for_its_segments_and_greedy_stays_exact(tiny_model):
         assert outs[("greedy", p)]["choices"][0]["token_ids"] == reference_greedy(tiny_model, p, 24)
       assert sum(outs[("greedy", p)]["usage"]["drafted_tokens"] for p in PROMPTS) > 0
       assert sum(outs[("code", p)]["usage"]["drafted_tokens"] for p in PROMPTS) > 0
+      # a request with a grammar and no tag is in the "structured" segment; its own tag wins
+      for extra in ({}, {"segment": "code"}):
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": "the cat", "max_tokens": 8, "temperature": 1.0,
+                                            "guided_regex": "[a-z]{2,6}", **extra})
+        assert r.status_code == 200, r.text
       # a bad tag type is a 400 naming the field
       r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "segment": 3})
       assert r.status_code == 400 and "segment" in r.text
@@ -55,6 +61,9 @@ def test_policy_drafts_only_for_its_segments_and_greedy_stays_exact(tiny_model):
     assert _seg(m, "spec_jax:segment_generation_tokens_total", "sampled") == sum(
         outs[("sampled", p)]["usage"]["completion_tokens"] for p in PROMPTS)
     assert _seg(m, "spec_jax:segment_requests_total", "greedy", outcome="finished") == len(PROMPTS)
+    assert _seg(m, "spec_jax:segment_requests_total", "structured", outcome="finished") == 1
+    assert _seg(m, "spec_jax:segment_requests_total", "code", outcome="finished") == len(PROMPTS) + 1
+    assert _seg(m, "spec_jax:segment_requests_total", "sampled", outcome="finished") == len(PROMPTS)
     assert _seg(m, "spec_jax:segment_inter_token_latency_seconds_count", "greedy") > 0
     # the k = 2 rule never drafts a third token: per-position counters of the code rows stop at position 1
     per_step = (_seg(m, "spec_jax:segment_spec_decode_num_draft_tokens_total", "code") /
