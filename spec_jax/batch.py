@@ -64,8 +64,8 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   `costs`: the adaptive controller's step costs (see adaptive.AdaptState); None is the default model.
   `controls`: per-prompt sampling controls (spec_jax/controls.py), None: none. `logprobs`: (want, mode), one
   int each per prompt (spec_jax/logprobs.py; the spec's max_logprobs bounds want), None: no prompt asks.
-  `seeds`: one per prompt, each row's random stream (spec_jax/streams.py); None: prompt i gets seed + i (as a
-  server request with that seed).
+  `seeds`: one per prompt, each row's random stream as a server request with that seed (spec_jax/streams.py);
+  None: row i's stream is `seed`'s key folded with i (independent of every other seed's rows).
   """
   n = len(prompts)
   if n == 0:
@@ -100,10 +100,13 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   # Host inputs become arrays split over `data` (global arrays on a multi-host mesh; plain ones without a mesh).
   buf, prompt_lens, max_new, sampling, controls = sharding.rows((buf, prompt_lens, max_new, sampling, controls), mesh)
   costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)
-  seeds = [seed + i for i in range(n)] if seeds is None else [int(x) for x in seeds]
-  if len(seeds) != n:
+  if seeds is None:
+    keys = streams.batch_keys(seed, B)
+  elif len(seeds) != n:
     raise ValueError(f"{len(seeds)} seeds for {n} prompts")
-  keys = sharding.rows(streams.seed_keys(seeds + [0] * (B - n)), mesh)
+  else:
+    keys = streams.seed_keys([int(x) for x in seeds] + [0] * (B - n))
+  keys = sharding.rows(keys, mesh)
   costs = sharding.replicated(costs, mesh)
   draft_cap, live = sharding.rows((np.full((B,), spec.k_max, np.int32), np.arange(B) < n), mesh)
   if logprobs is not None:

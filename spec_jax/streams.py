@@ -36,6 +36,14 @@ def seed_keys(seeds: Sequence[int]) -> np.ndarray:
   return np.stack([seed_key(s) for s in seeds]) if len(seeds) else np.zeros((0, 2), np.uint32)
 
 
+def batch_keys(seed: int, n: int) -> np.ndarray:
+  """Host-side: uint32 [n, 2], n independent row keys from one seed (row i: the seed's key folded with i), so
+  batches of different seeds never share a stream."""
+  base = jax.random.key(int(seed))
+  keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(n, dtype=jnp.uint32))
+  return np.asarray(jax.random.key_data(keys), np.uint32)
+
+
 def is_single(key: jax.Array) -> bool:
   """A single key (typed, shape (); or raw data, shape (2,)) rather than an array of keys."""
   typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
