@@ -30,6 +30,7 @@ from serve import structured, tools
 from serve.engine import EngineStopped, QueueFull
 from serve.logprobs_format import Formatter, ask_of, prompt_entries
 from serve.output_stream import Output
+from serve.tool_stream import ToolCallStream, choice_chunks
 from serve.protocol import (APIError, ChatRequest, CompletionRequest, SpeculationSwitch, chat_body, chat_chunk,
                             completion_body, completion_chunk, new_id, usage_chunk)
 
@@ -164,8 +165,10 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
   def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-  def stream(choices: list, event, ask, fmt, *, chat: bool, include_usage: bool, with_ids: bool):
+  def stream(choices: list, event, ask, fmt, *, chat: bool, include_usage: bool, with_ids: bool, plan):
     rid = new_id("chatcmpl" if chat else "cmpl")
+    # a chat answer that may be a tool call streams as delta.tool_calls (serve/tool_stream.py)
+    calls = {c.index: ToolCallStream(plan.tools, plan.regex is not None) for c in choices} if plan.tools else {}
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def wrap(choice) -> dict:
@@ -174,10 +177,14 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       body["choices"] = [choice]
       return body
 
-    def end(c) -> dict:
-      done = {"index": c.index, "logprobs": None, "finish_reason": c.final.finish_reason}
+    def end(c) -> list:
+      reason, last = c.final.finish_reason, []
+      if c.index in calls:
+        deltas, reason = calls[c.index].finish(reason)
+        last = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+      done = {"index": c.index, "logprobs": None, "finish_reason": reason}
       done.update({"delta": {}} if chat else {"text": ""})
-      return done
+      return last + [done]
 
     async def gen():
       try:
@@ -195,15 +202,16 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
             moved = True
             c.add(d)
             piece = (ch.chat_delta if chat else ch.completion_delta)(fmt, c, d, ask, with_ids)
-            if piece is not None:
-              yield sse(wrap(piece))
+            for p in (choice_chunks(calls[c.index], piece) if c.index in calls else [piece] if piece else []):
+              yield sse(wrap(p))
             if d.error:  # headers are sent: the error goes in the stream, as vLLM sends it
               status, kind, msg = d.error
               yield sse(APIError(status, msg, code=kind).body())
               live = []
               break
             if d.finished:
-              yield sse(wrap(end(c)))
+              for p in end(c):
+                yield sse(wrap(p))
               live.remove(c)
           if live and not moved:
             await event.wait()
@@ -245,18 +253,20 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     ask = ask_of(body, chat, max_logprobs)
     fmt = Formatter(tokenizer, as_ids=(body.model_extra or {}).get("return_tokens_as_token_ids") is True)
     n = body.n or 1
+    gen = ch.generated_per_prompt(body, max_logprobs)  # best_of: more samples than choices, ranked by logprob
     grammar = await compile_grammar(plan)  # one automaton for every choice
     choices = []
     for p, (ids, text) in enumerate(prompts):
-      for i in range(n):  # each request checked (a 400) before anything runs
-        c = ch.Choice(index=p * n + i, prompt_ids=ids, prompt_text=text, first_sample=i == 0,
+      for i in range(gen):  # each request checked (a 400) before anything runs
+        c = ch.Choice(index=p * gen + i, prompt_ids=ids, prompt_text=text, first_sample=i == 0,
                       output=Output(lambda: loop.call_soon_threadsafe(event.set)))
-        c.req = engine_request(body, ids, c.output, sample=i, top=ask.top, grammar=grammar)
+        c.req = engine_request(body, ids, c.output, sample=i, top=max(ask.top, 0) if gen > n else ask.top,
+                               grammar=grammar)
         choices.append(c)
     if ask.prompt_top >= 0:  # one forward of each prompt, beside the engine's loop
-      for first in choices[::n]:
+      for first in choices[::gen]:
         entries = await loop.run_in_executor(None, prompt_entries, engine, first.prompt_ids, ask.prompt_top)
-        for c in choices[first.index:first.index + n]:
+        for c in choices[first.index:first.index + gen]:
           c.prompt_entries = entries
     try:
       for c in choices:
@@ -269,7 +279,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     with_ids = bool(body.return_token_ids)
     if body.stream:
       include = bool(body.stream_options and body.stream_options.include_usage)
-      return stream(choices, event, ask, fmt, chat=chat, include_usage=include, with_ids=with_ids)
+      return stream(choices, event, ask, fmt, chat=chat, include_usage=include, with_ids=with_ids, plan=plan)
     try:
       for c in choices:
         await collect(request, c, event)
@@ -279,6 +289,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
           engine.abort(c.req)
     make, choice = (chat_body, ch.chat_choice) if chat else (completion_body, ch.completion_choice)
     out = make(new_id("chatcmpl" if chat else "cmpl"), model_name, "", "stop", ch.total_usage(choices))
+    choices = ch.best(choices, gen, n)  # usage above counts every generated sample
     out["choices"] = [choice(fmt, c, ask, with_ids) for c in choices]
     if plan.tools:  # a choice whose whole text is one valid call answers with tool_calls
       for c, body_choice in zip(choices, out["choices"]):
@@ -290,8 +301,10 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     checked(body)
     p = body.prompt
     many = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
-    if len(many) * (body.n or 1) > MAX_CHOICES:
-      raise APIError(400, f"{len(many)} prompts x n={body.n} is over {MAX_CHOICES} choices per request", "n")
+    if len(many) * max(body.n or 1, body.best_of or 1) > MAX_CHOICES:
+      field = "best_of" if (body.best_of or 1) > (body.n or 1) else "n"
+      raise APIError(400, f"{len(many)} prompts x {field}={getattr(body, field)} is over {MAX_CHOICES} choices per "
+                     "request", field)
     prompts = []
     for p in many:
       if not p:

@@ -2,10 +2,13 @@
 their outputs become one OpenAI response or one SSE stream (choices indexed prompt-major, as OpenAI and vLLM
 number them), with logprobs, echo and the summed usage.
 
-Each choice is decoded independently: with a seed, sample i of every prompt uses seed + i for its first token (the
-loop's later draws come from the engine's batch-wide stream, so a seeded request is not yet reproducible across
-runs); n > 1 greedy gives n identical choices. Usage counts each prompt's tokens once and every choice's
-completion tokens.
+Each choice is decoded independently: with a seed, sample i of every prompt is its own random stream, seed + i
+(spec_jax/streams.py: the same tokens whatever else runs beside it); n > 1 greedy gives n identical choices.
+Usage counts each prompt's tokens once and every choice's completion tokens.
+
+`best_of` (completions): best_of samples per prompt, of which the n with the highest cumulative logprob (of the
+server's logprobs mode) are returned, as vLLM chose them; usage counts all of them. Refused below n and with
+stream, as vLLM refuses it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from serve.protocol import APIError
 from serve.logprobs_format import Ask, Formatter
 from serve.output_stream import Output, Usage
 
@@ -39,6 +43,41 @@ class Choice:
     self.lps.extend(d.logprobs)
     if d.finished:
       self.final = d
+
+
+def generated_per_prompt(body, max_logprobs: int) -> int:
+  """Samples to generate per prompt: best_of when given (checked against n and stream: a 400 naming it), else n."""
+  n = body.n or 1
+  best_of = getattr(body, "best_of", None)
+  if best_of is None:
+    return n
+  if best_of < n:
+    raise APIError(400, f"best_of={best_of} must be at least n={n}", "best_of")
+  if best_of > n and body.stream:
+    raise APIError(400, "best_of > n cannot stream (the best samples are known only at the end)", "best_of")
+  if best_of > n and max_logprobs < 0:
+    raise APIError(400, "best_of > n ranks samples by logprob, which this server does not compute "
+                   "(--max_logprobs=-1)", "best_of")
+  return best_of
+
+
+def best(choices: list, gen: int, n: int) -> list:
+  """Per prompt (gen samples each, in order), the n samples with the highest cumulative logprob (ties: the
+  earlier sample), re-indexed prompt-major."""
+  if gen == n:
+    return choices
+  out = []
+  for p in range(0, len(choices), gen):
+    group = choices[p:p + gen]
+    ranked = sorted(range(gen), key=lambda i: (-cumulative_logprob(group[i]), i))[:n]
+    for j, i in enumerate(ranked):
+      group[i].index = p // gen * n + j
+      out.append(group[i])
+  return out
+
+
+def cumulative_logprob(c: Choice) -> float:
+  return sum(e[0] for e in c.lps)
 
 
 def total_usage(choices: list) -> Usage:

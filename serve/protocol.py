@@ -77,6 +77,7 @@ class Refused:
   routes: tuple = ROUTES
   chat_noop: Optional[tuple] = None
   chat_example: Any = None
+  why: str = ""  # why not, where that helps the client (the message says it)
 
   def noops(self, route: str) -> tuple:
     return self.chat_noop if route == "chat" and self.chat_noop is not None else self.noop
@@ -89,10 +90,14 @@ class Refused:
 
   def message(self, name: str, route: str) -> str:
     ok = ", ".join(["left out", "null", *(json.dumps(n) for n in self.noops(route))])
-    return f"{name} is not supported yet (accepted: {ok})"
+    return f"{name} is not supported yet (accepted: {ok})" + (f": {self.why}" if self.why else "")
 
 
 OFF = Refused(noop=(False,))  # a switch that is off by default
+# vLLM's guided_grammar and structured_outputs.grammar: EBNF or Lark grammars, which spec_jax/grammar cannot compile
+GRAMMAR_WHY = ("a grammar (EBNF, Lark) describes a context-free language, and this server's grammar engine "
+               "(outlines-core) compiles regular languages only; send a regular language as a regex (guided_regex, "
+               "structured_outputs.regex) or JSON as a schema (guided_json, response_format)")
 ABSENT = Refused(example={"x": 1})  # every value changes the output: only null or left out pass
 
 # Every OpenAI (Completions, Chat Completions) and vLLM request field, and what the server does with it.
@@ -119,7 +124,8 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "include_reasoning": HARMLESS,  # no reasoning parser: nothing is split out of the text
     "mm_processor_kwargs": HARMLESS,  # content is text only
     # more than one choice, scores, echoes
-    "n": HONOURED, "best_of": Refused(noop=(1,), example=2),  # n: a choice per sample (serve/choices.py)
+    "n": HONOURED,  # a choice per sample (serve/choices.py)
+    "best_of": Refused(noop=(1,), example=2, routes=("chat",)),  # honoured on completions (serve/choices.py)
     "logprobs": HONOURED, "top_logprobs": HONOURED, "prompt_logprobs": HONOURED,  # serve/logprobs_format.py
     "echo": Refused(noop=(False,), routes=("chat",)),  # honoured on completions (the prompt and its logprobs)
     "suffix": Refused(noop=("",), example="x"),
@@ -137,7 +143,7 @@ FIELDS: dict[str, Union[str, Refused]] = {
     # (structured outputs: serve/structured.py and serve/tools.py, a grammar automaton stepped in the loop)
     "response_format": HONOURED, "guided_json": HONOURED, "guided_regex": HONOURED, "guided_choice": HONOURED,
     "structured_outputs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED,
-    "guided_grammar": Refused(example='root ::= "a"'),  # outlines-core compiles regular languages only
+    "guided_grammar": Refused(example='root ::= "a"', why=GRAMMAR_WHY),
     "guided_whitespace_pattern": Refused(example="[ ]*"),  # JSON's whitespace is at most one space
     "functions": Refused(noop=([],), example=[{"name": "f"}]),
     "function_call": Refused(noop=("none", "auto"), example={"name": "f"}),

@@ -10,7 +10,7 @@ import json
 from typing import Optional
 
 from serve import tools
-from serve.protocol import APIError
+from serve.protocol import GRAMMAR_WHY, APIError
 from spec_jax.grammar import formats
 from spec_jax.grammar.automaton import GrammarError
 
@@ -70,6 +70,8 @@ def requested_regex(body, extra: dict) -> Optional[tuple[str, str]]:
     if not isinstance(so, dict):
       raise APIError(400, "structured_outputs: an object with one of json, regex, choice, json_object",
                      "structured_outputs")
+    if so.get("grammar") not in (None, False):
+      raise APIError(400, f"structured_outputs.grammar is not supported: {GRAMMAR_WHY}", "structured_outputs")
     keys = [k for k, v in so.items() if k in _KINDS and v not in (None, False)]
     unknown = [k for k, v in so.items() if k not in _KINDS and v not in (None, False)
                and k not in ("backend", "disable_fallback")]  # these do not change the output
@@ -118,8 +120,6 @@ def plan(body, route: str) -> Plan:
     return p
   if p.regex is not None:
     raise APIError(400, f"tools with {p.field}: one structured output per request", "tools")
-  if getattr(body, "stream", False):
-    raise APIError(400, "streaming with tools is not supported yet (tool_choice none, or stream false)", "stream")
   if mode == "auto":
     return Plan(tools=listed)
   return Plan(regex=tools.call_regex(listed, None if mode == "required" else mode), field="tool_choice",

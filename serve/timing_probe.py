@@ -21,7 +21,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from spec_jax.decode import choose_option, switch_in_place
+from spec_jax import streams
+from spec_jax.decode import choose_option, draft_keys, switch_in_place
 from spec_jax.proposers.base import ProposeContext
 
 
@@ -30,8 +31,8 @@ def propose_probe(params, state, pstate, spec):
   """One `propose` at the k that `adaptive_step` would choose for `state` (state.pstate is not read; `pstate` is
   a copy of it). -> (new pstate, a checksum of the drafts, so that they are computed)."""
   option = choose_option(state, spec)
-  key = jax.random.split(state.key, 3)[1]  # the key spec_step drafts with
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
+  keys = lambda k: draft_keys(streams.rows(state.keys, state.lengths.shape[0]), state.lengths, k)  # as spec_step's
 
   def branch(k):
     def run(carry):
@@ -39,9 +40,9 @@ def propose_probe(params, state, pstate, spec):
       if k == 0:
         return ps, jnp.zeros((), jnp.int32)
       if spec.is_tree(k):
-        draft, ps = spec.proposer.propose_tree(params["proposer"], ps, ctx, key)
+        draft, ps = spec.proposer.propose_tree(params["proposer"], ps, ctx, keys(k))
       else:
-        draft, ps = spec.proposer.propose(params["proposer"], ps, ctx, k, key)
+        draft, ps = spec.proposer.propose(params["proposer"], ps, ctx, k, keys(k))
       return ps, jnp.sum(draft.tokens.astype(jnp.int32))
     return run
 

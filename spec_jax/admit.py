@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax import adaptive, sharding
+from spec_jax import adaptive, sharding, streams
 from spec_jax import controls as ctl
 from spec_jax import logprobs as lps
 from spec_jax.controls import Controls
@@ -47,12 +47,13 @@ class Resume:
   proposer_cache: Any = None
 
 
-def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, *,
+def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, keys, cache, *,
                  capacity: int, chunk: int, live=None, costs=None, controls=None, logprobs=None,
                  resume: Optional[Resume] = None) -> DecodeState:
   """Prefill prompts int32[R, P] (right-padded, P a multiple of `chunk`) into `cache` and start their rows.
   With `resume`, the prompts are the tokens after resume.offsets and prompt_lens the prefilled lengths.
 
+  keys uint32[R, 2]: each row's stream (spec_jax/streams.py).
   A whole state (`live` given) or rows to write into one (slot insert):
   `live` bool[R]: rows that hold a request; the others are done from the start (batch padding, free slots); the
   state takes the mesh's layout. `costs`: the adaptive controller's step costs [R, n] (None: ones). `controls`:
@@ -67,15 +68,15 @@ def prefill_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sa
                 offsets=None if resume is None else resume.offsets)
   if logprobs is None:
     logprobs = (jnp.full((prompt_tokens.shape[0],), -1, jnp.int32), jnp.zeros((prompt_tokens.shape[0],), jnp.int32))
-  return _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, out[0], out[1],
+  return _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, keys, out[0], out[1],
                 out[2] if needs else None, live, costs, controls, logprobs, resume, capacity=capacity, chunk=chunk)
 
 
 @sharding.settled
 @functools.partial(jax.jit, static_argnames=("spec", "capacity", "chunk"), donate_argnames=("cache",))
-def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, hidden, prompt_hidden,
+def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, keys, cache, hidden, prompt_hidden,
            live, costs, controls, logprobs, resume, *, capacity, chunk):
-  state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache, hidden,
+  state = start_rows(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, keys, cache, hidden,
                      prompt_hidden, capacity, chunk, controls, logprobs, resume)
   if costs is not None:
     state = state.replace(adapt=adaptive.AdaptState.init(prompt_tokens.shape[0], costs))
@@ -85,7 +86,7 @@ def _start(params, spec, prompt_tokens, prompt_lens, max_new, sampling, draft_ca
   return sharding.constrain_state(state, spec.mesh)
 
 
-def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, key, cache,
+def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, sampling, draft_cap, keys, cache,
                hidden, prompt_hidden, capacity: int, chunk: int, controls=None, logprobs=None,
                resume: Optional[Resume] = None) -> DecodeState:
   """Rows right after the target's prefill: sample the first token, start the proposer, fresh counters.
@@ -100,7 +101,7 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   feats = hidden if not feature_layers(spec.proposer) else \
       jnp.take_along_axis(prompt_hidden, (prompt_lens - 1 - offsets)[:, None, None], axis=1)[:, 0]
   controls = Controls.make(R) if controls is None else controls
-  key, k0 = jax.random.split(key)
+  keys = jnp.asarray(keys, jnp.uint32).reshape(R, 2)
   rows = jnp.arange(R)
   if resume is None:
     tokens = jnp.zeros((R, capacity), jnp.int32).at[:, :P].set(prompt_tokens)
@@ -118,7 +119,7 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   if controls.grammar is not None:  # the first token from the grammar's initial state
     g = controls.grammar
     logits = grammar_rows.mask(logits[:, None], g, g.state[:, None])[:, 0]
-  first = sample(k0, logits, sampling)
+  first = sample(streams.at(streams.rows(keys, R), prompt_lens, streams.TOKEN), logits, sampling)  # position P's draw
   streamed = known_lens > prompt_lens  # a recomputed row: its last streamed token stands for the first token
   first = jnp.where(streamed, jnp.take_along_axis(tokens, prompt_lens[:, None], axis=1)[:, 0], first)
   want, mode = logprobs if logprobs is not None else (jnp.full((R,), -1, jnp.int32), jnp.zeros((R,), jnp.int32))
@@ -141,7 +142,7 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
                    proposer_cache=None if resume is None else resume.proposer_cache)
   pstate = spec.proposer.init(params["proposer"], pre, capacity)
   return DecodeState(
-      tokens=tokens, lengths=lengths, prompt_lens=orig_lens, max_new=max_new, cache=cache, pstate=pstate, key=key,
+      tokens=tokens, lengths=lengths, prompt_lens=orig_lens, max_new=max_new, cache=cache, pstate=pstate, keys=keys,
       done=stop | hit_len, finish=finish, draft_cap=draft_cap, sampling=sampling, controls=controls,
       stats=Stats.zeros(R, spec.k_max),
       adapt=adaptive.AdaptState.init(R, jnp.ones((1, len(spec.ks)), jnp.float32)), last_hidden=feats,

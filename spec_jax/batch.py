@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import adaptive, sharding
+from spec_jax import adaptive, sharding, streams
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.controls import Controls
@@ -57,13 +57,15 @@ def capacity_for(prompt_bucket: int, need: int) -> int:
 def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_tokens,
           sampling: Optional[SamplingParams] = None, costs=None, seed: int = 0, num_slots: Optional[int] = None,
           prefill_chunk: int = DEFAULT_CHUNK, controls: Optional[Controls] = None,
-          logprobs: Optional[tuple] = None) -> DecodeState:
+          logprobs: Optional[tuple] = None, seeds: Optional[Sequence[int]] = None) -> DecodeState:
   """Prefill a batch of token-id prompts (BOS included) of different lengths into a fresh state.
 
   `max_new_tokens` is an int or one per prompt. Slots past the prompts (`num_slots` > len(prompts)) stay free.
   `costs`: the adaptive controller's step costs (see adaptive.AdaptState); None is the default model.
   `controls`: per-prompt sampling controls (spec_jax/controls.py), None: none. `logprobs`: (want, mode), one
   int each per prompt (spec_jax/logprobs.py; the spec's max_logprobs bounds want), None: no prompt asks.
+  `seeds`: one per prompt, each row's random stream as a server request with that seed (spec_jax/streams.py);
+  None: row i's stream is `seed`'s key folded with i (independent of every other seed's rows).
   """
   n = len(prompts)
   if n == 0:
@@ -98,14 +100,21 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
   # Host inputs become arrays split over `data` (global arrays on a multi-host mesh; plain ones without a mesh).
   buf, prompt_lens, max_new, sampling, controls = sharding.rows((buf, prompt_lens, max_new, sampling, controls), mesh)
   costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)
-  key, costs = sharding.replicated((np.asarray(jax.random.PRNGKey(seed)), costs), mesh)
+  if seeds is None:
+    keys = streams.batch_keys(seed, B)
+  elif len(seeds) != n:
+    raise ValueError(f"{len(seeds)} seeds for {n} prompts")
+  else:
+    keys = streams.seed_keys([int(x) for x in seeds] + [0] * (B - n))
+  keys = sharding.rows(keys, mesh)
+  costs = sharding.replicated(costs, mesh)
   draft_cap, live = sharding.rows((np.full((B,), spec.k_max, np.int32), np.arange(B) < n), mesh)
   if logprobs is not None:
     logprobs = sharding.rows(tuple(np.concatenate([np.asarray(a, np.int32), np.full(B - n, -1 if i == 0 else 0,
                                                                                      np.int32)])
                                    for i, a in enumerate(logprobs)), mesh)
   return prefill_rows(params, spec, jnp.asarray(buf), jnp.asarray(prompt_lens), jnp.asarray(max_new), sampling,
-                      jnp.asarray(draft_cap), jnp.asarray(key), cache, capacity=S, chunk=chunk,
+                      jnp.asarray(draft_cap), jnp.asarray(keys), cache, capacity=S, chunk=chunk,
                       live=jnp.asarray(live), costs=jnp.asarray(costs), controls=controls,
                       logprobs=None if logprobs is None else tuple(jnp.asarray(a) for a in logprobs))
 

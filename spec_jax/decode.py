@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax import adaptive, sharding, tree
+from spec_jax import adaptive, sharding, streams, tree
 from spec_jax import logprobs as lps
 from spec_jax import controls as ctl
 from spec_jax.controls import Controls
@@ -82,7 +82,8 @@ class DecodeState:
   lengths int32[B]; prompt_lens int32[B]; max_new int32[B]: the new-token limit per row.
   cache: the target's KVCache (cache.lengths == lengths - 1).
   pstate: the proposer's state (a pytree whose leaves carry the slot axis).
-  key: PRNG key (one stream for the whole batch).
+  keys uint32[B, 2]: each row's random stream (raw key data; spec_jax/streams.py): every draw of a row is keyed
+  by it, the token's position and the draw's purpose, so a seeded row's output does not depend on its neighbours.
   done bool[B]; finish int32[B] FINISH_*; draft_cap int32[B]: the most tokens the proposer may draft for
   the row per step (0: none; a row drafts min(the step's k, its cap): the segment policy's per-request k).
   sampling: SamplingParams [B]; controls: Controls [B] (logit_bias, penalties, min_p, min_tokens, stop ids;
@@ -100,7 +101,7 @@ class DecodeState:
   max_new: jax.Array
   cache: KVCache
   pstate: Any
-  key: jax.Array
+  keys: jax.Array
   done: jax.Array
   finish: jax.Array
   draft_cap: jax.Array
@@ -158,13 +159,13 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   finish = jnp.where(overflow, FINISH_CAPACITY, state.finish)
   state = state.replace(done=state.done | overflow, finish=finish)
   active = ~state.done
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  keys = streams.rows(state.keys, B)
   last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)  # [B, 1]
   pstate = state.pstate
   grammar = state.controls.grammar
   if k > 0:
     ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
-    draft, pstate = spec.proposer.propose(params["proposer"], pstate, ctx, k, k_draft)
+    draft, pstate = spec.proposer.propose(params["proposer"], pstate, ctx, k, draft_keys(keys, state.lengths, k))
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]
     draft_tokens, draft_probs = draft.tokens.astype(jnp.int32), draft.probs
     if grammar is not None:  # the tokens the grammar forces are drafts too (spec_jax/grammar/rows.py)
@@ -186,7 +187,7 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
     feed_path = jnp.concatenate([last, draft_tokens], axis=1)
     logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(
         grammar, feed_path, grammar_rows.chain_parents(B, k + 1)))
-  out, n_acc = verify_chain(logits, draft_tokens, draft_probs, k_verify, state.sampling)
+  out, n_acc = verify_chain(logits, draft_tokens, draft_probs, keys, state.sampling, positions=state.lengths)
   committed = _commit(state, spec, active, out, n_acc)
   state = _advance_grammar(state, out, committed[2])
   n_emit = committed[2]
@@ -196,7 +197,7 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   committed_drafts = jnp.minimum(n_acc, n_emit)  # a stop token or the limit can cut accepted drafts
   stats = state.stats.record(active, draft_tokens >= 0, pos < committed_drafts[:, None], n_emit)
   return _step_done(params, state, spec, option, committed, out=out, n_acc=n_acc, cache=cache, path_hidden=hidden,
-                    pstate=pstate, key=key, stats=stats)
+                    pstate=pstate, stats=stats)
 
 
 def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> DecodeState:
@@ -210,10 +211,10 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   overflow = ~state.done & (state.lengths + spec.lookahead > S)  # writes from lengths - 1 on (tree.lookahead)
   state = state.replace(done=state.done | overflow, finish=jnp.where(overflow, FINISH_CAPACITY, state.finish))
   active = ~state.done
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  keys = streams.rows(state.keys, B)
   last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
-  draft, pstate = spec.proposer.propose_tree(params["proposer"], state.pstate, ctx, k_draft)
+  draft, pstate = spec.proposer.propose_tree(params["proposer"], state.pstate, ctx, draft_keys(keys, state.lengths, k))
   node = jnp.arange(N, dtype=jnp.int32)[None, :]
   parents = draft.parents.astype(jnp.int32)
   mask = tree.ancestor_mask(parents)
@@ -234,8 +235,8 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   grammar = state.controls.grammar
   if grammar is not None:  # each node masked by the grammar state after its path
     logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(grammar, tree_tokens, parents))
-  out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, k_verify, state.sampling, max_depth=k,
-                                  max_children=shape.max_children)
+  out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, keys, state.sampling, positions=state.lengths,
+                                  max_depth=k, max_children=shape.max_children)
   committed = _commit(state, spec, active, out, n_acc)
   state = _advance_grammar(state, out, committed[2])
   n_emit = committed[2]
@@ -252,7 +253,12 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   stats = state.stats.record(active, d <= reach[:, None], d <= committed_drafts[:, None], n_emit,
                              drafted_count=jnp.sum(tree_tokens[:, 1:] >= 0, axis=1))
   return _step_done(params, state, spec, option, committed, out=out, n_acc=n_acc, cache=cache,
-                    path_hidden=path_hidden, pstate=pstate, key=key, stats=stats)
+                    path_hidden=path_hidden, pstate=pstate, stats=stats)
+
+
+def draft_keys(keys, lengths, k: int):
+  """Typed keys [B, k]: the DRAFT key of each drafted position (draft i proposes the token at lengths + i)."""
+  return streams.at(keys, lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :], streams.DRAFT)
 
 
 def _advance_grammar(state: DecodeState, out, n_emit) -> DecodeState:
@@ -264,7 +270,7 @@ def _advance_grammar(state: DecodeState, out, n_emit) -> DecodeState:
 
 
 def _step_done(params, state: DecodeState, spec: LoopSpec, option: int, committed, *, out, n_acc, cache, path_hidden,
-               pstate, key, stats) -> DecodeState:
+               pstate, stats) -> DecodeState:
   """The tail that chain and tree steps share, once the committed tokens (`_commit`'s output), cache and
   acceptance stats are known: the features the proposer continues from, the adaptive controller's observation,
   the proposer's update and the new state. `path_hidden` [B, k + 1, D]: the target's features along the
@@ -278,7 +284,7 @@ def _step_done(params, state: DecodeState, spec: LoopSpec, option: int, committe
   adapt = adaptive.observe(state.adapt, option, k, active & (state.draft_cap > 0), n_acc)
   pstate = spec.proposer.update(params["proposer"], pstate, VerifyResult(out, n_acc, n_emit, lengths, path_hidden))
   done_step = jnp.where(done & ~state.done, state.step + 1, state.done_step)
-  return state.replace(tokens=tokens, lengths=lengths, cache=cache, pstate=pstate, key=key, done=done,
+  return state.replace(tokens=tokens, lengths=lengths, cache=cache, pstate=pstate, done=done,
                        finish=finish, stats=stats, adapt=adapt, last_hidden=last_hidden, step=state.step + 1,
                        done_step=done_step)
 

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from spec_jax import streams
 from spec_jax.config import SamplingParams
 from spec_jax.ranking import (  # noqa: F401 (argmax, probs_at, RowWarp, keep: the public API)
     sort_key, key_to_float, vocab_iota, map_rows, block_size, argmax, RowWarp, keep, probs_at, row_weights)
@@ -277,14 +278,15 @@ def _categorical_two_level(keys, x, weight_fn):
 
 
 def categorical_from_weights(key: jax.Array, weights: jax.Array) -> jax.Array:
-  """int32[N] draws from unnormalized weights [N, V] >= 0 (each row needs some positive weight)."""
-  keys = jax.random.split(key, weights.shape[0])
+  """int32[N] draws from unnormalized weights [N, V] >= 0 (each row needs some positive weight). key: one key
+  (split per row) or one key per row (spec_jax/streams.py)."""
+  keys = streams.rows(key, weights.shape[0])
   return map_rows(lambda k, w: _categorical_two_level(k, w.astype(jnp.float32), lambda wp, ip: wp), keys, weights)
 
 
 def sample_rows(key: jax.Array, x: jax.Array, w: RowWarp) -> jax.Array:
-  """int32[N] draws from the warped distribution w of logits x [N, V]."""
-  keys = jax.random.split(key, x.shape[0])
+  """int32[N] draws from the warped distribution w of logits x [N, V]; key: one key or one per row."""
+  keys = streams.rows(key, x.shape[0])
 
   def draw(k, xr, *wr):
     wr = RowWarp(*wr, None)
@@ -319,7 +321,8 @@ def warped_probs(logits: jax.Array, params: SamplingParams, *, candidates: int =
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams, *,
            candidates: int = DEFAULT_CANDIDATES) -> jax.Array:
   """int32 tokens [B, ...] for logits [B, ..., V]: argmax for greedy rows, a draw from the warped distribution
-  for the others."""
+  for the others. key: one key (split per distribution) or typed keys [B, ...], one per distribution (a row's
+  stream at each position: spec_jax/streams.py)."""
   x, t, k, p = rows(logits, params)
   out = lax.cond(
       jnp.all(t <= 0),

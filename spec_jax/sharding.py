@@ -52,7 +52,7 @@ PARAM_AXES = {**schema.AXES, **_PROPOSER_AXES}
 _NORM = re.compile(r"norm$")  # the proposers' own norms (EAGLE's feat_norm, ...): ("embed",)
 
 # Decode-state fields that are not per row (shared by the whole batch): replicated.
-REPLICATED_STATE = {"key", "spec_enabled", "step", "adapt.costs", "adapt.since_probe", "adapt.uses"}
+REPLICATED_STATE = {"spec_enabled", "step", "adapt.costs", "adapt.since_probe", "adapt.uses"}
 CACHE_AXES = ("layers", "batch", "kv_heads", "sequence", "head_dim")  # KVCache.k / .v: pages split like rows
 
 

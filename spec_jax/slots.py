@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax import adaptive, sharding
+from spec_jax import adaptive, sharding, streams
 from spec_jax import logprobs as lps
 from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache
 from spec_jax.config import SamplingParams, validate_sampling
@@ -35,7 +35,9 @@ class Request:
   """One request, ready for `insert`. tokens int32[P]: the prompt (BOS included) right-padded to a bucket;
   prompt_len, max_new int32[]; sampling: SamplingParams of one row; draft_cap int32[]: the most tokens the
   proposer may draft for it per step (0: none);
-  key: the PRNG key of its first token; tenant int32[]: whose history a proposer with one may draft from
+  key uint32[2]: its random stream, from its seed (spec_jax/streams.py: every draw of its row is keyed by it, so
+  a seeded request's output does not depend on the other rows);
+  tenant int32[]: whose history a proposer with one may draft from
   (spec_jax/proposers/suffix.py); logprobs, logprobs_mode int32[]: the top logprobs it asks for (-1: none) and
   their mode (spec_jax/logprobs.py)."""
 
@@ -126,7 +128,7 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
   return Request(tokens=jnp.asarray(tokens), prompt_len=jnp.int32(n), max_new=jnp.int32(max_new),
                  sampling=SamplingParams.make(1, temperature, top_k, top_p), 
                  draft_cap=jnp.int32(spec.k_max if draft_cap is None else min(max(int(draft_cap), 0), spec.k_max)),
-                 key=jax.random.PRNGKey(seed), tenant=jnp.int32(tenant),
+                 key=jnp.asarray(streams.seed_key(seed)), tenant=jnp.int32(tenant),
                  controls=grammar_controls(Controls.make(1) if controls is None else controls, grammar[0],
                                            grammar[1], spec.config.vocab_size),
                  logprobs=jnp.int32(logprobs), logprobs_mode=jnp.int32(lps.MODES[logprobs_mode]),
@@ -150,8 +152,8 @@ def empty_state(params, spec: LoopSpec, *, batch: int, capacity: int, costs=None
   if grammar_capacity is not None:
     controls = Controls.make(batch).replace(grammar=GrammarRows.make([None] * batch, spec.config.vocab_size,
                                                                      tuple(grammar_capacity)))
-  return _empty(params, spec, batch, capacity, jnp.asarray(adaptive.default_costs(spec.ks) if costs is None else
-                                                           costs, jnp.float32), jax.random.PRNGKey(seed), controls,
+  costs = jnp.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, jnp.float32)
+  return _empty(params, spec, batch, capacity, costs, jnp.asarray(streams.seed_key(seed)), controls,
                 block_size=block_size, num_pages=num_pages)
 
 
@@ -169,9 +171,9 @@ def _empty(params, spec, batch, capacity, costs, key, controls=None, *, block_si
     pages = np.repeat((np.arange(batch) // (batch // shards)) * (num_pages // shards), pps).reshape(batch, pps)
   cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype, block_size=block_size,
                        num_pages=num_pages, pages=pages, shards=shards)
-  return prefill_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), jnp.int32), key,
-                      cache, capacity=capacity, chunk=chunk, live=jnp.zeros((batch,), bool), costs=costs,
-                      controls=controls)
+  return prefill_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), jnp.int32),
+                      jnp.broadcast_to(key, (batch, 2)), cache, capacity=capacity, chunk=chunk,
+                      live=jnp.zeros((batch,), bool), costs=costs, controls=controls)
 
 
 @sharding.settled
@@ -194,7 +196,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
   lens = (req.known_len - (req.known_len > req.prompt_len))[None]  # the prefilled positions
   resume = Resume(offsets=req.cached[None], known=req.known[None], known_lens=req.known_len[None],
                   orig_lens=req.prompt_len[None], proposer_cache=proposer_cache(state.pstate))
-  row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.draft_cap[None], req.key,
+  row = prefill_rows(params, spec, prompt, lens, req.max_new[None], req.sampling, req.draft_cap[None], req.key[None],
                      cache, capacity=S, chunk=chunk, controls=controls,
                      logprobs=(req.logprobs[None], req.logprobs_mode[None]), resume=resume)
   put = functools.partial(write_row, slot=slot)
@@ -206,7 +208,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
       tokens=put(state.tokens, row.tokens), lengths=put(state.lengths, row.lengths),
       prompt_lens=put(state.prompt_lens, row.prompt_lens), max_new=put(state.max_new, row.max_new),
       cache=state.cache.insert_row(row.cache, slot),
-      pstate=spec.proposer.insert(state.pstate, slot, row_pstate),
+      pstate=spec.proposer.insert(state.pstate, slot, row_pstate), keys=put(state.keys, row.keys),
       done=put(state.done, row.done), finish=put(state.finish, row.finish),
       draft_cap=put(state.draft_cap, row.draft_cap),
       sampling=write_rows_tree(state.sampling, row.sampling, slot),

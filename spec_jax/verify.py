@@ -1,8 +1,11 @@
 """Exact verification of a chain of drafted tokens (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023).
 
 `verify_chain` is fully vectorized over rows and draft positions: no Python or lax loop over positions. The first
-rejection is found with a cumulative product of the per-position accept flags, and only one distribution per row
-(the residual at the first rejection, or the target at position k for the bonus token) is sampled from.
+rejection is found with a cumulative product of the per-position accept flags. Against deterministic drafts every
+position's target token is drawn (one draw per position and row, keyed by the row's stream at that position:
+spec_jax/streams.py) and the drafts are accepted while they equal it, so the output does not depend on the drafts;
+against sampled drafts one distribution per row (the residual at the first rejection, or the target at the bonus
+position) is sampled from.
 
 Output convention: row b commits `tokens[b, :num_accepted[b] + 1]`, i.e. the accepted drafts followed by one
 correction (at the first rejection) or bonus token (all k drafts accepted). Every position after that holds the
@@ -17,10 +20,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from spec_jax import sampling
+from spec_jax import sampling, streams
 from spec_jax.config import SamplingParams
 
 PAD = 0
+
+
+def _uniforms(keys: jax.Array, shape: tuple) -> jax.Array:
+  """float32 [*keys.shape, *shape] in [0, 1): `shape` coins from each key."""
+  flat = jax.vmap(lambda k: jax.random.uniform(k, shape, jnp.float32))(keys.reshape(-1))
+  return flat.reshape(keys.shape + shape)
 
 
 def verify_chain(
@@ -30,6 +39,7 @@ def verify_chain(
     key: jax.Array,
     params: SamplingParams,
     *,
+    positions: Optional[jax.Array] = None,
     candidates: int = sampling.DEFAULT_CANDIDATES,
 ) -> tuple[jax.Array, jax.Array]:
   """Verify k drafted tokens per row against the target model.
@@ -41,11 +51,20 @@ def verify_chain(
       is either, and the token at its position is sampled from p (greedy: the argmax).
     draft_probs: [B, k, V] the probabilities q the drafter actually sampled from, or None for a deterministic
       drafter (q one-hot on the drafted token).
-    key: PRNG key.
+    key: the rows' random streams (spec_jax/streams.py): typed keys [B] or raw key data [B, 2], one per row; or
+      one key, split into B rows.
+    positions: int32 [B], the absolute position of the token that target_logits[:, 0] decides (the row's
+      length); None: 0. Every draw is keyed by (row, position, purpose).
     params: per-row SamplingParams [B]. Greedy rows (temperature 0) accept while the draft equals the target argmax
-      and commit the argmax after that; sampling rows accept draft x_i with probability min(1, p_i(x_i)/q_i(x_i))
-      and, at the first rejection, sample from normalize(max(p_i - q_i, 0)) (falling back to p_i if that is all
-      zero). Rows of both kinds mix in one batch.
+      and commit the argmax after that. Sampling rows mix in one batch with greedy ones:
+      - deterministic drafts: the target's own token x_i at every position is drawn from p_i with the row's TOKEN
+        key of that position; draft i is accepted iff it equals x_i (probability p_i(draft), as rejection
+        sampling with a one-hot q), and the first mismatch commits x_i. So the committed tokens are the same
+        whatever was drafted: plain decoding's tokens with the same keys.
+      - sampled drafts: draft x_i is accepted with probability min(1, p_i(x_i)/q_i(x_i)) (the ACCEPT coin of its
+        position) and, at the first rejection, the token is drawn from normalize(max(p_i - q_i, 0)) (falling back
+        to p_i if that is all zero) with the RESIDUAL key; the bonus token, or one after a missing draft, is
+        p's own TOKEN draw.
     candidates: top-k candidates of the warp's fast path (speed only, see spec_jax.sampling).
 
   Returns:
@@ -81,11 +100,21 @@ def verify_chain(
     n = first_rejection(valid & (drafts == target[:, :k]))
     return commit(n, at(target, n))
 
+  keys = streams.rows(key, b)
+  positions = jnp.zeros((b,), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
+  pos_abs = positions[:, None] + pos  # [B, k+1]: the position each logits row decides
+
   def general():
-    k_accept, k_resid = jax.random.split(key)
     # The warped target at every position, as per-position statistics: nothing of size V is materialized here.
     x, t, top_k, top_p = sampling.rows(target_logits, params)
     w = sampling.warp_rows(x, t, top_k, top_p, candidates=candidates, with_lse=True)
+    if draft_probs is None or k == 0:
+      # The target's own draw at every position (greedy rows: the argmax); the drafts only decide how many of
+      # them one step commits.
+      own = sampling.sample_rows(streams.at(keys, pos_abs, streams.TOKEN).reshape(-1), x, w).reshape(b, k1)
+      target = jnp.where(greedy[:, None], w.i_last.reshape(b, k1), own)
+      n = first_rejection(valid & (drafts == target[:, :k]))
+      return commit(n, at(target, n))
     w = jax.tree.map(lambda a: a.reshape(b, k1), w)  # fields [B, k+1]
     target = w.i_last  # the argmax, for greedy rows
 
@@ -95,31 +124,24 @@ def verify_chain(
     x_d = jnp.take_along_axis(target_logits, d_ext[..., None], axis=-1)[:, :k, 0]  # [B, k]
     w_d = jax.tree.map(lambda a: a[:, :k].reshape(-1), w)
     p_x = sampling.probs_at(x_d.reshape(-1), drafts.reshape(-1), w_d).reshape(b, k)
-    if draft_probs is None:
-      q_x = jnp.ones_like(p_x)
-    else:
-      q_x = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0].astype(jnp.float32)
-    u = jax.random.uniform(k_accept, (b, k), jnp.float32)  # [0, 1)
+    q_x = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    u = _uniforms(streams.at(keys, pos_abs[:, :k], streams.ACCEPT), ())  # [B, k] in [0, 1)
     # u < p/q without the division: q = 0 < p accepts, p = 0 rejects.
     sample_accept = u * q_x < p_x
     n = first_rejection(valid & jnp.where(greedy[:, None], drafts == target[:, :k], sample_accept))
 
-    # The distribution at position n: residual max(p - q, 0) after a rejected draft, p itself for the bonus
-    # token (n == k) or after a missing draft.
+    # The token at position n: from the residual max(p - q, 0) after a rejected draft, p's own draw for the
+    # bonus token (n == k) or after a missing draft.
+    x_n, w_n = at(target_logits, n), jax.tree.map(lambda a: at(a, n), w)
+    own = sampling.sample_rows(streams.at(keys, positions + n, streams.TOKEN), x_n, w_n)
+    n_c = jnp.minimum(n, k - 1)
+    rejected = (n < k) & at(valid, n_c)
     vocab = lax.broadcasted_iota(jnp.int32, (b, v), 1)
-    p_n = sampling.probs_at(at(target_logits, n), vocab, jax.tree.map(lambda a: at(a, n), w))  # [B, V]
-    if k == 0:
-      residual = p_n
-    else:
-      n_c = jnp.minimum(n, k - 1)
-      rejected = ((n < k) & at(valid, n_c))[:, None]
-      if draft_probs is None:
-        residual = jnp.where(rejected & (vocab == at(drafts, n_c)[:, None]), 0.0, p_n)
-      else:
-        residual = jnp.where(rejected, jnp.maximum(p_n - at(draft_probs, n_c).astype(jnp.float32), 0.0), p_n)
-      residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
-    last = sampling.categorical_from_weights(k_resid, residual)
-    last = jnp.where(greedy, at(target, n), last)
+    p_n = sampling.probs_at(x_n, vocab, w_n)  # [B, V]
+    residual = jnp.maximum(p_n - at(draft_probs, n_c).astype(jnp.float32), 0.0)
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
+    resid = sampling.categorical_from_weights(streams.at(keys, positions + n, streams.RESIDUAL), residual)
+    last = jnp.where(greedy, at(target, n), jnp.where(rejected, resid, own))
     return commit(n, last)
 
   return lax.cond(jnp.all(greedy), all_greedy, general)
@@ -138,6 +160,7 @@ def verify_tree(
     key: jax.Array,
     params: SamplingParams,
     *,
+    positions: Optional[jax.Array] = None,
     max_depth: Optional[int] = None,
     max_children: Optional[int] = None,
     candidates: int = sampling.DEFAULT_CANDIDATES,
@@ -151,20 +174,25 @@ def verify_tree(
 
   The walk: from the root, at each depth the current node's children are tried in index order, with p the warped
   target at the node (`target_logits[b, node]`, warped by `params` exactly as in `verify_chain`):
+  - deterministic children (draft_probs None: top-k candidates, not samples): the target's own token at the
+    node is drawn from p with the row's TOKEN key of its position, and the first child equal to it is accepted.
+    A child x is so accepted with probability p(x), as in rejection sampling with a one-hot q (EAGLE's
+    evaluate_posterior), duplicates are never accepted twice, and the committed tokens are the ones plain decoding
+    draws with the same keys, whatever the tree.
   - sampled children (`draft_probs[b, node]` = q, the distribution they were drawn from, i.i.d.): accept x with
-    probability min(1, p(x)/q(x)); after a rejection p <- normalize(max(p - q, 0)) before the next sibling.
-  - deterministic children (draft_probs None, q one-hot, as EAGLE's evaluate_posterior): accept x with
-    probability p(x); after a rejection p(x) <- 0 and p is renormalized, so a duplicate sibling is never accepted.
+    probability min(1, p(x)/q(x)) (the ACCEPT coins of the node's position); after a rejection
+    p <- normalize(max(p - q, 0)) before the next sibling; the final residual is drawn with the RESIDUAL key.
   - greedy rows (temperature 0): accept the first child equal to the target argmax.
-  An accepted child becomes the current node; if every child is rejected (or there is none) the row ends with a
-  draw from the final residual (greedy: the argmax); a row that accepts D nodes ends with a bonus draw from p at
-  the last one. A p = 0 token is never accepted (the test is u * q(x) < p(x), u in [0, 1)).
+  An accepted child becomes the current node; if every child is rejected (or there is none) the row ends with the
+  node's own draw (sampled children: a draw from the final residual; greedy: the argmax); a row that accepts D
+  nodes ends with the bonus token at the last one. A p = 0 token is never accepted.
 
   Args:
     target_logits: [B, N, V] raw target logits; node i's scores the token after node i's path.
     tree_tokens: int32 [B, N]; parents: int32 [B, N] (see above; not checked).
     draft_probs: [B, N, V] the distribution node i's children were drawn from, or None (deterministic children).
-    key: PRNG key. params: per-row SamplingParams [B].
+    key: the rows' streams (typed keys [B], raw key data [B, 2], or one key split into B rows); positions int32
+      [B]: the absolute position of the token the root's logits decide (None: 0). params: per-row SamplingParams.
     max_depth: static D. None uses N - 1, which fits any tree but costs a step per depth; pass the tree's real
       depth. Nodes deeper than D are never accepted (exact still: the walk just stops there).
     max_children: static number of child slots tried per node. None uses N - 1 (always enough); pass the tree's
@@ -182,16 +210,21 @@ def verify_tree(
   b, n, _ = target_logits.shape
   depth = n - 1 if max_depth is None else int(max_depth)
   slots = n - 1 if max_children is None else int(max_children)
-  k_accept, k_resid = jax.random.split(key)
-  u = jax.random.uniform(k_accept, (b, max(depth, 0), max(slots, 0)), jnp.float32)  # [0, 1)
-  return _verify_tree(target_logits, tree_tokens, parents, draft_probs, u, k_resid, params, max_depth=depth,
-                      max_children=slots, candidates=candidates)
+  keys = streams.rows(key, b)
+  positions = jnp.zeros((b,), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
+  if draft_probs is None:  # no coins: the walk follows the target's own draws
+    u = jnp.zeros((b, max(depth, 0), max(slots, 0)), jnp.float32)
+  else:
+    u = _uniforms(streams.at(keys, positions[:, None] + jnp.arange(max(depth, 0)), streams.ACCEPT), (max(slots, 0),))
+  return _verify_tree(target_logits, tree_tokens, parents, draft_probs, u, keys, params, positions=positions,
+                      max_depth=depth, max_children=slots, candidates=candidates)
 
 
 def _verify_tree(target_logits, tree_tokens, parents, draft_probs, uniforms, key, params, *, max_depth, max_children,
-                 candidates=sampling.DEFAULT_CANDIDATES):
-  """verify_tree with its acceptance coins given: uniforms float32 [B, max_depth, max_children] in [0, 1), the coin
-  of child slot c at depth d (so tests can force coins, e.g. exactly 0). key draws the final token."""
+                 positions=None, candidates=sampling.DEFAULT_CANDIDATES):
+  """verify_tree with the acceptance coins of sampled children given: uniforms float32 [B, max_depth,
+  max_children] in [0, 1), the coin of child slot c at depth d (so tests can force coins, e.g. exactly 0; unused
+  for deterministic children). key: the rows' streams, as verify_tree's."""
   b, n, v = target_logits.shape
   d_max, c_max = max_depth, max_children
   if tree_tokens.shape != (b, n) or parents.shape != (b, n):
@@ -265,39 +298,54 @@ def _verify_tree(target_logits, tree_tokens, parents, draft_probs, uniforms, key
     n_acc, nodes, cur, _ = walk(accept, lambda s, cur, moved: ())
     return commit(n_acc, nodes, at(target, cur))
 
+  keys = streams.rows(key, b)
+  positions = jnp.zeros((b,), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
+
   def general():
     x, t, top_k, top_p = sampling.rows(target_logits, params)
     w = sampling.warp_rows(x, t, top_k, top_p, candidates=candidates, with_lse=True)
     w = jax.tree.map(lambda a: a.reshape(b, n), w)  # fields [B, N]
+    w_at = lambda cur: jax.tree.map(lambda a: at(a, cur), w)
+    if draft_probs is None:
+      def own(cur, d):
+        """The target's own token at node cur [B] of depth d (its position's TOKEN draw; greedy: the argmax)."""
+        x_cur = sampling.sample_rows(streams.at(keys, positions + d, streams.TOKEN), at(target_logits, cur), w_at(cur))
+        return jnp.where(greedy, at(w.i_last, cur), x_cur)
+
+      def reached_own(state, cur, moved):  # state: (depth, the own token at the current node)
+        if state is None:
+          return jnp.zeros((), jnp.int32), own(cur, 0)
+        d = state[0] + 1
+        return d, jnp.where(moved, own(cur, d), state[1])
+
+      n_acc, nodes, _, (_, last) = walk(lambda s, u, cur, token, trying: (token == s[1], s), reached_own)
+      return commit(n_acc, nodes, last)
     vocab = lax.broadcasted_iota(jnp.int32, (b, v), 1)
 
     def reached(state, cur, moved):
       """At a newly reached node: r = p there (unnormalized residual, mass m) and q of its children."""
-      r = sampling.probs_at(at(target_logits, cur), vocab, jax.tree.map(lambda a: at(a, cur), w))  # [B, V]
+      r = sampling.probs_at(at(target_logits, cur), vocab, w_at(cur))  # [B, V]
       m = jnp.sum(r, axis=-1)
-      q = None if draft_probs is None else at(draft_probs, cur).astype(jnp.float32)
+      q = at(draft_probs, cur).astype(jnp.float32)
       if state is None:
         return r, m, q
       keep = lambda new, old: jnp.where(moved.reshape((b,) + (1,) * (new.ndim - 1)), new, old)
-      return keep(r, state[0]), keep(m, state[1]), None if q is None else keep(q, state[2])
+      return keep(r, state[0]), keep(m, state[1]), keep(q, state[2])
 
     def accept(state, u, cur, token, trying):
       r, m, q = state
       r_x = jnp.take_along_axis(r, token[:, None], axis=1)[:, 0]
-      q_x = 1.0 if q is None else jnp.take_along_axis(q, token[:, None], axis=1)[:, 0]
+      q_x = jnp.take_along_axis(q, token[:, None], axis=1)[:, 0]
       # u < p(x)/q(x) with p = r/m, without dividing: q = 0 < p accepts, p = 0 never accepts (even u = 0).
       acc = jnp.where(greedy, token == at(w.i_last, cur), u * q_x * m < r_x)
-      if q is None:
-        r_new = jnp.where(vocab == token[:, None], 0.0, r)
-      else:
-        r_new = jnp.maximum(r - m[:, None] * q, 0.0)  # normalize(max(p - q, 0)) up to the scale m
+      r_new = jnp.maximum(r - m[:, None] * q, 0.0)  # normalize(max(p - q, 0)) up to the scale m
       m_new = jnp.sum(r_new, axis=-1)
       # Only rejected rows move on; an all-zero residual (p == q up to rounding) keeps r so a draw stays possible.
       upd = trying & ~acc & (m_new > 0)
       return acc, (jnp.where(upd[:, None], r_new, r), jnp.where(upd, m_new, m), q)
 
     n_acc, nodes, cur, (r, _, _) = walk(accept, reached)
-    last = sampling.categorical_from_weights(key, r)
+    last = sampling.categorical_from_weights(streams.at(keys, positions + n_acc, streams.RESIDUAL), r)
     return commit(n_acc, nodes, jnp.where(greedy, at(w.i_last, cur), last))
 
   return lax.cond(jnp.all(greedy), all_greedy, general)

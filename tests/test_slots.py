@@ -204,3 +204,50 @@ def test_a_row_without_room_finishes_with_a_capacity_error_not_a_clamped_write()
   assert int(state.lengths[0]) <= CAPACITY
   np.testing.assert_array_equal(logical(state.cache.k, state.cache.pages)[:, 0, :, :n], cache_before)
   assert len(_out(state, 1)) == 10
+
+
+# A seeded sampled request is its own random stream (spec_jax/streams.py): the same tokens alone, beside other
+# requests, and re-inserted mid-way with its committed tokens as prompt (what the paged cache's preemption does).
+# Deterministic drafters (n-gram chains, token trees) commit the target's own draws, so plain decoding with the
+# same seed gives them too, whatever k the adaptive loop picks in each batch.
+@pytest.mark.parametrize("name", ["ngram", "medusa_tree"])
+def test_seeded_sampled_request_is_its_own_stream(name):
+  params = _params(2)
+  proposer, pparams = _proposer(name, params)
+  spec = make_spec(CONFIG, proposer, adaptive_k=True)
+  both = {"target": params, "proposer": pparams}
+  prompt, others = _prompts(11, [10])[0], _prompts(12, [7, 12, 9])
+  n_new, seed = 20, 1234
+  req = lambda p, n=n_new, s=seed, t=0.6: slots.make_request(p, max_new=n, spec=spec, capacity=CAPACITY,
+                                                             temperature=t, top_k=24, seed=s)
+
+  def alone():
+    state = slots.insert(both, slots.empty_state(both, spec, batch=4, capacity=CAPACITY), 1, req(prompt), spec)
+    return _out(_run_to_end(both, state, spec), 1)
+
+  ref = alone()
+  assert len(ref) >= 6, ref  # long enough to mean something (EOS is token 1)
+  # Beside three other sampled or greedy requests, inserted after them, in another slot.
+  state = slots.empty_state(both, spec, batch=4, capacity=CAPACITY)
+  for slot, (p, s, t) in zip((0, 1, 3), zip(others, (7, 8, 9), (1.0, 0.0, 0.6))):
+    state = slots.insert(both, state, slot, req(p, 30, s, t), spec)
+  state = decode_loop(both, state, spec, 2)
+  state = _run_to_end(both, slots.insert(both, state, 2, req(prompt), spec), spec)
+  assert _out(state, 2) == ref
+  assert int(np.asarray(state.stats.drafted).sum()) > 0
+  # Re-inserted after a few steps with prompt + its committed tokens, the rest of its budget and the same seed.
+  state = slots.insert(both, slots.empty_state(both, spec, batch=4, capacity=CAPACITY), 0, req(prompt), spec)
+  state = decode_loop(both, state, spec, 2)
+  head = _out(state, 0)
+  assert 0 < len(head) < len(ref)
+  state = slots.insert(both, slots.release(state, 0), 0, req(prompt + head, n_new - len(head)), spec)
+  assert head + _out(_run_to_end(both, state, spec), 0) == ref
+  # Another seed is another stream.
+  state = slots.insert(both, slots.empty_state(both, spec, batch=4, capacity=CAPACITY), 1, req(prompt, s=99), spec)
+  assert _out(_run_to_end(both, state, spec), 1) != ref
+  if name == "ngram":  # plain decoding draws the same tokens
+    plain = make_spec(CONFIG, NoneProposer())
+    state = slots.empty_state({"target": params, "proposer": {}}, plain, batch=4, capacity=CAPACITY)
+    state = slots.insert({"target": params, "proposer": {}}, state, 1, slots.make_request(
+        prompt, max_new=n_new, spec=plain, capacity=CAPACITY, temperature=0.6, top_k=24, seed=seed), plain)
+    assert _out(_run_to_end({"target": params, "proposer": {}}, state, plain), 1) == ref

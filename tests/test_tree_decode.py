@@ -126,15 +126,18 @@ class OracleTree(Stateless):
     t = self.tree
     parents, depths, ranks = t.arrays()
     B = ctx.lengths.shape[0]
-    k1, k2 = jax.random.split(key)
-    right = jax.random.randint(k1, (B, t.depth), 0, 3)  # the rank holding the right token at each depth
+    # key: each row's draft keys [B, depth] (fresh every step: they follow the row's position)
+    draw = lambda i, shape, hi: jax.vmap(
+        lambda k: jax.random.randint(jax.random.fold_in(k, i), shape, 0, hi))(key[:, 0])
+    right = draw(1, (t.depth,), 3)  # the rank holding the right token at each depth
     idx = ctx.lengths[:, None] - 1 + jnp.arange(1, t.depth + 1)[None, :]
     truth = jnp.take_along_axis(params["ref"], jnp.minimum(idx, params["ref"].shape[1] - 1), axis=1)
     paths = [()] + list(t.paths)
     on = jnp.stack([jnp.all(jnp.stack([right[:, i] == r for i, r in enumerate(p)] + [jnp.ones(B, bool)]), 0)
                     for p in paths], axis=1)  # [B, N]: node n lies on the right path
     d = np.maximum(depths - 1, 0)
-    wrong = (truth[:, d] + 1 + jax.random.randint(k2, (B, t.nodes), 0, self.vocab_size - 4)) % self.vocab_size
+    # truth + 1 .. truth + V - 8: never the truth, nor the real token when a test shifts `ref` by 7
+    wrong = (truth[:, d] + 1 + draw(2, (t.nodes,), self.vocab_size - 8)) % self.vocab_size
     tokens = jnp.where(on, truth[:, d], wrong).astype(jnp.int32)
     return TreeDraft(tokens, jnp.broadcast_to(jnp.asarray(parents), (B, t.nodes))), state
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from spec_jax import sampling
+from spec_jax import sampling, streams
 from spec_jax.config import SamplingParams
 from spec_jax.verify import PAD, _verify_tree, verify_chain, verify_tree
 from tests.test_sampling import ref_probs
@@ -335,10 +335,10 @@ def star_logits(b=3, n=5, v=V, seed=0):
 STAR = np.tile([-1, 0, 0, 0, 0], (3, 1))
 
 
-@pytest.mark.parametrize("with_q", [True, False])
-def test_zero_probability_token_never_accepted_with_zero_coin(with_q):
-  """Coin exactly 0: every child with p > 0 would be accepted; children with p = 0 (outside top-k, or a -inf
-  logit) must not be, whether q gives them mass or not."""
+def test_zero_probability_token_never_accepted_with_zero_coin():
+  """Sampled children, coin exactly 0: every child with p > 0 would be accepted; children with p = 0 (outside
+  top-k, or a -inf logit) must not be, whether q gives them mass or not. (Deterministic children take no coins:
+  test_deterministic_children_follow_the_targets_draw.)"""
   logits = star_logits()
   logits[:, 0] = [5.0, 4.0, 0.0, -1.0, -2.0, -3.0]
   logits[2, 0, 3] = -np.inf
@@ -347,7 +347,6 @@ def test_zero_probability_token_never_accepted_with_zero_coin(with_q):
   # q only on p = 0 tokens, so the residual max(p - q, 0) keeps p. Row 0: q(2) = 0 too (0 * 0 < 0 is still false).
   q = np.full((3, 5, V), 1 / V, np.float32)
   q[:, 0] = [[0, 0, 0, 0.5, 0.5, 0], [0, 0, 0, 0.2, 0.4, 0.4], [0, 0, 0, 1, 0, 0]]
-  q = q if with_q else None
   tokens, num_acc, nodes = run_coins(logits, toks, STAR, q, 0.0, params)
   np.testing.assert_array_equal(nodes[:, 1], [3, 3, 3])
   np.testing.assert_array_equal(tokens[:, 0], [1, 1, 2])
@@ -359,16 +358,42 @@ def test_zero_probability_token_never_accepted_with_zero_coin(with_q):
     assert np.all(np.isin(tokens[:2, 0], [0, 1])) and tokens[2, 0] != 3
 
 
+def test_deterministic_children_follow_the_targets_draw():
+  """Deterministic children: the emitted tokens are the target's own draws with the rows' TOKEN keys of their
+  positions (what plain decoding draws), whatever the tree; the accepted child is the first one equal to the draw,
+  so a p = 0 child (outside top-k, a -inf logit) and a duplicate sibling are never accepted."""
+  b, reps = 3, 200
+  logits = star_logits()
+  logits[:, 0] = [5.0, 4.0, 0.0, -1.0, -2.0, -3.0]
+  logits[2, 0, 3] = -np.inf
+  rows = [(1.0, 2, 1.0), (0.9, 2, 1.0), (1.0, 0, 1.0)]
+  toks = np.array([[0, 2, 3, 1, 1], [0, 5, 4, 0, 0], [0, 3, 1, 1, 4]], np.int32)  # p = 0 first; duplicates last
+  R = b * reps
+  params = SamplingParams.stack(rows * reps)
+  lg = jnp.asarray(np.tile(logits, (reps, 1, 1)))
+  keys = jax.random.split(jax.random.key(5), R)
+  positions = jnp.arange(R, dtype=jnp.int32) % 7 + 3
+  tokens, num_acc, nodes = (np.asarray(o) for o in VERIFY(lg, jnp.asarray(np.tile(toks, (reps, 1))),
+                                                           jnp.asarray(np.tile(STAR, (reps, 1))), None, keys, params,
+                                                           positions=positions, max_depth=1, max_children=4))
+  own = np.asarray(jax.jit(sampling.sample)(streams.at(keys, positions, streams.TOKEN), lg[:, 0], params))
+  np.testing.assert_array_equal(tokens[:, 0], own)  # the first emitted token is the root's own draw
+  t = np.tile(toks, (reps, 1))
+  first = np.array([next((j for j in range(1, 5) if t[r, j] == own[r]), -1) for r in range(R)])
+  np.testing.assert_array_equal(np.where(num_acc == 1, nodes[:, 1], -1), first)
+  # Never a p = 0 child (rows 0, 1: nodes 1, 2 outside top-2; row 2: node 1's -inf) nor a duplicate (node 4 of
+  # rows 0, 1; node 3 of row 2).
+  assert set(nodes[0::3, 1]) <= {3, -1} and set(nodes[1::3, 1]) <= {3, -1} and set(nodes[2::3, 1]) <= {2, 4, -1}
+  assert (num_acc == 1).any() and (num_acc == 0).any()
+
+
 def test_duplicate_siblings():
-  """A rejected token's duplicate sibling is never accepted, even with coin 0 (deterministic children: p(x) was
-  zeroed; sampled children: the residual has no mass left on x)."""
+  """Sampled children: a rejected token's duplicate sibling is never accepted, even with coin 0."""
   logits = star_logits()
   logits[:, 0] = [2.0, 1.0, 0.5, 0.0, -1.0, -1.0]
   toks = np.tile([0, 0, 0, 1, 2], (3, 1))  # x, x, y
   params = SamplingParams.make(3, 1.0)
   coins = np.array([[[0.999, 0.0, 0.0]]])  # reject x (p(x) < 0.999), then coin 0
-  _, _, nodes = run_coins(logits, toks, STAR, None, coins, params)
-  np.testing.assert_array_equal(nodes[:, 1], 3)  # not node 2
   # Sampled children: x is only ever rejected where q(x) > p(x), which leaves max(p - q, 0) no mass on x, so its
   # duplicate cannot win either; y (p(y) > q(y)) is accepted with coin 0.
   q = np.full((3, 5, V), 1 / V, np.float32)

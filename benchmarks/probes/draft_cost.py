@@ -43,9 +43,12 @@ FLAGS = flags.FLAGS
 
 @functools.partial(jax.jit, static_argnames=("spec", "k"), donate_argnames=("pstate",))
 def propose_only(params, state, pstate, spec, k):
+  from spec_jax import streams
+  from spec_jax.decode import draft_keys
   from spec_jax.proposers.base import ProposeContext
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
-  draft, ps = spec.proposer.propose(params["proposer"], pstate, ctx, k, state.key)
+  keys = draft_keys(streams.rows(state.keys, state.lengths.shape[0]), state.lengths, k)
+  draft, ps = spec.proposer.propose(params["proposer"], pstate, ctx, k, keys)
   return ps, jnp.sum(draft.tokens), None if draft.probs is None else draft.probs[:, :, 0]
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from spec_jax import streams
 from spec_jax.proposers.base import Draft
 
 
@@ -19,7 +20,8 @@ def draft_chain(draw: Callable, advance: Callable, carry: Any, key: jax.Array, k
   of it, so a scan over a step that gathers from the bfloat16 embedding converted the whole 262k-row table to
   float32 (670 MB) on every propose, and the carry's caches were copied each iteration (benchmarks/probes/draft_cost.py,
   docs/benchmark-log.md section 13)."""
-  keys = jax.random.split(key, k)
+  # key: typed keys [B, k], draft i's row streams (spec_jax/decode.draft_keys); or one key, split per draft.
+  keys = jax.random.split(key, k) if streams.is_single(key) else [key[:, i] for i in range(k)]
   toks, qs = [], []
   for i in range(k):
     tok, q = draw(carry, keys[i])

@@ -92,7 +92,7 @@ def test_layout_follows_the_table():
   state = decode_loop(both, state, spec)  # what the compiled loop gives back
   kv = (None, "data", None, None, None)
   for arr, want in ((state.cache.k, kv), (state.tokens, ("data",)), (state.lengths, ("data",)),
-                    (state.last_hidden, ("data",)), (state.stats.accepted_at, ("data",)), (state.key, ()),
+                    (state.last_hidden, ("data",)), (state.stats.accepted_at, ("data",)), (state.keys, ("data",)),
                     (state.adapt.costs, ()), (state.step, ()), (state.pstate.cache.k, kv),
                     (state.pstate.pend_feat, ("data",))):
     assert _full(sharding.spec_of(arr), arr.ndim) == _full(want, arr.ndim), (arr.shape, sharding.spec_of(arr), want)

@@ -286,7 +286,7 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server):
     assert r.status_code == 200  # unknown fields are ignored
   cases = [dict(prompt=""), dict(prompt="the cat " * 200), dict(prompt="a", max_tokens=0),
            dict(prompt="a", max_tokens=10_000), dict(prompt="a", temperature=-1), dict(prompt="a", top_p=0),
-           dict(prompt="a", top_p=1.5), dict(prompt="a", n=0), dict(prompt="a", best_of=2),
+           dict(prompt="a", top_p=1.5), dict(prompt="a", n=0), dict(prompt="a", n=2, best_of=1),
            dict(prompt="a", extra_body={"top_k": -5})]
   for kw in cases:
     with pytest.raises(openai.BadRequestError) as e:

@@ -46,6 +46,11 @@ def _queries(s):
     body = {"prompt": PROMPTS[0], "n": 4, "max_tokens": 12, "temperature": 1.0, "seed": 7, "return_token_ids": True}
     a, b = post("/v1/completions", body).json(), post("/v1/completions", body).json()
     out["sampled"] = (a, b)
+    # best_of: the n = 2 of best_of = 4 samples with the highest cumulative logprob; the same seed's n = 4 with
+    # logprobs are those samples (sample i is stream seed + i)
+    best = post("/v1/completions", {**body, "n": 2, "best_of": 4, "return_token_ids": True})
+    assert best.status_code == 200, best.text
+    out["best_of"] = (best.json(), post("/v1/completions", {**body, "logprobs": 0}).json())
     # bad input: a 400 naming the field
     for bad, field, path in (({"logprobs": -1}, "logprobs", "/v1/completions"),
                              ({"logprobs": 21}, "logprobs", "/v1/completions"),
@@ -53,7 +58,8 @@ def _queries(s):
                              ({"top_logprobs": 2}, "top_logprobs", "/v1/chat/completions"),
                              ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "/v1/chat/completions"),
                              ({"echo": True}, "echo", "/v1/chat/completions"),
-                             ({"n": 0}, "n", "/v1/completions"), ({"best_of": 3}, "best_of", "/v1/completions"),
+                             ({"n": 0}, "n", "/v1/completions"), ({"n": 3, "best_of": 2}, "best_of", "/v1/completions"),
+                             ({"best_of": 3, "stream": True}, "best_of", "/v1/completions"),
                              ({"prompt_logprobs": -2}, "prompt_logprobs", "/v1/completions")):
       base = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
       r = post(path, {**base, "max_tokens": 2, **bad})
@@ -145,9 +151,17 @@ def test_logprobs_echo_and_n_with_and_without_speculation(tiny_model):  # noqa: 
   assert len(lp["tokens"]) == len(tok.encode(PROMPTS[1])) + 8
   a, b = spec["sampled"]
   ids = [c["token_ids"] for c in a["choices"]]
-  # the seed fixes each choice's first token (seed + i); later ones draw from the engine's batch-wide stream
-  assert [x[0] for x in ids] == [c["token_ids"][0] for c in b["choices"]]
-  assert len({tuple(x) for x in ids}) > 1 and ids != [c["token_ids"] for c in b["choices"]]  # independent
+  # each choice is its own stream (seed + i): the same tokens on every run, and with or without speculation
+  # (n-gram drafts are deterministic, so the committed tokens are the target's own draws); the choices differ
+  assert ids == [c["token_ids"] for c in b["choices"]] == [c["token_ids"] for c in plain["sampled"][0]["choices"]]
+  assert len({tuple(x) for x in ids}) > 1
+  best, all4 = spec["best_of"]
+  score = [sum(c["logprobs"]["token_logprobs"]) for c in all4["choices"]]
+  order = sorted(range(4), key=lambda i: (-score[i], i))[:2]
+  assert [c["index"] for c in best["choices"]] == [0, 1]
+  assert all(c["logprobs"] is None for c in best["choices"])  # ranked by logprobs, which were not asked for
+  assert [c["token_ids"] for c in best["choices"]] == [all4["choices"][i]["token_ids"] for i in order]
+  assert best["usage"]["completion_tokens"] == all4["usage"]["completion_tokens"]  # every sample counts
 
 
 def _reference(config, params, ids):

@@ -106,6 +106,37 @@ def test_a_tool_call_round_trip_through_the_openai_client(server):
   assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+def test_a_tool_call_streams_as_tool_call_chunks_through_the_openai_client(server):
+  """stream=true with tools: the call as OpenAI streams it (a header chunk with index, id, type and name, then
+  argument fragments; finish_reason tool_calls), which the openai client's stream helper assembles into the same
+  call as the answer without streaming; a text answer (tool_choice auto) streams as content."""
+  c = server.client()
+  msgs = [{"role": "user", "content": "weather in Paris?"}]
+  kw = dict(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80, temperature=0)
+  want = c.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+  chunks = list(c.chat.completions.create(**kw, stream=True))
+  deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+  calls = [tc for d in deltas for tc in d.tool_calls or ()]
+  head, frags = calls[0], calls[1:]
+  assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
+  assert head.function.name == want.function.name and head.function.arguments == ""
+  assert len(frags) > 1 and all(f.index == 0 and f.id is None and f.function.name is None for f in frags)
+  assert json.loads("".join(f.function.arguments for f in frags)) == json.loads(want.function.arguments)
+  assert not any(d.content for d in deltas)
+  assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+  with c.chat.completions.stream(**kw) as s:  # the client's own assembly of the chunks
+    final = s.get_final_completion().choices[0]
+  assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.name == want.function.name
+  assert json.loads(final.message.tool_calls[0].function.arguments) == json.loads(want.function.arguments)
+  # auto, and an answer that is not a call: content chunks, the same text as without streaming
+  kw.update(tool_choice="auto", max_tokens=12)
+  text = c.chat.completions.create(**kw).choices[0].message.content
+  chunks = list(c.chat.completions.create(**kw, stream=True))
+  assert not text.lstrip().startswith("{")
+  assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+  assert not any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
+
+
 def test_bad_structured_requests_are_400s_naming_the_problem(server):
   h = server.http()
   chat = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]}
@@ -121,7 +152,9 @@ def test_bad_structured_requests_are_400s_naming_the_problem(server):
        "not in tools"),
       ({"tool_choice": "required"}, "tool_choice", "needs tools"),
       ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "one structured output"),
-      ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream", "streaming")]:
+      # vLLM's grammars (EBNF, Lark): context-free, which outlines-core does not compile; refused, saying so
+      ({"guided_grammar": 'root ::= "a" root | "b"'}, "guided_grammar", "context-free"),
+      ({"structured_outputs": {"grammar": 'start: "a"'}}, "structured_outputs", "context-free")]:
     r = h.post("/v1/chat/completions", json={**chat, **extra})
     assert r.status_code == 400, (extra, r.text)
     err = r.json()["error"]
