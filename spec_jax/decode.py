@@ -203,7 +203,8 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
 def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> DecodeState:
   """spec_step with a token tree: the proposer drafts N nodes per row, the target scores them all in one forward
   under the tree mask (positions = the root's + depth), `verify_tree` walks the tree, and the accepted path's K/V
-  are written into consecutive cache slots (`tree.write_accepted`; the forward writes none) so the cache stays a plain prefix."""
+  are written into consecutive cache slots (`tree.write_accepted`; the forward writes none), so the cache stays a
+  plain prefix."""
   k = spec.ks[option]
   shape = spec.proposer.tree
   N = shape.nodes
