@@ -104,6 +104,7 @@ class KVScheduler:
     self.block_size, self.poison = block_size, poison_freed_pages
     self.bytes_per_page, self.proposer_bytes_per_page = bytes_per_page, proposer_bytes_per_page
     self.preemptions = 0
+    self.peak_rows = 0  # the most rows one call ran (the tests read it)
     self._counted = (0, 0)  # the manager's prefix counters already added to the metrics
     self._seq = 0  # admissions so far: the preemption order
     m = engine.metrics
@@ -212,6 +213,7 @@ class KVScheduler:
       if self._cut_speculation(rows, caps):
         continue
       self._preempt(self.bm.victim([r for _, r in rows]))
+    self.peak_rows = max(self.peak_rows, len(rows))
     for (slot, r), (_, n) in zip(rows, want):
       assert self.bm.reserve(r.kv_key, n)
       r.inflight.append(self.tokens_per_call(steps, int(caps[slot])))
