@@ -65,7 +65,6 @@ class EngineRequest:
   kv_key: Any = None  # its id in the block manager while it holds pages
   kv_len: int = 0  # tokens with K/V at the last snapshot read
   inflight: list = dataclasses.field(default_factory=list)  # tokens of pages each dispatched, unread call needs
-  resumed_from: int = 0  # output tokens the device holds as prompt (a resume without the device's output_ids)
   prior: tuple = (0, 0, 0)  # (drafted, accepted, drafts) of its rows before the last preemption
 
   def advance(self, arr, slot: int, now: float, itl: list, m: Metrics) -> tuple[int, int, int, int]:
@@ -85,7 +84,7 @@ class EngineRequest:
       m.accepted_from_history.inc(from_hist - self.accepted_from_history)
     self.accepted_from_history = from_hist
 
-    start = int(arr.prompt_lens[slot]) + self.n_tokens - self.resumed_from
+    start = int(arr.prompt_lens[slot]) + self.n_tokens
     new = arr.tokens[slot, start:int(arr.lengths[slot])].tolist()
     done = bool(arr.done[slot])
     reason = FINISH_REASONS.get(FINISH_NAMES.get(int(arr.finish[slot])), "stop") if done else None

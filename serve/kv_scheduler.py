@@ -1,8 +1,7 @@
 """The engine's paged KV pool (issue 35): admission by pages, reservation before each loop call, trim after each
 snapshot, preemption, prefix reuse, and the pool's metrics, over serve/block_manager.py.
 
-Lengths here are K/V lengths: tokens whose K/V every cache of the row holds (Snapshot.kv_lengths; the state's
-lengths - 1 where the device does not report it). A loop call of s steps with draft cap c commits at most c + 1
+Lengths here are K/V lengths: tokens whose K/V every cache of the row holds (Snapshot.kv_lengths). A loop call of s steps with draft cap c commits at most c + 1
 tokens a step and, in a tree, reads K/V up to `lookahead` past its last commit, so it needs T = s (c + 1) tokens of
 pages (trees: (s - 1)(k + 1) + lookahead + 1), capped at the request's end (prompt + max_tokens + lookahead + 1,
 within capacity). Writes past a row's pages land on the null page, which nothing committed reads.
@@ -21,7 +20,6 @@ has already streamed.
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import jax
@@ -34,11 +32,6 @@ from spec_jax import slots
 from spec_jax.cache import KVCache
 
 log = logging.getLogger("spec_jax.engine")
-# The device API for a resume and for prefix hits (slots.make_request's output_ids and cached; usable_prefix).
-# Until it is there, a resume prefills prompt + streamed tokens as its prompt, and prefix hits are looked up
-# (the counters count queries) but never shared.
-_DEVICE_RESUME = "output_ids" in inspect.signature(slots.make_request).parameters
-_DEVICE_PREFIX = _DEVICE_RESUME and hasattr(slots, "usable_prefix")
 
 
 def page_bytes(params, spec, *, rows: int, capacity: int, block_size: int, grammar_capacity=None) -> tuple:
@@ -148,33 +141,28 @@ class KVScheduler:
     """Pages for the request's prompt (plus its streamed tokens on a resume) and one call -> its device request
     for the insert, or None when the pool cannot give them (it waits, first in line)."""
     tokens = list(req.prompt_ids) + list(req.out_ids)
+    prefill = len(tokens) - (1 if req.out_ids else 0)  # a resume feeds its last streamed token next
     salt = make_salt(req.tenant, req.cache_salt)
-    hit = self.bm.lookup(tokens, salt)
-    n_hit = slots.usable_prefix(self.e.spec, hit[1]) if _DEVICE_PREFIX else 0
-    n_hit -= n_hit % self.block_size
-    keep = n_hit // self.block_size
+    hit = self.bm.lookup(tokens[:prefill], salt)  # leaves at least one position to prefill
+    keep = slots.usable_prefix(self.e.spec, hit[1], self.block_size) // self.block_size
     hit = PrefixHit(hit[0][:keep], keep * self.block_size, hit.hashes[:keep], hit.n_query)
     key = (req.id, req.admissions)
     first = min(self.end(req), len(tokens) + self.tokens_per_call(1, self.e.spec.k_max))
-    # Leave the running rows one step without drafts, so an admission never forces a preemption at once.
+    # Leave the running rows pages for one step without drafts: an admission should not force a preemption.
     if self.bm.pages_for(first) - keep > self.bm.num_available - self._headroom():
       return None
     if not self.bm.allocate(key, first, salt=salt, prefix=hit):
       return None
     self._poison()
     pages = self.bm.table(key)
-    req.kv_key, req.kv_len, req.inflight, req.resumed_from = key, len(tokens), [], 0
+    req.kv_key, req.kv_len, req.inflight = key, prefill, []
     req.admissions += 1
     self._seq += 1
     req.admit_seq = self._seq
     self.metrics_update()
     if not req.out_ids and not hit[1]:
       return req.device_req.replace(pages=jnp.asarray(pages))
-    if _DEVICE_RESUME:
-      return req.remake(req.prompt_ids, max_new=req.max_new, pages=pages, output_ids=list(req.out_ids),
-                        cached=hit[1])
-    req.resumed_from = len(req.out_ids)  # the streamed tokens are in the device's prompt
-    return req.remake(tokens, max_new=req.max_new - len(req.out_ids), pages=pages)
+    return req.remake(req.prompt_ids, max_new=req.max_new, pages=pages, output_ids=list(req.out_ids), cached=hit[1])
 
   def _headroom(self) -> int:
     """Pages the running rows need for their next call at one step without drafts."""
@@ -186,9 +174,10 @@ class KVScheduler:
     return need
 
   def admitted(self, req) -> None:
-    """The insert is done: the prompt's full pages go into the prefix cache."""
+    """The insert is done: the prompt's full pages go into the prefix cache (EAGLE's last position is written by
+    the first step: the next snapshot's kv_lengths commits it)."""
     tokens = list(req.prompt_ids) + list(req.out_ids)
-    self.bm.commit(req.kv_key, tokens, max(len(tokens) - 1, self.bm.committed(req.kv_key)))
+    self.bm.commit(req.kv_key, tokens, max(req.kv_len - 1, self.bm.committed(req.kv_key)))
 
   def release(self, req) -> None:
     """The request's pages go back (finished, aborted, failed or preempted)."""
@@ -254,8 +243,7 @@ class KVScheduler:
     if req.finished or req.kv_key is None or req.kv_key not in self.bm or not req.inflight:
       return
     req.inflight.pop(0)
-    kv = getattr(arr, "kv_lengths", None)
-    n = int(kv[slot]) if kv is not None else int(arr.lengths[slot]) - 1
+    n = int(arr.kv_lengths[slot])
     self.bm.commit(req.kv_key, arr.tokens[slot, :n].tolist(), n)
     req.kv_len = n
     self.bm.trim(req.kv_key, min(self.e.capacity, n + sum(req.inflight)))
