@@ -1,7 +1,8 @@
 """The engine's paged KV pool (issue 35): admission by pages, reservation before each loop call, trim after each
 snapshot, preemption, prefix reuse, and the pool's metrics, over serve/block_manager.py.
 
-Lengths here are K/V lengths: tokens whose K/V every cache of the row holds (Snapshot.kv_lengths). A loop call of s steps with draft cap c commits at most c + 1
+Pages are reserved after the target's K/V length (Snapshot.lengths - 1); pages are hashed only up to
+Snapshot.kv_lengths, the tokens whose K/V every cache of the row holds (a proposer's cache may lag). A loop call of s steps with draft cap c commits at most c + 1
 tokens a step and, in a tree, reads K/V up to `lookahead` past its last commit, so it needs T = s (c + 1) tokens of
 pages (trees: (s - 1)(k + 1) + lookahead + 1), capped at the request's end (prompt + max_tokens + lookahead + 1,
 within capacity). Writes past a row's pages land on the null page, which nothing committed reads.
@@ -97,6 +98,7 @@ class KVScheduler:
     self.block_size, self.poison = block_size, poison_freed_pages
     self.bytes_per_page, self.proposer_bytes_per_page = bytes_per_page, proposer_bytes_per_page
     self.preemptions = 0
+    self.shrunk_steps = self.shrunk_caps = 0  # calls run with fewer steps, segments set to draft cap 0, for pages
     self.peak_rows = 0  # the most rows one call ran (the tests read it)
     self._counted = (0, 0)  # the manager's prefix counters already added to the metrics
     self._seq = 0  # admissions so far: the preemption order
@@ -198,8 +200,10 @@ class KVScheduler:
         break
       if steps > 1:
         steps = 1
+        self.shrunk_steps += 1
         continue
       if self._cut_speculation(rows, caps):
+        self.shrunk_caps += 1
         continue
       self._preempt(self.bm.victim([r for _, r in rows]))
     self.peak_rows = max(self.peak_rows, len(rows))
@@ -243,10 +247,11 @@ class KVScheduler:
     if req.finished or req.kv_key is None or req.kv_key not in self.bm or not req.inflight:
       return
     req.inflight.pop(0)
-    n = int(arr.kv_lengths[slot])
+    n = int(arr.kv_lengths[slot])  # K/V in every cache: what may be hashed and shared
     self.bm.commit(req.kv_key, arr.tokens[slot, :n].tolist(), n)
-    req.kv_len = n
-    self.bm.trim(req.kv_key, min(self.e.capacity, n + sum(req.inflight)))
+    # The target's K/V: the next calls write after it (a draft model's or EAGLE's cache may lag behind)
+    req.kv_len = max(n, int(arr.lengths[slot]) - 1)
+    self.bm.trim(req.kv_key, min(self.e.capacity, req.kv_len + sum(req.inflight)))
 
   def _poison(self) -> None:
     """Test-only: NaN into every page freed since the last device write (padded to a power of two of ids, so
@@ -272,5 +277,6 @@ class KVScheduler:
     return {"kv_pages": bm.num_pages - 1, "kv_block_size": self.block_size, "kv_pages_used": bm.num_used,
             "kv_pages_cached": bm.num_cached, "kv_cache_usage_perc": round(bm.usage(), 4),
             "kv_bytes_per_page": self.bytes_per_page, "kv_proposer_bytes_per_page": self.proposer_bytes_per_page,
-            "num_preemptions": self.preemptions, "prefix_cache_queries": bm.prefix_queries,
+            "num_preemptions": self.preemptions, "kv_shrunk_steps": self.shrunk_steps,
+            "kv_shrunk_caps": self.shrunk_caps, "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits}
