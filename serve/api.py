@@ -128,9 +128,10 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
                         repetition=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
                         min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0, ignore_eos=bool(body.ignore_eos),
                         logit_bias=body.logit_bias or None, stop_token_ids=tuple(body.stop_token_ids or ())),
-          logprobs=(top, cfg.get("logprobs_mode", "raw_logprobs")), grammar=grammar)
+          logprobs=(top, cfg.get("logprobs_mode", "raw_logprobs")), grammar=grammar, cache_salt=body.cache_salt)
     except ValueError as e:
-      raise APIError(400, str(e))
+      field = getattr(e, "field", None)
+      raise APIError(400, str(e), budget_field if field == "max_tokens" else field)
 
   def submit(req) -> None:
     try:

@@ -21,6 +21,7 @@ a failed decode every running request, and the engine starts from a fresh state.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import threading
@@ -30,14 +31,15 @@ from typing import Optional
 import jax
 import numpy as np
 
-from serve import live_ab, timing_probe
+from serve import admission, kv_scheduler, live_ab, timing_probe
 from serve.guardrails import SpeculationSwitch
 from serve.segments import Segments
 from serve.metrics import Metrics
 from serve.engine_request import EngineRequest
-from serve.output_stream import Output, TextStream
+from serve.output_stream import Output
 from serve.tenants import TenantTable
 from spec_jax import slots
+from spec_jax.cache import DEFAULT_BLOCK_SIZE
 from spec_jax.controls import Controls
 from spec_jax.slot_table import SlotTable
 
@@ -59,11 +61,16 @@ class Engine:
   def __init__(self, params, spec, tokenizer, *, max_num_seqs: int, capacity: int, max_queue: int = 64,
                steps_per_sync: int = 8, costs=None, spec_config=None, guardrails=None,
                request_timeout_s: float = 600.0, seed: int = 0, metrics: Optional[Metrics] = None,
-               timing_probe_s: float = 10.0, switchback=None, grammar_capacity=None):
+               timing_probe_s: float = 10.0, switchback=None, grammar_capacity=None, kv_pool=None):
+    """kv_pool: the paged KV pool's flags (serve/kv_scheduler.py plan); None: fixed slots."""
     if max_num_seqs < 1 or max_queue < 0 or steps_per_sync < 1:
       raise ValueError("max_num_seqs and steps_per_sync must be >= 1, max_queue >= 0")
+    pool = kv_scheduler.plan(params, spec, kv_pool, rows=SlotTable.rows(params, spec, max_num_seqs),
+                             max_num_seqs=max_num_seqs, capacity=capacity, grammar_capacity=grammar_capacity)
+    self.block_size = pool["block_size"] if pool else DEFAULT_BLOCK_SIZE
     self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed,
-                           grammar_capacity=grammar_capacity)
+                           grammar_capacity=grammar_capacity, block_size=self.block_size,
+                           num_pages=pool["num_pages"] if pool else None)
     self.tenants = TenantTable(TENANT_IDS, max_num_seqs)
     self.params, self.tokenizer = params, tokenizer
     self.B, self.capacity, self.max_queue, self.steps = max_num_seqs, capacity, max_queue, steps_per_sync
@@ -85,6 +92,9 @@ class Engine:
     self._ids = itertools.count()
     self._thread: Optional[threading.Thread] = None
     self.iterations = 0
+    self.kv = kv_scheduler.KVScheduler(self, **pool) if pool else None
+    if self.kv is not None:
+      log.info(self.kv.describe())
 
   @property
   def spec(self):
@@ -100,21 +110,26 @@ class Engine:
   def make_request(self, prompt_ids, *, max_new: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    speculate: bool = True, seed: int = 0, stop=(), output: Output | None = None,
                    timeout_s: Optional[float] = None, tenant: str = "", tag: str = "",
-                   controls: Optional[dict] = None, logprobs=(-1, "raw_logprobs"), grammar=None) -> EngineRequest:
+                   controls: Optional[dict] = None, logprobs=(-1, "raw_logprobs"), grammar=None,
+                   cache_salt: Optional[str] = None) -> EngineRequest:
     """Validate and pad a request (ValueError with the reason: the server answers 400); grammar: an automaton."""
     ctl = Controls.make(1, vocab_size=self.spec.config.vocab_size, **(controls or {}))  # ValueError names the field
     if int(ctl.min_tokens[0]) > max_new:
       raise ValueError(f"min_tokens ({int(ctl.min_tokens[0])}) is over the output budget ({max_new})")
-    dev = slots.make_request(list(prompt_ids), max_new=max_new, spec=self.spec, capacity=self.capacity,
-                             temperature=temperature, top_k=top_k, top_p=top_p, draft_cap=None if speculate else 0,
-                             seed=seed, controls=ctl, logprobs=logprobs[0], logprobs_mode=logprobs[1],
+    make = functools.partial(slots.make_request, spec=self.spec, capacity=self.capacity, temperature=temperature,
+                             top_k=top_k, top_p=top_p, draft_cap=None if speculate else 0, seed=seed, controls=ctl,
+                             logprobs=logprobs[0], logprobs_mode=logprobs[1], block_size=self.block_size,
                              grammar=(grammar, self.table.grammar_capacity))
+    dev = make(list(prompt_ids), max_new=max_new)
+    if self.kv is not None:
+      self.kv.check_fits(len(prompt_ids), max_new)
     now, timeout = time.monotonic(), self.request_timeout_s if timeout_s is None else timeout_s
     return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), device_req=dev,
                          stop=tuple(s for s in stop if s), output=output or Output(), arrival=now,
                          speculate=bool(speculate), tenant=tenant, logprobs=int(logprobs[0]),
                          features=(float(temperature), int(max_new), str(tag), int(top_k), float(top_p)),
-                         deadline=now + timeout if timeout else None)
+                         deadline=now + timeout if timeout else None, remake=make, max_new=int(max_new),
+                         cache_salt=cache_salt)
 
   def submit(self, req: EngineRequest) -> None:
     with self._lock:
@@ -141,7 +156,7 @@ class Engine:
 
   def status(self) -> dict:
     return {**self.switch.status(len(self.table.holders)), "method": self.spec.proposer.name,
-            **self.segments.to_json(),
+            **self.segments.to_json(), **(self.kv.to_json() if self.kv else {}),
             "k_max": self.spec.k_max, "ks": list(self.spec.ks)}
 
   def live_report(self) -> dict:
@@ -169,7 +184,8 @@ class Engine:
     t = self.table
     lens = list(warmup_prompt_lens) or [1]
     for i, n in enumerate(lens):
-      req = slots.make_request([self.spec.config.bos_id] * n, max_new=2, spec=self.spec, capacity=self.capacity)
+      req = slots.make_request([self.spec.config.bos_id] * n, max_new=2, spec=self.spec, capacity=self.capacity,
+                               block_size=self.block_size)
       slot = t.insert(None, req)
       if i < len(lens) - 1:
         t.release(slot)
@@ -210,6 +226,8 @@ class Engine:
   def _fresh_state(self) -> None:
     self.table.reset()
     self.tenants.reset()
+    if self.kv is not None:
+      self.kv.reset()
     self._applied_on = None
     self._applied_caps = None
     self._last_uses = np.zeros(len(self.spec.ks), np.int64)
@@ -240,16 +258,19 @@ class Engine:
     with self._lock:  # the admin switch resets the guardrails from the HTTP thread
       events = self.switch.tick(now, self.segments.verdict_of)
     self.segments.restart(seg for seg, _, _ in events)  # switched off or probing: measured afresh
-    self._reap(now)
-    admitted = self._admit(now)
+    admission.reap(self, now)
+    admitted = admission.admit(self, now)
     snap = None
     if self.table.holders:
       dispatched = self.segments.now()
-      self._apply_speculation(dispatched[1])
+      caps = self._speculation_caps(dispatched[1])
       # Right after an insert, one step: the new request's first tokens go out after its prefill plus one step
       # rather than plus steps_per_sync steps (TTFT).
       steps = 1 if admitted else self.steps
       try:
+        if self.kv is not None:  # pages for the call; fewer steps, caps or rows when the pool is short
+          steps = self.kv.reserve(steps, caps)
+        self._set_caps(caps)
         drafting = bool(self._applied_on) and any(r.speculate for r in self.table.holders.values())
         snap = (*self.table.run(steps, self.probe.timed_loop if self.probe.due(now, drafting) else None),
                 dispatched)
@@ -264,8 +285,8 @@ class Engine:
     self.probe.sample_memory(now)
     self.metrics.observe_occupancy(*self.counts())
 
-  def _apply_speculation(self, arm: str) -> None:
-    """Set every row's draft cap for the next dispatch, which runs in switchback arm `arm`."""
+  def _speculation_caps(self, arm: str) -> np.ndarray:
+    """Every row's draft cap for the next dispatch, which runs in switchback arm `arm`."""
     busy = len(self.table.holders)
     k_busy = self.switch.k_at(busy)
     caps = np.zeros((self.table.num_slots,), np.int32)
@@ -273,6 +294,9 @@ class Engine:
       for slot, req in self.table.holders.items():
         if req.speculate and self.switch.segment_on(req.segment):
           caps[slot] = min(req.policy_k, k_busy)
+    return caps
+
+  def _set_caps(self, caps: np.ndarray) -> None:
     if self._applied_caps is None or not np.array_equal(caps, self._applied_caps):
       self.table.set_draft_caps(caps)
       self._applied_caps = caps
@@ -282,67 +306,6 @@ class Engine:
       self._applied_on = on
     # on: the admin switch and the guardrails of at least one segment allow it
     self.metrics.speculation_enabled.set(1.0 if any(map(self.switch.segment_on, self.segments.names)) else 0.0)
-
-  def _reap(self, now: float) -> None:
-    """Free slots of finished, aborted and timed-out requests; drop aborted and timed-out waiting ones."""
-    for slot, req in list(self.table.holders.items()):
-      if not req.finished:
-        if req.aborted:
-          req.finish("abort", now, self.metrics)
-        elif req.deadline is not None and now > req.deadline:
-          req.fail(504, "timeout", f"request timed out after {self.request_timeout_s:g} s", self.metrics)
-      if req.finished:
-        self.segments.credit(req, self.segments.now(), now)  # an end no hand-over saw (abort, timeout)
-        self.table.release(slot)
-        self.tenants.release(req.tenant_id)
-    with self._lock:
-      keep = collections.deque()
-      for req in self._waiting:
-        if req.aborted:
-          req.finish("abort", now, self.metrics)
-        elif req.deadline is not None and now > req.deadline:
-          req.fail(504, "timeout", f"request timed out in the queue after {self.request_timeout_s:g} s",
-                   self.metrics)
-        else:
-          keep.append(req)
-      self._waiting = keep
-
-  def _admit(self, now: float) -> int:
-    """-> how many requests were inserted."""
-    n = 0
-    while self.table.free:
-      with self._lock:
-        if not self._waiting:
-          return n
-        req = self._waiting.popleft()
-      req.stream = TextStream(req.output, self.tokenizer.stream(skip_special=True), req.stop)
-      req.accepted_at = np.zeros(max(self.spec.k_max, 1), np.int64)
-      try:
-        self.segments.classify(req, len(self.table.holders) + 1, self.spec.k_max)
-        self._assign_tenant(req)
-        req.slot = self.table.insert(req, req.device_req)
-      except Exception as e:
-        self.tenants.release(req.tenant_id)
-        log.exception("insert failed for %s", req.id)
-        req.fail(500, "engine", f"insert failed: {e}", self.metrics)
-        if self.table.lost():  # the donated state is gone: start again from a fresh one
-          self._device_failure(e)
-        continue
-      self._applied_caps = None  # the insert wrote the row's own cap: set them all again before the dispatch
-      req.admitted_at = now
-      self.metrics.queue_time.observe(now - req.arrival)
-      self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-      n += 1
-    return n
-
-  def _assign_tenant(self, req: EngineRequest) -> None:
-    """The request's tenant id in its device request; an id taken from another tenant loses its history first."""
-    tid, evicted = self.tenants.acquire(req.tenant)
-    forget = getattr(self.spec.proposer, "forget_tenant", None)
-    if evicted is not None and forget is not None:
-      self.table.state = forget(self.table.state, evicted)
-    req.tenant_id = tid
-    req.device_req = req.device_req.replace(tenant=np.int32(tid))
 
   def _device_failure(self, e: Exception) -> None:
     """The state may be lost: fail every request holding a slot (500) and start again from a fresh state."""
@@ -389,6 +352,10 @@ class Engine:
       acc[0] += d
       acc[1] += a
       acc[2].extend(itl)
+      if self.kv is not None:
+        self.kv.observe(arr, slot, req)
+    if self.kv is not None:
+      self.kv.metrics_update()
     arm = dispatched[1]
     with self._lock:
       for seg, (d, a, itl) in by_segment.items():

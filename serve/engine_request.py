@@ -5,7 +5,7 @@ strings, serve/output_stream.py), metrics and, at the end, its finish or its err
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -55,6 +55,17 @@ class EngineRequest:
   accepted_at: Optional[np.ndarray] = None
   accepted_from_history: int = 0
   logprobs: int = -1  # top logprobs per token it asked for (-1: none; spec_jax/logprobs.py)
+  # The paged KV pool (serve/kv_scheduler.py): a resume after preemption rebuilds the device request.
+  remake: Optional[Callable] = None  # slots.make_request with this request's settings, but prompt and max_new
+  max_new: int = 0
+  cache_salt: Optional[str] = None  # vLLM's: part of the prefix cache's salt, with the tenant
+  out_ids: list = dataclasses.field(default_factory=list)  # the token ids handed over so far
+  admissions: int = 0
+  admit_seq: int = 0  # the engine's admission count when it was last admitted: the preemption order
+  kv_key: Any = None  # its id in the block manager while it holds pages
+  kv_len: int = 0  # tokens with K/V at the last snapshot read
+  inflight: list = dataclasses.field(default_factory=list)  # tokens of pages each dispatched, unread call needs
+  prior: tuple = (0, 0, 0)  # (drafted, accepted, drafts) of its rows before the last preemption
 
   def advance(self, arr, slot: int, now: float, itl: list, m: Metrics) -> tuple[int, int, int, int]:
     """Take this request's new tokens from its row of snapshot `arr`, ITL samples appended to `itl` ->
@@ -104,6 +115,7 @@ class EngineRequest:
     text_ids = ids[:-1] if ends_with_stop_token else ids
     taken = self.stream.push(ids, text_ids, logprobs)
     self.n_tokens += taken
+    self.out_ids.extend(ids[:taken])
     if taken < n:  # a stop string ended the text
       self.finish("stop", now, m, flush=False)
 
@@ -125,6 +137,15 @@ class EngineRequest:
     m.errors.labels(kind=kind).inc()
     self.output.put(error=(status, kind, message), usage=self.usage())
 
+  def resumed(self) -> None:
+    """Re-admitted after a preemption (its old row's last snapshot read): the new row's counters start from
+    zero, so keep the old one's totals."""
+    d, a, n = self.prior
+    self.prior = (d + self.drafted, a + self.accepted, n + self.drafts)
+    self.steps = self.drafted = self.accepted = self.drafts = self.accepted_from_history = 0
+    self.accepted_at = np.zeros_like(self.accepted_at)
+
   def usage(self) -> Usage:
-    return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=self.n_tokens, drafted_tokens=self.drafted,
-                 accepted_tokens=self.accepted, drafts=self.drafts)
+    d, a, n = self.prior
+    return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=self.n_tokens,
+                 drafted_tokens=d + self.drafted, accepted_tokens=a + self.accepted, drafts=n + self.drafts)

@@ -110,6 +110,19 @@ class Metrics:
     self.waiting = Gauge(f"{p}num_requests_waiting", "Requests in the waiting queue.", registry=r)
     self.slots_in_use = Gauge(f"{p}num_slots_in_use", "Decode slots held by a request.", registry=r)
     self.slots_total = Gauge(f"{p}num_slots", "Decode slots (--max_num_seqs).", registry=r)
+    # The paged KV pool (serve/kv_scheduler.py), vLLM's names; the prefix counters count tokens.
+    self.kv_cache_usage = Gauge(f"{p}kv_cache_usage_perc", "Fraction of the KV pool's pages requests hold (1 = full).",
+                                registry=r)
+    self.num_preemptions = Counter(f"{p}num_preemptions", "Requests preempted for KV pages (resumed by recompute).",
+                                   registry=r)
+    self.prefix_cache_queries = Counter(f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                        registry=r)
+    self.prefix_cache_hits = Counter(f"{p}prefix_cache_hits", "Of those, tokens whose KV pages were reused.",
+                                     registry=r)
+    self.kv_proposer_bytes = Gauge(f"{p}kv_cache_proposer_bytes", "KV bytes the proposer's caches hold in the "
+                                   "pages requests hold (its share of each page).", registry=r)
+    self.kv_pages = Gauge(f"{p}kv_cache_pages", "Pages in the KV pool (the null page not counted).", registry=r)
+    self.kv_page_bytes = Gauge(f"{p}kv_cache_page_bytes", "Bytes of one KV page, by holder.", ["holder"], registry=r)
     # Outcomes.
     self.finished = Counter(f"{p}request_success", "Finished requests, by finish reason.", ["finished_reason"],
                             registry=r)

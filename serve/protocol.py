@@ -111,10 +111,11 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "stream": HONOURED, "stream_options": HONOURED,  # include_usage
     "speculate": HONOURED, "return_token_ids": HONOURED,  # our extension; vLLM's
     "tenant": HONOURED,  # ours: whose shared history the suffix method drafts from
+    "cache_salt": HONOURED,  # vLLM's: with the tenant, the prefix cache's salt (serve/block_manager.py)
     "segment": HONOURED,  # ours: the traffic tag a speculative policy rule may match
     # what does not change the tokens
     "user": HARMLESS, "metadata": HARMLESS, "store": HARMLESS, "service_tier": HARMLESS,
-    "prompt_cache_key": HARMLESS, "safety_identifier": HARMLESS, "request_id": HARMLESS, "cache_salt": HARMLESS,
+    "prompt_cache_key": HARMLESS, "safety_identifier": HARMLESS, "request_id": HARMLESS,
     "priority": HARMLESS,  # scheduling order only
     "prediction": HARMLESS,  # OpenAI's predicted outputs: a latency hint, the tokens are the same
     "parallel_tool_calls": HARMLESS,  # one call per answer either way (serve/tools.py)
@@ -205,6 +206,7 @@ class _Sampling(BaseModel):
   return_token_ids: Optional[StrictBool] = False
   tenant: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
   segment: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
+  cache_salt: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
 
   def check_supported(self) -> None:
     """What the models accept but the server cannot honour exactly yet: a 400 that names the field (FIELDS)."""

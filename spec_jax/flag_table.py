@@ -83,6 +83,14 @@ ROWS: dict[str, Row] = {
     "max_queue": Row("integer", "Requests that may wait beyond the free slots; more get 429."),
     "max_model_len": Row("integer", "Tokens per slot (prompt + output + k + 1)."),
     "steps_per_sync": Row("integer", "Decode steps per engine iteration (between host looks at the state)."),
+    "block_size": Row("integer", "The paged KV cache: tokens per page (vLLM's; default 16)."),
+    "num_kv_blocks": Row("integer", "The KV pool in pages (vLLM's num_gpu_blocks_override; 0 = enough for "
+                         "max_num_seqs requests of max_model_len tokens, the memory of fixed slots)."),
+    "kv_cache_memory_bytes": Row("integer", "The KV pool in bytes (vLLM's), turned into pages at the bytes one page "
+                                 "holds in every cache (target and proposer); 0 = --num_kv_blocks decides."),
+    "enable_prefix_caching": Row("bool", "Reuse the KV pages of a cached prompt prefix (vLLM's; per tenant and "
+                                 "cache_salt)."),
+    "poison_freed_pages": Row("bool", "Test-only: fill freed KV pages with NaN, so a read of stale K/V shows."),
     "max_logprobs": Row("integer", "The most top logprobs a request may ask for (vLLM's; -1: no logprobs, no "
                         "buffers in the loop)."),
     "logprobs_mode": Row("enum", "What logprobs report (vLLM's): raw_logprobs, the model's own log-softmax; "

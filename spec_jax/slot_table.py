@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from spec_jax import backend, sharding, slots
+from spec_jax.cache import DEFAULT_BLOCK_SIZE
 from spec_jax.decode import LoopSpec, decode_loop
 
 
@@ -24,8 +25,11 @@ class SlotTable:
   padding to the mesh's data axis."""
 
   def __init__(self, params, spec: LoopSpec, *, num_slots: int, capacity: int, costs=None, seed: int = 0,
-               grammar_capacity=None):
+               grammar_capacity=None, block_size: int = DEFAULT_BLOCK_SIZE, num_pages=None):
+    """num_pages: a pool of that many pages of block_size tokens that requests bring pages of (their Request's
+    table row: serve/kv_scheduler.py); None: each slot owns its contiguous pages."""
     self.params, self.spec = params, spec
+    self.block_size, self.num_pages = block_size, num_pages
     self.grammar_capacity = grammar_capacity  # (states, token classes) a slot's grammar may have; None: none
     self.num_slots, self.capacity, self.costs, self.seed = num_slots, capacity, costs, seed
     self.reset()
@@ -35,9 +39,15 @@ class SlotTable:
     self.holders: dict[int, Any] = {}
     self._free = collections.deque(range(self.num_slots))
     # On XLA:CPU a bfloat16 state of one row takes the slow 1-row dot path: it gets a second, never-used row.
-    rows = sharding.pad_rows(backend.batch_rows(self.params["target"], self.num_slots), self.spec.mesh)
+    rows = self.rows(self.params, self.spec, self.num_slots)
     self.state = slots.empty_state(self.params, self.spec, batch=rows, capacity=self.capacity, costs=self.costs,
-                                   seed=self.seed, grammar_capacity=self.grammar_capacity)
+                                   seed=self.seed, grammar_capacity=self.grammar_capacity,
+                                   block_size=self.block_size, num_pages=self.num_pages)
+
+  @staticmethod
+  def rows(params, spec: LoopSpec, num_slots: int) -> int:
+    """The state's rows for num_slots slots."""
+    return sharding.pad_rows(backend.batch_rows(params["target"], num_slots), spec.mesh)
 
   @property
   def free(self) -> int:

@@ -246,8 +246,9 @@ def set_page_row(tree, slot, pages_row):
 def set_page_tables(state: DecodeState, table) -> DecodeState:
   """Host-side: every KV cache of the state (the target's, a proposer's) takes the page table int32[B, P] (the
   block manager's, between loop calls); the new leaf takes the old one's layout, so the loop does not recompile."""
-  table = sharding.put(np.asarray(table, np.int32), state.cache.pages.sharding)
-  one = lambda x: x.replace(pages=table) if isinstance(x, KVCache) else x
+  table = np.asarray(table, np.int32)
+  # one device buffer per cache: two leaves on one buffer could not both be donated to the next call
+  one = lambda x: x.replace(pages=sharding.put(table, x.pages.sharding)) if isinstance(x, KVCache) else x
   return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 

@@ -1,0 +1,282 @@
+"""The engine's paged KV pool (issue 35): admission by pages, reservation before each loop call, trim after each
+snapshot, preemption, prefix reuse, and the pool's metrics, over serve/block_manager.py.
+
+Pages are reserved after the target's K/V length (Snapshot.lengths - 1); pages are hashed only up to
+Snapshot.kv_lengths, the tokens whose K/V every cache of the row holds (a proposer's cache may lag). A loop call of s steps with draft cap c commits at most c + 1
+tokens a step and, in a tree, reads K/V up to `lookahead` past its last commit, so it needs T = s (c + 1) tokens of
+pages (trees: (s - 1)(k + 1) + lookahead + 1), capped at the request's end (prompt + max_tokens + lookahead + 1,
+within capacity). Writes past a row's pages land on the null page, which nothing committed reads.
+
+Pipelining: the engine dispatches call i before it reads snapshot i - 1, so a row holds L + T(i - 1) + T(i) tokens
+of pages while both are in flight (L: the K/V length of the last snapshot read), and is trimmed back to L + T(i)
+when snapshot i - 1 is read: over-reservation per row is at most ceil(T(i - 1) + T(i)) / block_size pages while
+calls run. Pages freed while a call that may still write them is in flight are safe: device work runs in dispatch
+order, so a new owner's writes (and the test-only NaN poison) come after it.
+
+When the pool is short before a call: first fewer steps (1), then draft cap 0 for the running rows of the segment
+whose drafts are accepted least, then preemption of the most recently admitted request (vLLM V1's rule): its pages
+are freed, it goes back to the front of the queue, and it resumes later by recompute from its prompt plus what it
+has already streamed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serve import admission
+from serve.block_manager import BlockManager, PrefixHit, make_salt
+from spec_jax import slots
+from spec_jax.cache import KVCache
+
+log = logging.getLogger("spec_jax.engine")
+
+
+def page_bytes(params, spec, *, rows: int, capacity: int, block_size: int, grammar_capacity=None) -> tuple:
+  """-> (bytes one page holds in every KV cache of the decode state, of which the proposer's): traced only."""
+  state = jax.eval_shape(lambda p: slots.empty_state(p, spec, batch=rows, capacity=capacity, block_size=block_size,
+                                                     num_pages=2 * max(1, rows), grammar_capacity=grammar_capacity),
+                         params)
+  def per_page(tree):
+    caches = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, KVCache))
+              if isinstance(x, KVCache)]
+    return sum(2 * int(np.prod(c.k.shape)) // c.k.shape[1] * np.dtype(c.k.dtype).itemsize for c in caches)
+  return per_page(state), per_page(state.pstate)
+
+
+def pool_pages(*, num_kv_blocks: int, kv_cache_memory_bytes: int, bytes_per_page: int, max_num_seqs: int,
+               capacity: int, block_size: int) -> int:
+  """The pool in pages (page 0, the null page, included): from bytes, else pages, else fixed slots' worth."""
+  if num_kv_blocks < 0 or kv_cache_memory_bytes < 0 or block_size < 1:
+    raise ValueError("--num_kv_blocks and --kv_cache_memory_bytes must be >= 0, --block_size >= 1")
+  if kv_cache_memory_bytes:
+    n = kv_cache_memory_bytes // bytes_per_page
+    what = f"--kv_cache_memory_bytes={kv_cache_memory_bytes} ({bytes_per_page} bytes a page)"
+  elif num_kv_blocks:
+    n, what = num_kv_blocks, f"--num_kv_blocks={num_kv_blocks}"
+  else:
+    return 1 + max_num_seqs * -(-capacity // block_size)
+  if n < 2:
+    raise ValueError(f"{what} is {n} pages: the pool needs at least 2 (page 0 is the null page)")
+  return n
+
+
+def plan(params, spec, flags, *, rows: int, max_num_seqs: int, capacity: int, grammar_capacity=None):
+  """The pool from the flags (dict: block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching,
+  poison_freed_pages) -> KVScheduler's keyword arguments, or None for fixed slots (flags None, or a mesh with a
+  data axis: one pool per data shard is not wired yet)."""
+  if flags is None:
+    return None
+  bs = int(flags.get("block_size", 16))
+  if bs < 1:
+    raise ValueError(f"--block_size must be >= 1, got {bs}")
+  if spec.mesh is not None and spec.mesh.shape.get("data", 1) > 1:
+    if flags.get("num_kv_blocks") or flags.get("kv_cache_memory_bytes"):
+      raise ValueError("--num_kv_blocks / --kv_cache_memory_bytes: a pool needs a mesh without a data axis yet")
+    log.warning("mesh with a data axis: each slot keeps its own KV pages (no shared pool yet)")
+    return None
+  total, proposer = page_bytes(params, spec, rows=rows, capacity=capacity, block_size=bs,
+                               grammar_capacity=grammar_capacity)
+  n = pool_pages(num_kv_blocks=int(flags.get("num_kv_blocks") or 0),
+                 kv_cache_memory_bytes=int(flags.get("kv_cache_memory_bytes") or 0), bytes_per_page=total,
+                 max_num_seqs=max_num_seqs, capacity=capacity, block_size=bs)
+  return dict(num_pages=n, block_size=bs, enable_prefix_caching=bool(flags.get("enable_prefix_caching", True)),
+              poison_freed_pages=bool(flags.get("poison_freed_pages", False)), bytes_per_page=total,
+              proposer_bytes_per_page=proposer)
+
+
+class KVScheduler:
+  """The block manager, driven by the engine thread. `engine` gives the slot table, holders, spec and metrics."""
+
+  def __init__(self, engine, *, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
+               poison_freed_pages: bool = False, bytes_per_page: int = 0, proposer_bytes_per_page: int = 0):
+    self.e = engine
+    self.bm = BlockManager(num_pages, block_size, engine.capacity, enable_prefix_caching=enable_prefix_caching)
+    self.block_size, self.poison = block_size, poison_freed_pages
+    self.bytes_per_page, self.proposer_bytes_per_page = bytes_per_page, proposer_bytes_per_page
+    self.preemptions = 0
+    self.shrunk_steps = self.shrunk_caps = 0  # calls run with fewer steps, segments set to draft cap 0, for pages
+    self.peak_rows = 0  # the most rows one call ran (the tests read it)
+    self._counted = (0, 0)  # the manager's prefix counters already added to the metrics
+    self._seq = 0  # admissions so far: the preemption order
+    m = engine.metrics
+    m.kv_pages.set(num_pages - 1)
+    m.kv_page_bytes.labels(holder="all").set(bytes_per_page)
+    m.kv_page_bytes.labels(holder="proposer").set(proposer_bytes_per_page)
+
+  def describe(self) -> str:
+    n = self.bm.num_pages - 1
+    full = n // self.bm.pages_per_seq
+    return (f"KV pool: {n} pages of {self.block_size} tokens = {n * self.block_size} tokens, "
+            f"{n * self.bytes_per_page / 2**20:.1f} MiB ({self.proposer_bytes_per_page}/{self.bytes_per_page} bytes "
+            f"a page are the proposer's); holds {full} request(s) of {self.e.capacity} tokens; prefix caching "
+            f"{'on' if self.bm.enable_prefix_caching else 'off'}")
+
+  def reset(self) -> None:
+    self.bm.reset()
+
+  # ---- sizes
+  def end(self, req) -> int:
+    """The most tokens of pages the request can ever use."""
+    return min(len(req.prompt_ids) + req.max_new + self.e.spec.lookahead + 1, self.e.capacity)
+
+  def tokens_per_call(self, steps: int, cap: int) -> int:
+    spec = self.e.spec
+    if spec.proposer.tree is not None and cap > 0:
+      return (steps - 1) * (spec.k_max + 1) + spec.lookahead + 1
+    return steps * (cap + 1)
+
+  def check_fits(self, prompt_len: int, max_new: int) -> None:
+    """ValueError naming max_tokens when the request could not fit even in an empty pool (the server's 400)."""
+    need = min(prompt_len + max_new + self.e.spec.lookahead + 1, self.e.capacity)
+    if not self.bm.fits_ever(need):
+      e = ValueError(f"the prompt ({prompt_len} tokens) plus max_tokens={max_new} needs {self.bm.pages_for(need)} "
+                     f"KV pages of {self.block_size} tokens; the whole pool has {self.bm.num_pages - 1}")
+      e.field = "max_tokens"
+      raise e
+
+  # ---- admission
+  def admit(self, req):
+    """Pages for the request's prompt (plus its streamed tokens on a resume) and one call -> its device request
+    for the insert, or None when the pool cannot give them (it waits, first in line)."""
+    tokens = list(req.prompt_ids) + list(req.out_ids)
+    prefill = len(tokens) - (1 if req.out_ids else 0)  # a resume feeds its last streamed token next
+    salt = make_salt(req.tenant, req.cache_salt)
+    hit = self.bm.lookup(tokens[:prefill], salt)  # leaves at least one position to prefill
+    keep = slots.usable_prefix(self.e.spec, hit[1], self.block_size) // self.block_size
+    hit = PrefixHit(hit[0][:keep], keep * self.block_size, hit.hashes[:keep], hit.n_query)
+    key = (req.id, req.admissions)
+    first = min(self.end(req), len(tokens) + self.tokens_per_call(1, self.e.spec.k_max))
+    # Leave the running rows pages for one step without drafts: an admission should not force a preemption.
+    if self.bm.pages_for(first) - keep > self.bm.num_available - self._headroom():
+      return None
+    if not self.bm.allocate(key, first, salt=salt, prefix=hit):
+      return None
+    self._poison()
+    pages = self.bm.table(key)
+    req.kv_key, req.kv_len, req.inflight = key, prefill, []
+    req.admissions += 1
+    self._seq += 1
+    req.admit_seq = self._seq
+    self.metrics_update()
+    if not req.out_ids and not hit[1]:
+      return req.device_req.replace(pages=jnp.asarray(pages))
+    return req.remake(req.prompt_ids, max_new=req.max_new, pages=pages, output_ids=list(req.out_ids), cached=hit[1])
+
+  def _headroom(self) -> int:
+    """Pages the running rows need for their next call at one step without drafts."""
+    need = 0
+    for r in self.e.table.holders.values():
+      if r.kv_key is not None and r.kv_key in self.bm:
+        n = min(self.end(r), r.kv_len + sum(r.inflight) + self.tokens_per_call(1, 0))
+        need += max(0, self.bm.pages_for(n) - len(self.bm.pages_of(r.kv_key)))
+    return need
+
+  def admitted(self, req) -> None:
+    """The insert is done: the prompt's full pages go into the prefix cache (EAGLE's last position is written by
+    the first step: the next snapshot's kv_lengths commits it)."""
+    tokens = list(req.prompt_ids) + list(req.out_ids)
+    self.bm.commit(req.kv_key, tokens, max(req.kv_len - 1, self.bm.committed(req.kv_key)))
+
+  def release(self, req) -> None:
+    """The request's pages go back (finished, aborted, failed or preempted)."""
+    if getattr(req, "kv_key", None) is not None and req.kv_key in self.bm:
+      self.bm.free(req.kv_key)
+    req.kv_key, req.inflight = None, []
+
+  # ---- before each loop call
+  def reserve(self, steps: int, caps: np.ndarray) -> int:
+    """Pages for the call about to be dispatched, for every running row (caps: their draft caps, lowered here
+    when the pool is short) -> the steps the call may run. Preempts when shrinking speculation is not enough."""
+    while True:
+      rows = sorted(self.e.table.holders.items(), key=lambda it: it[1].admit_seq)
+      want = [(r, min(self.end(r), r.kv_len + sum(r.inflight) + self.tokens_per_call(steps, int(caps[s]))))
+              for s, r in rows]
+      need = sum(max(0, self.bm.pages_for(n) - len(self.bm.pages_of(r.kv_key))) for r, n in want)
+      if need <= self.bm.num_available:
+        break
+      if steps > 1:
+        steps = 1
+        self.shrunk_steps += 1
+        continue
+      if self._cut_speculation(rows, caps):
+        self.shrunk_caps += 1
+        continue
+      self._preempt(self.bm.victim([r for _, r in rows]))
+    self.peak_rows = max(self.peak_rows, len(rows))
+    for (slot, r), (_, n) in zip(rows, want):
+      assert self.bm.reserve(r.kv_key, n)
+      r.inflight.append(self.tokens_per_call(steps, int(caps[slot])))
+    self._poison()
+    table = np.zeros(self.e.table.state.cache.pages.shape, np.int32)
+    for slot, r in rows:
+      table[slot] = self.bm.table(r.kv_key)
+    self.e.table.state = slots.set_page_tables(self.e.table.state, table)
+    self.metrics_update()
+    return steps
+
+  def _cut_speculation(self, rows, caps) -> bool:
+    """Draft cap 0 for the drafting rows of the segment that gains least (its rows' accepted / drafted);
+    False when no row drafts."""
+    gain: dict = {}
+    for slot, r in rows:
+      if caps[slot] > 0:
+        d, a = gain.get(r.segment, (0, 0))
+        gain[r.segment] = (d + r.drafted, a + r.accepted)
+    if not gain:
+      return False
+    worst = min(gain, key=lambda seg: gain[seg][1] / max(gain[seg][0], 1))
+    for slot, r in rows:
+      if r.segment == worst:
+        caps[slot] = 0
+    return True
+
+  def _preempt(self, req) -> None:
+    log.info("preempting %s (KV pool short: %d pages available)", req.id, self.bm.num_available)
+    admission.preempt(self.e, req)
+    self.release(req)
+    self.preemptions += 1
+    self.e.metrics.num_preemptions.inc()
+
+  # ---- after each snapshot
+  def observe(self, arr, slot: int, req) -> None:
+    """Snapshot `arr` is read: commit (and hash) the row's K/V, give back pages past the calls still in flight."""
+    if req.finished or req.kv_key is None or req.kv_key not in self.bm or not req.inflight:
+      return
+    req.inflight.pop(0)
+    n = int(arr.kv_lengths[slot])  # K/V in every cache: what may be hashed and shared
+    self.bm.commit(req.kv_key, arr.tokens[slot, :n].tolist(), n)
+    # The target's K/V: the next calls write after it (a draft model's or EAGLE's cache may lag behind)
+    req.kv_len = max(n, int(arr.lengths[slot]) - 1)
+    self.bm.trim(req.kv_key, min(self.e.capacity, req.kv_len + sum(req.inflight)))
+
+  def _poison(self) -> None:
+    """Test-only: NaN into every page freed since the last device write (padded to a power of two of ids, so
+    the fill compiles a few times only); otherwise the list is just dropped."""
+    freed = self.bm.take_freed()
+    if not (self.poison and freed):
+      return
+    ids = np.full((1 << (len(freed) - 1).bit_length(),), freed[0], np.int32)
+    ids[:len(freed)] = freed
+    self.e.table.state = slots.fill_pages(self.e.table.state, jnp.asarray(ids))
+
+  def metrics_update(self) -> None:
+    m, bm = self.e.metrics, self.bm
+    m.kv_cache_usage.set(bm.usage())
+    q, h = bm.prefix_queries, bm.prefix_hits
+    m.prefix_cache_queries.inc(q - self._counted[0])
+    m.prefix_cache_hits.inc(h - self._counted[1])
+    self._counted = (q, h)
+    m.kv_proposer_bytes.set(bm.num_used * self.proposer_bytes_per_page)
+
+  def to_json(self) -> dict:
+    bm = self.bm
+    return {"kv_pages": bm.num_pages - 1, "kv_block_size": self.block_size, "kv_pages_used": bm.num_used,
+            "kv_pages_cached": bm.num_cached, "kv_cache_usage_perc": round(bm.usage(), 4),
+            "kv_bytes_per_page": self.bytes_per_page, "kv_proposer_bytes_per_page": self.proposer_bytes_per_page,
+            "num_preemptions": self.preemptions, "kv_shrunk_steps": self.shrunk_steps,
+            "kv_shrunk_caps": self.shrunk_caps, "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits}
