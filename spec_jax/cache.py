@@ -203,12 +203,15 @@ def scatter_rows(k_pool, v_pool, k_new, v_new, pages, lengths, mesh=None):
   def fn(kp, vp, pg, kn, vn, lengths):
     L, B, T, H, D = kn.shape
     page, off = _address(pg, lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], kp.shape[3])
+    # The new tokens go to the pool's head-major order before the loop: swapped token by token inside it, XLA:TPU
+    # carried the pool with its layers minor and copied it in and out of every loop call.
+    kn, vn = jnp.swapaxes(kn, 2, 3), jnp.swapaxes(vn, 2, 3)  # [L, B, H, T, D]
 
     def one(i, pools):
       b, t = i // T, i % T
       out = []
       for pool, new in zip(pools, (kn, vn)):
-        tok = lax.dynamic_slice(new, (0, b, t, 0, 0), (L, 1, 1, H, D)).reshape(L, 1, H, 1, D)
+        tok = lax.dynamic_slice(new, (0, b, 0, t, 0), (L, 1, H, 1, D))
         out.append(lax.dynamic_update_slice(pool, tok.astype(pool.dtype), (0, page[b, t], 0, off[b, t], 0)))
       return tuple(out)
 
