@@ -27,8 +27,10 @@ RESIDUAL = 3  # the draw from the residual after a rejected sampled draft
 
 
 def seed_key(seed: int) -> np.ndarray:
-  """Host-side: the raw key data (uint32 [2]) of a request's seed."""
-  return np.asarray(jax.random.key_data(jax.random.key(int(seed))), np.uint32)
+  """Host-side: the raw key data (uint32 [2]) of a request's seed (a constant even while a caller traces, e.g.
+  the server sizing its page pool with jax.eval_shape of empty_state)."""
+  with jax.ensure_compile_time_eval():
+    return np.asarray(jax.random.key_data(jax.random.key(int(seed))), np.uint32)
 
 
 def seed_keys(seeds: Sequence[int]) -> np.ndarray:
