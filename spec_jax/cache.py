@@ -35,7 +35,7 @@ def contiguous_table(batch: int, pages_per_seq: int, shards: int = 1) -> np.ndar
   """int32[batch, pages_per_seq]: row b owns its own run of pages, after its data shard's null page (global ids;
   shard s holds pages s * (1 + rows * P) .. of the pool, rows = batch // shards)."""
   rows = batch // shards
-  per_shard = 1 + rows * pages_per_seq
+  per_shard = contiguous_pages(batch, pages_per_seq, shards) // shards
   b = np.arange(batch)
   first = (b // rows) * per_shard + 1 + (b % rows) * pages_per_seq
   return (first[:, None] + np.arange(pages_per_seq)[None, :]).astype(np.int32)
@@ -133,18 +133,14 @@ def _data_shards(mesh, k, pages):
   return d if d > 1 and k.shape[1] % d == 0 and pages.shape[0] % d == 0 else 1
 
 
-def _pool_spec(mesh, k):
-  from spec_jax.sharding import cache_spec
-  return cache_spec(k.shape, mesh)
-
-
 def _per_shard(fn, mesh, k, pages, *, pool_args, row_args, out_pool: bool, out_rows: int = 0):
   """Run fn(pools..., pages_local, rows...) per data shard (shard_map over the pool's layout) where the pool is
   split over `data`; as is otherwise (the partitioner places it)."""
   shards = _data_shards(mesh, k, pages)
   if shards == 1:
     return fn(*pool_args, pages, *row_args)
-  spec = _pool_spec(mesh, k)
+  from spec_jax.sharding import cache_spec
+  spec = cache_spec(k.shape, mesh)
   rows, heads = spec[1], spec[2]
   n_pool = k.shape[1]
 

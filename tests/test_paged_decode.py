@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from spec_jax import slots
-from spec_jax.batch import generate
 from spec_jax.decode import decode_loop, make_spec
 from tests.proposers.test_medusa_eagle import CONFIG, _params, _prompts
-from tests.test_slots import _proposer, _out, _run_to_end
+from tests.test_slots import _proposer, _out, _run_to_end, alone_runs
 
 CAPACITY = 64
 MAX_NEW = 14
@@ -39,8 +38,7 @@ def test_paged_requests_with_poisoned_free_pages_equal_alone(name, block_size):
   params = _params()
   proposer, pparams = _proposer(name, params)
   prompts = _prompts(3, [9, 5, 12, 7])
-  alone = [generate(params, CONFIG, [p], max_new_tokens=MAX_NEW, proposer=proposer, proposer_params=pparams,
-                    adaptive_k=False).token_ids[0] for p in prompts]
+  alone = [r.token_ids[0] for r in alone_runs(params, proposer, pparams, prompts)]
   spec = make_spec(CONFIG, proposer, adaptive_k=False)
   both = {"target": params, "proposer": pparams}
   pps = -(-CAPACITY // block_size)
@@ -87,8 +85,7 @@ def test_prefix_reuse_and_recompute_from_streamed_tokens_equal_alone(name, block
   base = _prompts(11, [21])[0]
   prompts = [base, base[:16] + _prompts(12, [6])[0][1:], _prompts(13, [10])[0]]
   assert prompts[1][16] != base[16]  # the hit ends at a page boundary: the next token differs
-  runs = [generate(params, CONFIG, [p], max_new_tokens=MAX_NEW, proposer=proposer, proposer_params=pparams,
-                   adaptive_k=False) for p in prompts]
+  runs = alone_runs(params, proposer, pparams, prompts)
   alone = [r.token_ids[0] for r in runs]
   spec = make_spec(CONFIG, proposer, adaptive_k=False)
   both = {"target": params, "proposer": pparams}

@@ -2,7 +2,6 @@
 for every proposer; insert touches no other row; the loop runs a bounded number of steps without recompiling."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -41,6 +40,12 @@ def _proposer(name, params, config=CONFIG):
   return (_medusa if name == "medusa" else _eagle)(params, config=config)
 
 
+def alone_runs(params, proposer, pparams, prompts, max_new=MAX_NEW):
+  """Each prompt generated alone (the batch path, no adaptive k): what a slot's output must equal."""
+  return [generate(params, CONFIG, [p], max_new_tokens=max_new, proposer=proposer, proposer_params=pparams,
+                   adaptive_k=False) for p in prompts]
+
+
 def _run_to_end(params, state, spec, steps=3):
   while not bool(np.all(np.asarray(state.done))):
     state = decode_loop(params, state, spec, steps)
@@ -59,8 +64,7 @@ def test_insert_mid_decode_and_after_release_equals_alone(name):
   params = _params()
   proposer, pparams = _proposer(name, params)
   prompts = _prompts(3, [9, 5, 12, 7])
-  alone = [generate(params, CONFIG, [p], max_new_tokens=MAX_NEW, proposer=proposer, proposer_params=pparams,
-                    adaptive_k=False).token_ids[0] for p in prompts]
+  alone = [r.token_ids[0] for r in alone_runs(params, proposer, pparams, prompts)]
   spec = make_spec(CONFIG, proposer, adaptive_k=False)
   both = {"target": params, "proposer": pparams}
   req = lambda p, n=MAX_NEW: slots.make_request(p, max_new=n, spec=spec, capacity=CAPACITY)
