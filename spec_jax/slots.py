@@ -113,10 +113,9 @@ def make_request(prompt_ids: Sequence[int], *, max_new: int, spec: LoopSpec, cap
                      f"{m} positions to prefill")
   validate_sampling(temperature, top_k, top_p)
   lps.check(int(logprobs), logprobs_mode, spec.max_logprobs)
+  # The padded bucket may run past the slot's capacity (a prefix hit or a resume starts it mid-row, and a capacity
+  # need not be a bucket): padding past the page table goes to the null page, and nothing reads past capacity.
   P, _ = bucket(m - cached, chunk)
-  if cached + P > capacity:
-    raise ValueError(f"prompt ({m - cached} tokens to prefill) pads to {P}, over the slot capacity of {capacity} "
-                     f"tokens")
   tokens = np.zeros((P,), np.int32)
   tokens[:m - cached] = known[cached:m]
   known_buf = np.zeros((capacity,), np.int32)

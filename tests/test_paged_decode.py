@@ -130,3 +130,58 @@ def test_prefix_reuse_and_recompute_from_streamed_tokens_equal_alone(name, block
                           pages=pool.take(full(prompts[2]), pps), output_ids=streamed)
   state = _run_to_end(both, slots.insert(both, state, 0, c2, spec), spec)
   assert _out(state, 0) == alone[2]
+
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "eagle"])
+def test_a_prefill_padded_past_the_capacity_equals_alone(name):
+  """A capacity that is no bucket (43) and a prefill that starts mid-row or runs long (a prefix hit, a resume)
+  pad past the row's last page: the padding goes to the null page, the shared pages stay untouched, and decoding
+  equals alone (the server answered 500 for these)."""
+  params = _params()
+  proposer, pparams = _proposer(name, params)
+  capacity, block_size = 43, 4
+  base = _prompts(21, [24])[0]
+  prompts = [base, base[:16] + _prompts(22, [18])[0][1:], _prompts(23, [30])[0]]
+  max_new = [6, 6, 8]
+  alone = [alone_runs(params, proposer, pparams, [p], max_new=n)[0].token_ids[0] for p, n in zip(prompts, max_new)]
+  spec = make_spec(CONFIG, proposer, adaptive_k=False)
+  both = {"target": params, "proposer": pparams}
+  pps = -(-capacity // block_size)
+  num_pages = 1 + 3 * pps
+  pool = Pool(num_pages, seed=3)
+  state = slots.empty_state(both, spec, batch=2, capacity=capacity, block_size=block_size, num_pages=num_pages)
+  state = slots.fill_pages(state, jnp.arange(1, num_pages))
+
+  def make(i, pages, **kw):
+    return slots.make_request(prompts[i], max_new=max_new[i], spec=spec, capacity=capacity, block_size=block_size,
+                              pages=pages, **kw)
+
+  full = lambda i: min(pps, -(-(len(prompts[i]) + max_new[i] + spec.lookahead + 1) // block_size))
+  a = make(0, pool.take(full(0), pps))
+  state = _run_to_end(both, slots.insert(both, state, 0, a, spec), spec)
+  assert _out(state, 0) == alone[0]
+  # b (33 tokens) reuses a's first 16 (EAGLE: 12) and prefills the other 17 (21), padded to 32: past 43
+  use = slots.usable_prefix(spec, 16, block_size)
+  shared = np.asarray(a.pages)[:use // block_size]
+  b = make(1, np.concatenate([shared, pool.take(full(1) - len(shared), pps - len(shared))]), cached=use)
+  assert use + int(b.tokens.shape[0]) > capacity
+  before = {int(p): np.asarray(state.cache.k[:, int(p)]) for p in shared}
+  state = _run_to_end(both, slots.insert(both, state, 1, b, spec), spec)
+  assert _out(state, 1) == alone[1]
+  for p, k in before.items():
+    np.testing.assert_array_equal(np.asarray(state.cache.k[:, p]), k)
+  # c (30 tokens) is preempted after 4+ tokens and recomputed from its 33+ known positions, padded to 64: past 43
+  c = make(2, pool.take(full(2), pps))
+  state = slots.insert(both, state, 0, c, spec)
+  while len(_out(state, 0)) < 4:
+    state = decode_loop(both, state, spec, 1)
+  streamed = _out(state, 0)
+  assert len(streamed) < max_new[2]
+  state = slots.release(state, 0)
+  pool.give(np.asarray(c.pages))
+  state = slots.fill_pages(state, jnp.asarray(pool.freed, jnp.int32))
+  c2 = make(2, pool.take(full(2), pps), output_ids=streamed)
+  assert int(c2.tokens.shape[0]) > capacity
+  state = _run_to_end(both, slots.insert(both, state, 0, c2, spec), spec)
+  assert _out(state, 0) == alone[2]
