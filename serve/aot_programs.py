@@ -66,12 +66,10 @@ def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -
 
 def pool_of(state, mesh=None) -> dict:
   """Bytes and pages of every KV page pool of an (abstract) decode state, on one chip."""
-  from spec_jax.cache import KVCache
-  pools = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, KVCache))
-           if isinstance(x, KVCache)]
+  from spec_jax.cache import pool_bytes
   chip = lambda a: (a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None else a.shape)
-  nbytes = sum(2 * int(np.prod(chip(c.k))) * jnp.dtype(c.k.dtype).itemsize for c in pools)
-  return dict(pool_bytes=nbytes, pool_pages=int(chip(pools[0].k)[1]))
+  nbytes, pages = pool_bytes(state, chip)
+  return dict(pool_bytes=nbytes, pool_pages=pages)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 from serve import admission
 from serve.block_manager import BlockManager, PrefixHit, make_salt
 from spec_jax import slots
-from spec_jax.cache import KVCache
+from spec_jax.cache import pool_bytes
 
 log = logging.getLogger("spec_jax.engine")
 
@@ -41,9 +41,8 @@ def page_bytes(params, spec, *, rows: int, capacity: int, block_size: int, gramm
                                                      num_pages=2 * max(1, rows), grammar_capacity=grammar_capacity),
                          params)
   def per_page(tree):
-    caches = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, KVCache))
-              if isinstance(x, KVCache)]
-    return sum(2 * int(np.prod(c.k.shape)) // c.k.shape[1] * np.dtype(c.k.dtype).itemsize for c in caches)
+    nbytes, pages = pool_bytes(tree)
+    return nbytes // pages if pages else 0
   return per_page(state), per_page(state.pstate)
 
 
@@ -85,6 +84,7 @@ def plan(params, spec, flags, *, rows: int, max_num_seqs: int, capacity: int, gr
                  max_num_seqs=max_num_seqs, capacity=capacity, block_size=bs)
   return dict(num_pages=n, block_size=bs, enable_prefix_caching=bool(flags.get("enable_prefix_caching", True)),
               poison_freed_pages=bool(flags.get("poison_freed_pages", False)), bytes_per_page=total,
+              speculation_yields=bool(flags.get("kv_speculation_yields", True)),
               proposer_bytes_per_page=proposer)
 
 
@@ -92,12 +92,17 @@ class KVScheduler:
   """The block manager, driven by the engine thread. `engine` gives the slot table, holders, spec and metrics."""
 
   def __init__(self, engine, *, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
-               poison_freed_pages: bool = False, bytes_per_page: int = 0, proposer_bytes_per_page: int = 0):
+               poison_freed_pages: bool = False, bytes_per_page: int = 0, proposer_bytes_per_page: int = 0,
+               speculation_yields: bool = True):
     self.e = engine
     self.bm = BlockManager(num_pages, block_size, engine.capacity, enable_prefix_caching=enable_prefix_caching)
     self.block_size, self.poison = block_size, poison_freed_pages
     self.bytes_per_page, self.proposer_bytes_per_page = bytes_per_page, proposer_bytes_per_page
     self.preemptions = 0
+    self.speculation_yields = speculation_yields
+    # Pages held past each row's committed K/V (the reservation for calls in flight), summed over rows, at each
+    # reserve: the over-reservation the module docstring bounds, measured.
+    self.over = {"calls": 0, "sum": 0, "max": 0, "held_sum": 0}
     self.shrunk_steps = self.shrunk_caps = 0  # calls run with fewer steps, segments set to draft cap 0, for pages
     self.peak_rows = 0  # the most rows one call ran (the tests read it)
     self._counted = (0, 0)  # the manager's prefix counters already added to the metrics
@@ -198,11 +203,11 @@ class KVScheduler:
       need = sum(max(0, self.bm.pages_for(n) - len(self.bm.pages_of(r.kv_key))) for r, n in want)
       if need <= self.bm.num_available:
         break
-      if steps > 1:
+      if steps > 1 and self.speculation_yields:
         steps = 1
         self.shrunk_steps += 1
         continue
-      if self._cut_speculation(rows, caps):
+      if self.speculation_yields and self._cut_speculation(rows, caps):
         self.shrunk_caps += 1
         continue
       self._preempt(self.bm.victim([r for _, r in rows]))
@@ -211,6 +216,10 @@ class KVScheduler:
       assert self.bm.reserve(r.kv_key, n)
       r.inflight.append(self.tokens_per_call(steps, int(caps[slot])))
     self._poison()
+    over = sum(len(self.bm.pages_of(r.kv_key)) - self.bm.pages_for(r.kv_len) for _, r in rows)
+    o = self.over
+    o["calls"], o["sum"], o["max"] = o["calls"] + 1, o["sum"] + over, max(o["max"], over)
+    o["held_sum"] += sum(len(self.bm.pages_of(r.kv_key)) for _, r in rows)
     table = np.zeros(self.e.table.state.cache.pages.shape, np.int32)
     for slot, r in rows:
       table[slot] = self.bm.table(r.kv_key)
@@ -279,4 +288,7 @@ class KVScheduler:
             "kv_bytes_per_page": self.bytes_per_page, "kv_proposer_bytes_per_page": self.proposer_bytes_per_page,
             "num_preemptions": self.preemptions, "kv_shrunk_steps": self.shrunk_steps,
             "kv_shrunk_caps": self.shrunk_caps, "prefix_cache_queries": bm.prefix_queries,
-            "prefix_cache_hits": bm.prefix_hits}
+            "prefix_cache_hits": bm.prefix_hits,
+            "kv_over_reserved_pages_mean": round(self.over["sum"] / max(self.over["calls"], 1), 2),
+            "kv_over_reserved_pages_max": self.over["max"],
+            "kv_over_reserved_frac": round(self.over["sum"] / max(self.over["held_sum"], 1), 4)}

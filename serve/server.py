@@ -26,7 +26,7 @@ SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "s
                 "api_key", "served_model_name", "guardrails", "switchback", "request_timeout_s", "drain_timeout_s",
                 "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict", "max_logprobs", "logprobs_mode",
                 "grammar_capacity", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching",
-                "poison_freed_pages")
+                "poison_freed_pages", "kv_speculation_yields")
 
 
 def define_flags() -> None:
@@ -44,7 +44,8 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64
                        warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
                        mesh="", strict=False, max_logprobs=20, logprobs_mode="raw_logprobs",
                        grammar_capacity=["2048", "512"], block_size=16, num_kv_blocks=0,
-                       kv_cache_memory_bytes=0, enable_prefix_caching=True, poison_freed_pages=False)
+                       kv_cache_memory_bytes=0, enable_prefix_caching=True, poison_freed_pages=False,
+                       kv_speculation_yields=True)
 log = logging.getLogger("spec_jax.server")
 
 
@@ -102,7 +103,8 @@ def build_engine(cfg: dict):
                   timing_probe_s=cfg["timing_probe_s"], switchback=switchback,
                   grammar_capacity=grammar_capacity(cfg["grammar_capacity"]),
                   kv_pool={k: cfg[k] for k in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes",
-                                               "enable_prefix_caching", "poison_freed_pages")})
+                                               "enable_prefix_caching", "poison_freed_pages",
+                                               "kv_speculation_yields")})
   return engine, setup.tokenizer, sc
 
 

@@ -215,3 +215,13 @@ def scatter_rows(k_pool, v_pool, k_new, v_new, pages, lengths, mesh=None):
 
   return _per_shard(fn, mesh, k_pool, pages, pool_args=(k_pool, v_pool), row_args=(k_new, v_new, lengths),
                     out_pool=True)
+
+
+def pool_bytes(tree, shape=lambda a: a.shape) -> tuple[int, int]:
+  """-> (bytes, pages) of the K and V pools of every KVCache in a pytree (a decode state, a proposer state; real
+  or abstract arrays). `shape` gives the shape counted (a chip's shard of a sharded pool); pages: the first pool's
+  (every cache of a state shares one table)."""
+  caches = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, KVCache))
+            if isinstance(x, KVCache)]
+  nbytes = sum(2 * int(np.prod(shape(c.k))) * np.dtype(c.k.dtype).itemsize for c in caches)
+  return nbytes, (int(shape(caches[0].k)[1]) if caches else 0)

@@ -90,6 +90,9 @@ ROWS: dict[str, Row] = {
                                  "holds in every cache (target and proposer); 0 = --num_kv_blocks decides."),
     "enable_prefix_caching": Row("bool", "Reuse the KV pages of a cached prompt prefix (vLLM's; per tenant and "
                                  "cache_salt)."),
+    "kv_speculation_yields": Row("bool", "When the KV pool is short, shrink speculation first (one step per call, "
+                                 "then no drafts for the segment that gains least) and preempt only if that is not "
+                                 "enough; false preempts at once (vLLM's rule, for comparison)."),
     "poison_freed_pages": Row("bool", "Test-only: fill freed KV pages with NaN, so a read of stale K/V shows."),
     "max_logprobs": Row("integer", "The most top logprobs a request may ask for (vLLM's; -1: no logprobs, no "
                         "buffers in the loop)."),
