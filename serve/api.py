@@ -238,13 +238,24 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     if engine.table.grammar_capacity is None:
       raise APIError(400, f"{plan.field}: structured outputs are off on this server (--grammar_capacity)",
                      plan.field)
-    loop = asyncio.get_running_loop()
     if not compiler:
-      compiler.append(await loop.run_in_executor(None, lambda: Compiler(tokenizer, engine.spec.stop_ids)))
+      compiler.append(await once("compiler", lambda: Compiler(tokenizer, engine.spec.stop_ids)))
     try:
-      return await loop.run_in_executor(None, compiler[0].regex, plan.regex)
+      return await once(("regex", plan.regex), lambda: compiler[0].regex(plan.regex))
     except GrammarError as e:
       raise APIError(400, f"{plan.field}: {e}", plan.field)
+
+  compiling: dict = {}  # key -> the task computing it: concurrent requests with one schema wait on one task (no
+  # executor thread each); the Compiler itself also compiles a pattern once for concurrent callers
+
+  async def once(key, fn):
+    """fn() off the event loop, once for all callers that ask for `key` while it runs (a compiled automaton is
+    then in the compiler's cache; a failure reaches every waiter, and the next request tries again)."""
+    task = compiling.get(key)
+    if task is None:
+      task = compiling[key] = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, fn))
+      task.add_done_callback(lambda _: compiling.pop(key, None))
+    return await asyncio.shield(task)
 
   async def complete(request: Request, body, prompts: list, *, chat: bool, plan=structured.Plan()):
     """The one path of both routes: a choice per (prompt, sample), then a stream or the whole answer. prompts:

@@ -90,9 +90,9 @@ def aggregate(points: list, edges, min_segment_requests: int = 1) -> dict:
 
 
 def sampler_stats(samples: list) -> dict:
-  """Mean and max of each gauge the sampler read (RSS, slots in use, running, waiting, device memory)."""
+  """Mean and max of each gauge the sampler read (RSS, slots in use, running, waiting, device memory, KV usage)."""
   out = {}
-  for key in ("rss_bytes", "slots_in_use", "running", "waiting", "device_memory_bytes"):
+  for key in ("rss_bytes", "slots_in_use", "running", "waiting", "device_memory_bytes", "kv_usage"):
     v = [s[key] for s in samples if s.get(key) is not None]
     out[key] = {"mean": float(np.mean(v)), "max": float(np.max(v))} if v else None
   slots = [s["slots"] for s in samples if s.get("slots") is not None]

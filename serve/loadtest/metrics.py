@@ -153,7 +153,10 @@ def summarize_delta(d: Scrape) -> dict:
                         ("step_seconds", ("step_time_seconds", "engine_step_seconds", "decode_time_seconds",
                                           "step_seconds")),
                         ("timing_probes", ("timing_probes",)),
-                        ("oom_events", ("oom_events", "out_of_memory"))):
+                        ("oom_events", ("oom_events", "out_of_memory")),
+                        ("preemptions", ("num_preemptions",)),  # the paged KV pool (serve/loadtest/report_kv.py)
+                        ("prefix_cache_queries", ("prefix_cache_queries",)),
+                        ("prefix_cache_hits", ("prefix_cache_hits",))):
     name = d.find(*suffixes)
     if name is None:  # maybe a histogram: use its sum
       base = find_hist(d, *suffixes)
@@ -184,7 +187,8 @@ GAUGES = {"running": ("num_requests_running", "requests_running", "running"),
           "slots_in_use": ("num_slots_in_use", "slots_in_use", "slots_used"),
           "slots": ("num_slots",),
           "speculation_enabled": ("speculation_enabled", "spec_decode_enabled"),
-          "device_memory_bytes": ("device_memory_bytes", "device_memory_in_use_bytes", "memory_bytes_in_use")}
+          "device_memory_bytes": ("device_memory_bytes", "device_memory_in_use_bytes", "memory_bytes_in_use"),
+          "kv_usage": ("kv_cache_usage_perc",)}
 
 
 def gauges(s: Scrape) -> dict:

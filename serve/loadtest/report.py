@@ -11,6 +11,8 @@ from typing import Optional
 
 import numpy as np
 
+from serve.loadtest import report_kv
+
 SHORT = {"keep": "**keep**", "roll back": "**roll back**", "neutral": "neutral"}
 
 
@@ -161,6 +163,7 @@ def make_plots(out_dir: str, run: dict, results: dict, summary: dict, records: l
 
 def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, plots: bool = True) -> str:
   files = make_plots(out_dir, run, results, summary, records) if plots else []
+  files += report_kv.plot(out_dir, results, summary["points"]) if plots else []
   stats, points, verdicts = summary["stats"], summary["points"], summary["verdicts"]
   arms_cfg = {a["name"]: a for a in run["arms"]}
   cfg = run["config"]
@@ -238,6 +241,7 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
                    _f(pr["metrics"].get("proposer_share")), _mib((smp.get("rss_bytes") or {}).get("max")),
                    f"{slots['mean']:.1f}/{slots['max']:.0f}" if slots else "–"])
     L += _table(hdr, rows) + [""]
+  L += report_kv.section(results, points)
   if files:
     L += ["## Plots", ""] + [f"![{f[:-4]}]({f})" for f in files] + [""]
   # How it was measured.

@@ -14,9 +14,10 @@ the grammar leaves a choice: drafted for free.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
-import functools
-import hashlib
+import threading
 
 import numpy as np
 
@@ -170,28 +171,46 @@ def from_regex(regex: str, token_bytes: list, stop_ids) -> TokenAutomaton:
                         initial=ids[index.get_initial_state()], stop_token=stop_ids[0])
 
 
-@functools.lru_cache(maxsize=64)
-def _cached(regex: str, vocab_key: str, token_bytes_ref, stop_ids: tuple) -> TokenAutomaton:
-  return from_regex(regex, token_bytes_ref.value, stop_ids)
-
-
-class _Ref:
-  """Hashable by identity: lets lru_cache key on the vocabulary's digest without hashing 262k entries."""
-
-  def __init__(self, value):
-    self.value = value
-
-
 class Compiler:
-  """Compiles and caches automata for one tokenizer (compiling a schema at a 262k vocabulary takes 0.5-10 s)."""
+  """Compiles and caches automata for one tokenizer (compiling a schema at a 262k vocabulary takes 0.5-10 s).
+  Thread-safe: callers asking for a pattern that is being compiled wait for that compile (a burst of requests
+  with one schema compiles it once); the last CACHE_SIZE automata are kept."""
+
+  CACHE_SIZE = 64
 
   def __init__(self, tokenizer, stop_ids=None):
     from spec_jax.grammar.token_bytes import token_bytes
     self.token_bytes = token_bytes(tokenizer)
     self.stop_ids = tuple(sorted(tokenizer.stop_ids if stop_ids is None else stop_ids))
-    self._ref = _Ref(self.token_bytes)
-    self._key = hashlib.sha256(repr((len(self.token_bytes), self.stop_ids)).encode()).hexdigest()
     self.vocab_size = len(self.token_bytes)
+    self.compiles = 0  # patterns compiled (not served from the cache or another caller's compile)
+    self._lock = threading.Lock()
+    self._done: collections.OrderedDict = collections.OrderedDict()  # pattern -> automaton, oldest use first
+    self._pending: dict = {}  # pattern -> Future of its compile in progress
 
   def regex(self, pattern: str) -> TokenAutomaton:
-    return _cached(pattern, self._key + str(id(self._ref)), self._ref, self.stop_ids)
+    with self._lock:
+      if pattern in self._done:
+        self._done.move_to_end(pattern)
+        return self._done[pattern]
+      fut = self._pending.get(pattern)
+      mine = fut is None
+      if mine:
+        fut = self._pending[pattern] = concurrent.futures.Future()
+        self.compiles += 1
+    if not mine:
+      return fut.result()  # another caller's compile (its GrammarError too)
+    try:
+      out = from_regex(pattern, self.token_bytes, self.stop_ids)
+    except BaseException as e:
+      with self._lock:
+        del self._pending[pattern]
+      fut.set_exception(e)
+      raise
+    with self._lock:
+      del self._pending[pattern]
+      self._done[pattern] = out
+      while len(self._done) > self.CACHE_SIZE:
+        self._done.popitem(last=False)
+    fut.set_result(out)
+    return out

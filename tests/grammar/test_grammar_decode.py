@@ -156,3 +156,31 @@ def test_sampled_constrained_keeps_the_distribution_with_forced_drafts_and_contr
                                       controls=no_stop)[0]
   after_a = lambda x: x[x[:, 0] == 2, 1]
   assert not set(after_a(free)) <= {3, 6} and set(after_a(plain)) <= {3, 6} and len(after_a(plain))
+
+
+def test_concurrent_callers_of_one_pattern_share_one_compile(tmp_path):
+  """A burst of requests with one schema (agents) compiles it once: the other callers wait for that compile and
+  get the same automaton; a bad pattern's error is not cached."""
+  import threading
+  from concurrent.futures import ThreadPoolExecutor
+  from spec_jax.checkpoints.load import load_tokenizer
+  from tests.serve.test_server import write_tiny_model
+  write_tiny_model(tmp_path / "tiny.gguf")
+  comp = automaton.Compiler(load_tokenizer(str(tmp_path / "tiny.gguf")))
+  schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 12} for i in range(6)},
+            "required": [f"f{i}" for i in range(6)]}
+  pattern = formats.json_schema_regex(schema)
+  start = threading.Barrier(6)
+
+  def call(p):
+    start.wait()
+    return comp.regex(p)
+
+  with ThreadPoolExecutor(6) as pool:
+    got = list(pool.map(call, [pattern] * 6))
+  assert comp.compiles == 1 and all(a is got[0] for a in got)
+  assert comp.regex(pattern) is got[0] and comp.compiles == 1  # cached
+  for n in (2, 3):  # a bad pattern: its error every time, never cached
+    with pytest.raises(automaton.GrammarError):
+      comp.regex("(unclosed")
+    assert comp.compiles == n

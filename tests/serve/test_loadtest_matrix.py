@@ -143,8 +143,9 @@ def test_matrix_slow_arm_rolls_back_identical_is_neutral(tiny_model, prompts_fil
   # Files: report (verdict first), plots, raw records, tuned config the server accepts.
   report = (tmp_path / "report.md").read_text()
   assert report.index("## Verdict") < report.index("## Measurements per load point")
+  assert report.index("## KV cache per load point") < report.index("## Plots")  # issue 35's columns
   for png in ("latency_throughput.png", "ttft_itl_distributions.png", "acceptance_per_position.png",
-              "speedup_per_segment.png"):
+              "speedup_per_segment.png", "kv_usage.png"):
     assert (tmp_path / png).stat().st_size > 1000
   records = [json.loads(l) for l in (tmp_path / "records.jsonl").read_text().splitlines()]
   arms = ("baseline", "identical", "slow_ngram", "baseline#2", "baseline#3")
@@ -205,6 +206,10 @@ def test_matrix_slow_arm_rolls_back_identical_is_neutral(tiny_model, prompts_fil
   assert points["slow_ngram"]["points"]["greedy/c1"]["samples"]["rss_bytes"]["max"] > 0
   # Slot occupancy: the slow arm's points last seconds; the baseline's (< 1 s) may fall between two samples.
   assert points["slow_ngram"]["points"]["greedy/c2"]["samples"]["slots_in_use"]["max"] >= 1
+  # The KV pool: pages held while the slow arm's requests ran; counters present (0 preemptions: a roomy pool)
+  assert points["slow_ngram"]["points"]["greedy/c2"]["samples"]["kv_usage"]["max"] > 0
+  assert points["slow_ngram"]["points"]["greedy/c2"]["metrics"]["preemptions"] == 0
+  assert points["slow_ngram"]["points"]["greedy/c2"]["metrics"]["prefix_cache_queries"] > 0
 
 
 def test_tool_starts_and_stops_the_server(tiny_model, prompts_file, tmp_path):

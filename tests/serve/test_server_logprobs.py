@@ -11,6 +11,7 @@ import numpy as np
 from tests.serve.test_server import MODEL, _loaded, tiny_model, tiny_server  # noqa: F401 (a fixture)
 
 PROMPTS = ["the cat sat on the mat", "a a a a a a a a dog"]
+LONG = "the cat sat on the mat " * 4  # 93 tokens of the tiny vocabulary
 
 
 def _sse(h, path, body):
@@ -51,6 +52,12 @@ def _queries(s):
     best = post("/v1/completions", {**body, "n": 2, "best_of": 4, "return_token_ids": True})
     assert best.status_code == 200, best.text
     out["best_of"] = (best.json(), post("/v1/completions", {**body, "logprobs": 0}).json())
+    # n = 4 of one long prompt: choices 1-3 reuse choice 0's full prompt pages (the prefix cache), prefilling
+    # only the rest; same greedy choices
+    before = h.get("/admin/speculation").json()
+    r = post("/v1/completions", {"prompt": LONG, "n": 4, "max_tokens": 4, "return_token_ids": True})
+    after = h.get("/admin/speculation").json()
+    out["shared"] = (r.json(), after["prefix_cache_hits"] - before["prefix_cache_hits"], after["kv_block_size"])
     # bad input: a 400 naming the field
     for bad, field, path in (({"logprobs": -1}, "logprobs", "/v1/completions"),
                              ({"logprobs": 21}, "logprobs", "/v1/completions"),
@@ -162,6 +169,11 @@ def test_logprobs_echo_and_n_with_and_without_speculation(tiny_model):  # noqa: 
   assert all(c["logprobs"] is None for c in best["choices"])  # ranked by logprobs, which were not asked for
   assert [c["token_ids"] for c in best["choices"]] == [all4["choices"][i]["token_ids"] for i in order]
   assert best["usage"]["completion_tokens"] == all4["usage"]["completion_tokens"]  # every sample counts
+  for res in (spec, plain):
+    body, hits, block = res["shared"]
+    n = len(body["choices"][0]["prompt_token_ids"])
+    assert hits >= 3 * ((n - 1) // block * block) > 0, (hits, n, block)
+    assert len({tuple(c["token_ids"]) for c in body["choices"]}) == 1 and body["usage"]["prompt_tokens"] == n
 
 
 def _reference(config, params, ids):

@@ -1,0 +1,74 @@
+"""The load matrix's KV section (issue 35): per arm and load point, the KV pool's usage (sampled gauge), the
+preemptions and the prefix-cache hits (/metrics deltas), and a plot of KV usage against concurrency, the baseline
+beside each speculative arm: does the proposer crowd the KV cache? Servers without a paged pool show dashes."""
+
+from __future__ import annotations
+
+import os
+
+
+def _usage(pr: dict):
+  return (pr.get("samples") or {}).get("kv_usage")
+
+
+def has_kv(results: dict) -> bool:
+  return any(_usage(pr) for res in results.values() for pr in res["points"].values())
+
+
+def section(results: dict, points: dict) -> list[str]:
+  """Markdown lines: one table, a row per (load point, arm)."""
+  if not has_kv(results):
+    return []
+  L = ["## KV cache per load point", "",
+       "KV usage: the fraction of the pool's pages that requests hold (`kv_cache_usage_perc`, sampled during the "
+       "point: mean / max); preemptions and prefix-cache hits / queries (tokens) from `/metrics` deltas.", "",
+       "| load | arm | KV usage mean / max | preemptions | prefix hits / queries |", "|---|---|---|---|---|"]
+  for k, p in points.items():
+    for arm, res in results.items():
+      pr = res["points"].get(k)
+      if not pr:
+        continue
+      u, m = _usage(pr), pr["metrics"]
+      hits, queries = m.get("prefix_cache_hits"), m.get("prefix_cache_queries")
+      L.append(f"| {p['label']} [{p['sampling']}] | {arm} | "
+               + (f"{u['mean']:.1%} / {u['max']:.1%}" if u else "–") + " | "
+               + ("–" if m.get("preemptions") is None else f"{m['preemptions']:.0f}") + " | "
+               + (f"{hits:.0f} / {queries:.0f}" if hits is not None and queries else "–") + " |")
+  return L + [""]
+
+
+def plot(out_dir: str, results: dict, points: dict) -> list[str]:
+  """kv_usage.png: mean (solid) and max (dotted) KV usage against closed-loop concurrency, one panel per sampling
+  setting; -> the file names written (none without a paged pool)."""
+  if not has_kv(results):
+    return []
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  samplings = sorted({p["sampling"] for p in points.values()})
+  fig, axes = plt.subplots(1, len(samplings), figsize=(6 * len(samplings), 4), squeeze=False)
+  for ax, smp in zip(axes[0], samplings):
+    keys = sorted((k for k, p in points.items() if p["mode"] == "closed" and p["sampling"] == smp),
+                  key=lambda k: points[k]["level"])
+    for arm, res in results.items():
+      xs, mean, peak = [], [], []
+      for k in keys:
+        u = _usage(res["points"].get(k) or {})
+        if u:
+          xs.append(points[k]["level"])
+          mean.append(100 * u["mean"])
+          peak.append(100 * u["max"])
+      if xs:
+        line, = ax.plot(xs, mean, marker="o", label=arm, linestyle="--" if arm.startswith("baseline") else "-")
+        ax.plot(xs, peak, color=line.get_color(), linestyle=":", alpha=0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("KV pool used (%)")
+    ax.set_title(f"KV usage: mean (line), max (dotted) [{smp}]")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "kv_usage.png"), dpi=90)
+  plt.close(fig)
+  return ["kv_usage.png"]
