@@ -76,7 +76,8 @@ def main():
   ap.add_argument("--speculative_config", default="{}")
   ap.add_argument("--json_out", default="")
   a = ap.parse_args()
-  flags = {"config": "configs/gemma3_270m.py", "dtype": "bfloat16", "max_num_seqs": 4, "max_model_len": 2048}
+  flags = {"config": "configs/gemma3_270m.py", "dtype": "bfloat16", "max_num_seqs": 4, "max_model_len": 2048,
+           "warmup_prompt_lens": "1,17,33,65,129,257,513,1025"}  # every prompt bucket compiled before measuring
   spec = json.loads(a.speculative_config)
   logs = "/tmp/spec_jax_prefix_multiturn"
   convs = conversations(a.conversations, a.turns)
