@@ -25,13 +25,13 @@ def test_the_shipped_eagle3_layout_head_round_trips_through_each_published_forma
                                                                                    tmp_path):
   config, params = gemma3_f32
   target = Target(config, params)
-  prompts = [gemma3_tokenizer.encode(t) for t in TEXTS]
+  prompts = [gemma3_tokenizer.encode(gemma3_tokenizer.apply_chat_template([t])) for t in TEXTS]  # as it was trained
   prop, pp = build_proposer(SpecConfig("eagle3", 3, model=STEM), target)
   run = lambda p, q: generate(params, config, prompts, max_new_tokens=24, proposer=p, proposer_params=q,
                               adaptive_k=False)
   shipped = run(prop, pp)
   assert shipped.token_ids == generate(params, config, prompts, max_new_tokens=24).token_ids
-  assert shipped.stats["mean_acceptance_length"] > 1.1  # it drafts: a broken head would accept ~nothing
+  assert shipped.stats["mean_acceptance_length"] > 1.2  # it drafts (1.43 measured): a broken head accepts ~nothing
   for fmt in ("eagle3", "speculators"):
     out = str(tmp_path / fmt)
     export.export(STEM, fmt, out, config, params, gemma3_tokenizer, target_name="google/gemma-3-270m-it")
