@@ -224,6 +224,9 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   # may not draft keeps only its root).
   tree_tokens = jnp.where(node == 0, last[:, None],
                           jnp.where(depths <= state.draft_cap[:, None], draft.tokens.astype(jnp.int32), -1))
+  grammar = state.controls.grammar
+  if grammar is not None:  # the tokens the grammar forces are drafts too (spec_jax/grammar/rows.py)
+    tree_tokens = grammar_rows.forced_tree(grammar, tree_tokens, parents)
   positions = (state.lengths - 1)[:, None] + depths
   logits, hidden, (k_new, v_new), *layers = forward(params["target"], jnp.maximum(tree_tokens, 0), positions,
                                                     state.cache, config=spec.config, impl=spec.impl, tree_mask=mask,
@@ -233,7 +236,6 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   raw = logits
   logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
                      state.prompt_lens, tree_tokens, mask, depths, spec.stop_ids)
-  grammar = state.controls.grammar
   if grammar is not None:  # each node masked by the grammar state after its path
     logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(grammar, tree_tokens, parents))
   out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, keys, state.sampling, positions=state.lengths,

@@ -157,3 +157,27 @@ def forced_chain(g: GrammarRows, drafts, draft_probs):
     onehot = jax.nn.one_hot(tokens, draft_probs.shape[-1], dtype=draft_probs.dtype)
     draft_probs = jnp.where(forced[:, :, None], onehot, draft_probs)
   return tokens, draft_probs
+
+
+def forced_tree(g: GrammarRows, tokens, parents):
+  """Tree drafts [B, N] (node 0 the root; < 0: no node) with the grammar's forced tokens drafted: where the state
+  after a node's path forces a token f and none of its children drafts f already, the first child whose draft the
+  grammar does not allow there drafts f instead (a sure rejection becomes a likely acceptance; the children it
+  allows keep their drafts, since f's bytes only begin theirs). Where the grammar leaves f alone, every other child
+  is such a child. Verification is exact whatever the tree holds (deterministic children: the target's own draw
+  is matched). The states follow the new tokens (nodes come after their parents)."""
+  B, N = tokens.shape
+  rows = jnp.arange(B)
+  states = jnp.zeros((B, N), jnp.int32).at[:, 0].set(g.state)
+  out = tokens
+  for i in range(1, N):  # N is the tree's node count: small and static
+    s = states[rows, jnp.maximum(parents[:, i], 0)]
+    f = jnp.where(s >= 0, g.forced[rows, jnp.maximum(s, 0)], -1)
+    siblings = (parents == parents[:, i:i + 1]) & (tokens >= 0)  # [B, N], node i among them when it is a node
+    refused = siblings & (_step(g, jnp.broadcast_to(s[:, None], (B, N)), tokens) < 0)
+    first_refused = jnp.any(refused, axis=1) & (jnp.argmax(refused, axis=1) == i)
+    has_f = jnp.any(siblings & (tokens == f[:, None]), axis=1)
+    tok = jnp.where((f >= 0) & first_refused & ~has_f, f, tokens[:, i])
+    out = out.at[:, i].set(tok)
+    states = states.at[:, i].set(_step(g, s, tok))
+  return out

@@ -119,6 +119,45 @@ def test_forced_tokens_are_bytes_every_continuation_begins_with():
   assert a.forced[a.next_state(s, 5)] == 4  # {"a" : the colon
 
 
+def test_forced_tokens_fill_a_refused_child_of_a_tree():
+  """At each node the forced token takes the place of the first child the grammar refuses, unless a child drafts
+  it already; children it allows keep their drafts; a node's state follows its new parent."""
+  import jax.numpy as jnp
+  from spec_jax.grammar import rows as grammar_rows
+  tb = [None, None, b'"', b"a", b":", b" ", b'":"', b"b", b"{", b"{"]
+  a = automaton.from_regex('\\{"a"[ ]?:[ ]?"b"', tb, (1,))
+  g = GrammarRows.make([a] * 3, len(tb))
+  #            root  1  2  3 (child of 1)  4 (child of 2)
+  parents = [[-1, 0, 0, 1, 2]] * 3
+  tokens = [[0, 3, 5, 7, 7],  # both children refused: the first drafts "{" (9); below it '"' (2) is forced
+            [0, 8, 3, 7, 7],  # "{" as id 8 is allowed and kept; the refused second child drafts 9
+            [0, 3, 9, 7, 7]]  # a child drafts 9 already: nothing changes but below it
+  got = np.asarray(grammar_rows.forced_tree(g, jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32)))
+  assert got.tolist() == [[0, 9, 5, 2, 7], [0, 8, 9, 2, 2], [0, 3, 9, 7, 2]]
+
+
+@pytest.mark.parametrize("method", ["eagle_tree", "medusa_tree"])
+def test_trees_draft_the_forced_tokens(method):
+  """Grammar-forced tokens are drafts in trees too: more drafts accepted than with the forced table blanked, and
+  the output is plain constrained decoding's either way."""
+  import dataclasses
+  params = _params(1)
+  names = ["schema", "schema", "json_object", "choice"]
+  prompts = _prompts(5, [11, 8, 14, 9])
+  proposer, pparams = _proposer(method, params)
+  plain = generate(params, CONFIG, prompts, max_new_tokens=40, stop_ids=STOPS,
+                   controls=_controls([_auto(n) for n in names]))
+  accepted = {}
+  for forced in (True, False):
+    autos = [_auto(n) if forced else dataclasses.replace(_auto(n), forced=np.full_like(_auto(n).forced, -1))
+             for n in names]
+    spec = generate(params, CONFIG, prompts, max_new_tokens=40, stop_ids=STOPS, controls=_controls(autos),
+                    proposer=proposer, proposer_params=pparams, adaptive_k=False)
+    assert spec.token_ids == plain.token_ids
+    accepted[forced] = spec.stats["accepted_tokens"]
+  assert accepted[True] > accepted[False] + 10, accepted
+
+
 def test_sampled_constrained_keeps_the_distribution_with_forced_drafts_and_controls():
   """Chi-square, the first 3 sampled tokens: plain constrained decoding against a sampling draft model (its q,
   one-hot where the grammar forces a token) and n-gram, with a penalty and min_p as well, on 8 tokens."""
