@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from serve.loadtest.client import stream_request  # noqa: E402
+from benchmarks import records  # noqa: E402
 from serve.loadtest.launcher import ServerProcess  # noqa: E402
 from serve.loadtest.traffic import build_requests, load_prompts  # noqa: E402
 
@@ -125,12 +125,8 @@ def main():
       with ServerProcess({**BASE, **flags}, spec, f"/tmp/spec_jax_kv_budget/{name}.log", startup_timeout=900) as srv:
         point(srv.url, prompts, 4, 8)  # warm-up: compiles the insert and loop shapes the points use
         for level in levels:
-          out = {"suite": a.suite, "variant": name, "round": r, **point(srv.url, prompts, level, a.max_tokens),
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-          print(json.dumps(out), flush=True)
-          if a.json_out:
-            with open(a.json_out, "a") as f:
-              f.write(json.dumps(out) + "\n")
+          records.emit({"suite": a.suite, "variant": name, "round": r, **point(srv.url, prompts, level, a.max_tokens),
+                        "date": records.now_utc()}, a.json_out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks import records  # noqa: E402
 from serve.loadtest.launcher import ServerProcess  # noqa: E402
 
 FOLLOW_UPS = ("Summarize your answer in two sentences.", "Give one more example, briefly.",
@@ -111,11 +112,8 @@ def main():
                                     "p25": round(float(np.percentile(ratio, 25)), 3),
                                     "p75": round(float(np.percentile(ratio, 75)), 3)},
          "prefix_cache": {k: after.get(k, 0) - before.get(k, 0) for k in after},
-         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-  print(json.dumps(out), flush=True)
-  if a.json_out:
-    with open(a.json_out, "a") as f:
-      f.write(json.dumps(out) + "\n")
+         "date": records.now_utc()}
+  records.emit(out, a.json_out)
 
 
 if __name__ == "__main__":

@@ -75,81 +75,21 @@ def test_paged_requests_with_poisoned_free_pages_equal_alone(name, block_size):
     assert len(pg) < 2 or not np.all(np.diff(pg) == 1)
 
 
-@pytest.mark.parametrize("name,block_size", [("draft", 4), ("eagle", 4), ("eagle_tree", 2), ("ngram", 8)])
-def test_prefix_reuse_and_recompute_from_streamed_tokens_equal_alone(name, block_size):
-  """A request reuses another's cached prefix pages (prefilling only the rest, the proposer's cache included), and
-  a request preempted mid-decode is recomputed from prompt + its streamed tokens on other pages: both decode
-  exactly as alone, with every page no one owns poisoned."""
+def _reuse_then_resume(name, prompts, max_new, capacity, block_size, seed, min_streamed):
+  """Three requests on two rows of a shuffled, poisoned pool: a runs alone; b shares a's first 16 tokens and gets
+  a's pages for them (whole pages, as far as the proposer can use them: `usable_prefix`), prefilling only the
+  rest; c is preempted once it has streamed `min_streamed` tokens (its pages freed and poisoned) and recomputed
+  from prompt + streamed tokens on other pages. Each equals its alone run, and nothing writes the shared pages.
+  -> (alone runs, use, b, c2, b's (steps, accepted))."""
   params = _params()
   proposer, pparams = _proposer(name, params)
-  base = _prompts(11, [21])[0]
-  prompts = [base, base[:16] + _prompts(12, [6])[0][1:], _prompts(13, [10])[0]]
-  assert prompts[1][16] != base[16]  # the hit ends at a page boundary: the next token differs
-  runs = alone_runs(params, proposer, pparams, prompts)
+  runs = [alone_runs(params, proposer, pparams, [p], max_new=n)[0] for p, n in zip(prompts, max_new)]
   alone = [r.token_ids[0] for r in runs]
-  spec = make_spec(CONFIG, proposer, adaptive_k=False)
-  both = {"target": params, "proposer": pparams}
-  pps = -(-CAPACITY // block_size)
-  num_pages = 1 + 3 * pps
-  pool = Pool(num_pages, seed=7)
-  state = slots.empty_state(both, spec, batch=2, capacity=CAPACITY, block_size=block_size, num_pages=num_pages)
-  state = slots.fill_pages(state, jnp.arange(1, num_pages))
-  full = lambda p: -(-(len(p) + MAX_NEW + spec.lookahead + 1) // block_size)
-  a = slots.make_request(prompts[0], max_new=MAX_NEW, spec=spec, capacity=CAPACITY, block_size=block_size,
-                         pages=pool.take(full(prompts[0]), pps))
-  state = _run_to_end(both, slots.insert(both, state, 0, a, spec), spec)
-  assert _out(state, 0) == alone[0]
-  assert int(slots.snapshot(state).kv_lengths[0]) >= 16  # the shared positions' K/V are all written
-  # b shares a's first 16 tokens: whole pages of them, as a prefix cache would hand out.
-  hit = 16 // block_size * block_size
-  use = slots.usable_prefix(spec, hit, block_size)
-  assert use == (hit - block_size if name.startswith("eagle") else hit)
-  shared = np.asarray(a.pages)[:use // block_size]
-  own = pool.take(full(prompts[1]) - len(shared), pps - len(shared))
-  b = slots.make_request(prompts[1], max_new=MAX_NEW, spec=spec, capacity=CAPACITY, block_size=block_size,
-                         pages=np.concatenate([shared, own]), cached=use)
-  before = {int(p): np.asarray(state.cache.k[:, int(p)]) for p in shared}
-  state = _run_to_end(both, slots.insert(both, state, 1, b, spec), spec)
-  assert _out(state, 1) == alone[1]
-  # The proposer drafted exactly as alone: its cache for the reused prefix is right (greedy output alone would not
-  # show a wrong one: verification fixes every draft).
-  snap = slots.snapshot(state)
-  assert (int(snap.steps[1]), int(snap.accepted[1])) == (int(runs[1].raw_stats.steps[0]),
-                                                         int(runs[1].raw_stats.accepted[0]))
-  for p, k in before.items():  # nothing wrote the shared pages
-    np.testing.assert_array_equal(np.asarray(state.cache.k[:, p]), k)
-  # c runs a few steps, is preempted (pages freed and poisoned), and comes back on other pages.
-  c = slots.make_request(prompts[2], max_new=MAX_NEW, spec=spec, capacity=CAPACITY, block_size=block_size,
-                         pages=pool.take(full(prompts[2]), pps))
-  state = decode_loop(both, slots.insert(both, state, 0, c, spec), spec, 2)
-  streamed = _out(state, 0)
-  assert 0 < len(streamed) < MAX_NEW
-  state = slots.release(state, 0)
-  state = slots.fill_pages(state, jnp.asarray([p for p in np.asarray(c.pages) if p]))
-  c2 = slots.make_request(prompts[2], max_new=MAX_NEW, spec=spec, capacity=CAPACITY, block_size=block_size,
-                          pages=pool.take(full(prompts[2]), pps), output_ids=streamed)
-  state = _run_to_end(both, slots.insert(both, state, 0, c2, spec), spec)
-  assert _out(state, 0) == alone[2]
-
-
-
-@pytest.mark.parametrize("name", ["ngram", "draft", "eagle"])
-def test_a_prefill_padded_past_the_capacity_equals_alone(name):
-  """A capacity that is no bucket (43) and a prefill that starts mid-row or runs long (a prefix hit, a resume)
-  pad past the row's last page: the padding goes to the null page, the shared pages stay untouched, and decoding
-  equals alone (the server answered 500 for these)."""
-  params = _params()
-  proposer, pparams = _proposer(name, params)
-  capacity, block_size = 43, 4
-  base = _prompts(21, [24])[0]
-  prompts = [base, base[:16] + _prompts(22, [18])[0][1:], _prompts(23, [30])[0]]
-  max_new = [6, 6, 8]
-  alone = [alone_runs(params, proposer, pparams, [p], max_new=n)[0].token_ids[0] for p, n in zip(prompts, max_new)]
   spec = make_spec(CONFIG, proposer, adaptive_k=False)
   both = {"target": params, "proposer": pparams}
   pps = -(-capacity // block_size)
   num_pages = 1 + 3 * pps
-  pool = Pool(num_pages, seed=3)
+  pool = Pool(num_pages, seed=seed)
   state = slots.empty_state(both, spec, batch=2, capacity=capacity, block_size=block_size, num_pages=num_pages)
   state = slots.fill_pages(state, jnp.arange(1, num_pages))
 
@@ -161,20 +101,20 @@ def test_a_prefill_padded_past_the_capacity_equals_alone(name):
   a = make(0, pool.take(full(0), pps))
   state = _run_to_end(both, slots.insert(both, state, 0, a, spec), spec)
   assert _out(state, 0) == alone[0]
-  # b (33 tokens) reuses a's first 16 (EAGLE: 12) and prefills the other 17 (21), padded to 32: past 43
-  use = slots.usable_prefix(spec, 16, block_size)
+  assert int(slots.snapshot(state).kv_lengths[0]) >= 16  # the shared positions' K/V are all written
+  use = slots.usable_prefix(spec, 16 // block_size * block_size, block_size)
   shared = np.asarray(a.pages)[:use // block_size]
   b = make(1, np.concatenate([shared, pool.take(full(1) - len(shared), pps - len(shared))]), cached=use)
-  assert use + int(b.tokens.shape[0]) > capacity
   before = {int(p): np.asarray(state.cache.k[:, int(p)]) for p in shared}
   state = _run_to_end(both, slots.insert(both, state, 1, b, spec), spec)
   assert _out(state, 1) == alone[1]
-  for p, k in before.items():
+  snap = slots.snapshot(state)
+  b_stats = (int(snap.steps[1]), int(snap.accepted[1]))  # read now: the next loop call donates the state
+  for p, k in before.items():  # nothing wrote the shared pages
     np.testing.assert_array_equal(np.asarray(state.cache.k[:, p]), k)
-  # c (30 tokens) is preempted after 4+ tokens and recomputed from its 33+ known positions, padded to 64: past 43
   c = make(2, pool.take(full(2), pps))
   state = slots.insert(both, state, 0, c, spec)
-  while len(_out(state, 0)) < 4:
+  while len(_out(state, 0)) < min_streamed:
     state = decode_loop(both, state, spec, 1)
   streamed = _out(state, 0)
   assert len(streamed) < max_new[2]
@@ -182,6 +122,36 @@ def test_a_prefill_padded_past_the_capacity_equals_alone(name):
   pool.give(np.asarray(c.pages))
   state = slots.fill_pages(state, jnp.asarray(pool.freed, jnp.int32))
   c2 = make(2, pool.take(full(2), pps), output_ids=streamed)
-  assert int(c2.tokens.shape[0]) > capacity
   state = _run_to_end(both, slots.insert(both, state, 0, c2, spec), spec)
   assert _out(state, 0) == alone[2]
+  return runs, use, b, c2, b_stats
+
+
+@pytest.mark.parametrize("name,block_size", [("draft", 4), ("eagle", 4), ("eagle_tree", 2), ("ngram", 8)])
+def test_prefix_reuse_and_recompute_from_streamed_tokens_equal_alone(name, block_size):
+  """A request reuses another's cached prefix pages (prefilling only the rest, the proposer's cache included), and
+  a request preempted mid-decode is recomputed from prompt + its streamed tokens on other pages: both decode
+  exactly as alone, with every page no one owns poisoned."""
+  base = _prompts(11, [21])[0]
+  prompts = [base, base[:16] + _prompts(12, [6])[0][1:], _prompts(13, [10])[0]]
+  assert prompts[1][16] != base[16]  # the hit ends at a page boundary: the next token differs
+  runs, use, _, _, b_stats = _reuse_then_resume(name, prompts, [MAX_NEW] * 3, CAPACITY, block_size, seed=7,
+                                                min_streamed=1)
+  assert use == (16 - block_size if name.startswith("eagle") else 16)
+  # The proposer drafted exactly as alone: its cache for the reused prefix is right (greedy output alone would not
+  # show a wrong one: verification fixes every draft).
+  assert b_stats == (int(runs[1].raw_stats.steps[0]), int(runs[1].raw_stats.accepted[0]))
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "eagle"])
+def test_a_prefill_padded_past_the_capacity_equals_alone(name):
+  """A capacity that is no bucket (43) and a prefill that starts mid-row or runs long (a prefix hit, a resume)
+  pad past the row's last page: the padding goes to the null page, the shared pages stay untouched, and decoding
+  equals alone (the server answered 500 for these)."""
+  capacity = 43
+  base = _prompts(21, [24])[0]
+  prompts = [base, base[:16] + _prompts(22, [18])[0][1:], _prompts(23, [30])[0]]
+  _, use, b, c2, _ = _reuse_then_resume(name, prompts, [6, 6, 8], capacity, 4, seed=3, min_streamed=4)
+  # b (33 tokens) prefills all but its 16 (EAGLE: 12) shared ones, padded to 32; c (30 tokens) is recomputed from
+  # its 33+ known positions, padded to 64: both past 43
+  assert use + int(b.tokens.shape[0]) > capacity and int(c2.tokens.shape[0]) > capacity
