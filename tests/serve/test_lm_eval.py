@@ -1,7 +1,8 @@
 """Issue 36, item 6: lm-evaluation-harness against the server, as evaluation users run it: `local-completions` on
 small local tasks (a generate-until and a loglikelihood one: echo + logprobs), with the Hugging Face tokenizer
-built from the model's own GGUF (its byte-level BPE pipeline, spec_jax/checkpoints/gguf_tokenizer.py). A server
-with speculation and one without give the same generations and the same loglikelihoods (float32 noise)."""
+built from the model's own GGUF (spec_jax/checkpoints/gguf_tokenizer.py: a tiny Qwen2's byte-level BPE pipeline,
+Gemma 3's SentencePiece model). A server with speculation and one without give the same generations and the same
+loglikelihoods (float32 noise)."""
 
 from __future__ import annotations
 
@@ -29,17 +30,24 @@ TASKS = {
 
 
 def write_hf_tokenizer(model_path: str, out: str) -> str:
-  """A directory transformers' AutoTokenizer loads: the GGUF's own tokenizer as tokenizer.json, and its special
-  tokens."""
+  """A directory transformers' AutoTokenizer loads: the GGUF's own tokenizer (tokenizer.json for byte-level BPE,
+  tokenizer.model for SentencePiece: Gemma's, which transformers' GemmaTokenizer reads), and its special tokens."""
   from spec_jax.checkpoints.load import load_tokenizer
+  from spec_jax.sentencepiece_tokenizer import SentencePieceTokenizer
   tok = load_tokenizer(model_path)
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
-    f.write(tok._json)
   piece = lambda i: tok.piece_of(i) if i >= 0 else None
+  config = {"eos_token": piece(tok.eos_id), "bos_token": piece(tok.bos_id), "pad_token": piece(tok.pad_id)}
+  if isinstance(tok, SentencePieceTokenizer):
+    with open(os.path.join(out, "tokenizer.model"), "wb") as f:
+      f.write(tok._sp.serialized_model_proto())
+    config.update(tokenizer_class="GemmaTokenizer", add_bos_token=True)
+  else:
+    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+      f.write(tok._json)
+    config.update(tokenizer_class="PreTrainedTokenizerFast")
   with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": piece(tok.eos_id),
-               "bos_token": piece(tok.bos_id), "pad_token": piece(tok.pad_id)}, f)
+    json.dump(config, f)
   return out
 
 
@@ -55,33 +63,32 @@ def write_tasks(out: str) -> str:
   return out
 
 
-def _evaluate(url: str, tokenizer_dir: str, tasks_dir: str) -> dict:
+def _evaluate(url: str, tokenizer_dir: str, tasks_dir: str, add_bos: bool) -> dict:
   from lm_eval import simple_evaluate
   from lm_eval.tasks import TaskManager
   args = dict(model=MODEL, base_url=f"{url}/v1/completions", tokenizer=tokenizer_dir,
               tokenizer_backend="huggingface", tokenized_requests=True, num_concurrent=1, max_retries=1,
-              max_length=200)
+              max_length=200, add_bos_token=add_bos)
   res = simple_evaluate(model="local-completions", model_args=args, tasks=sorted(TASKS),
                         task_manager=TaskManager(include_path=tasks_dir, include_defaults=False), log_samples=True,
                         bootstrap_iters=0)
   return {t: [s["resps"] for s in sorted(res["samples"][t], key=lambda s: s["doc_id"])] for t in TASKS}
 
 
-def test_lm_eval_generate_and_loglikelihood_agree_with_and_without_speculation(tmp_path, monkeypatch):
+def _agree_with_and_without_speculation(tmp_path, monkeypatch, model: str, flags: tuple, spec: dict,
+                                        add_bos: bool = False):
   for var, val in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"), ("HF_HOME", str(tmp_path / "hf")),
                    ("TOKENIZERS_PARALLELISM", "false")):
     monkeypatch.setenv(var, val)
-  model, _ = write_tiny_qwen2(tmp_path / "tiny-qwen2.gguf", never_stop=True)
   tokenizer_dir = write_hf_tokenizer(model, str(tmp_path / "tokenizer"))
   tasks_dir = write_tasks(str(tmp_path / "tasks"))
   got = {}
-  for name, spec in (("spec", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
-                     ("plain", {})):
+  for name, config in (("spec", spec), ("plain", {})):
     s = LiveServer(f"--model={model}", "--dtype=float32", f"--served_model_name={MODEL}", "--max_model_len=256",
                    "--max_num_seqs=2", "--steps_per_sync=4", "--warmup_prompt_lens=1", "--costs_file=",
-                   "--compilation_cache_dir=", "--noadaptive", f"--speculative_config={json.dumps(spec)}")
+                   "--noadaptive", f"--speculative_config={json.dumps(config)}", *flags, timeout=900)
     try:
-      got[name] = _evaluate(s.url, tokenizer_dir, tasks_dir)
+      got[name] = _evaluate(s.url, tokenizer_dir, tasks_dir, add_bos)
       with s.http() as h:
         got[name + "_metrics"] = h.get("/metrics").text
     finally:
@@ -95,3 +102,20 @@ def test_lm_eval_generate_and_loglikelihood_agree_with_and_without_speculation(t
       assert abs(lp_s - lp_p) < 1e-4 and greedy_s == greedy_p and lp_s < 0
   drafted = [line for line in got["spec_metrics"].splitlines() if line.startswith("spec_jax:spec_decode_num_draft_tokens_total")]
   assert drafted and float(drafted[0].split()[-1]) > 0, "speculation ran"
+  return got
+
+
+def test_lm_eval_generate_and_loglikelihood_agree_with_and_without_speculation(tmp_path, monkeypatch):
+  model, _ = write_tiny_qwen2(tmp_path / "tiny-qwen2.gguf", never_stop=True)
+  _agree_with_and_without_speculation(tmp_path, monkeypatch, str(model), ("--compilation_cache_dir=",),
+                                      {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+
+
+@pytest.mark.slow
+def test_lm_eval_on_gemma3_agrees_with_and_without_speculation(tmp_path, monkeypatch, gemma3_gguf_path):
+  """The same on Gemma 3 270M, its tokenizer rebuilt from the GGUF's SentencePiece model (lm-eval adds BOS, as
+  Gemma wants)."""
+  got = _agree_with_and_without_speculation(
+      tmp_path, monkeypatch, gemma3_gguf_path, (f"--compilation_cache_dir={tmp_path / 'xla_cache'}",),
+      {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}, add_bos=True)
+  assert any(r[0][0].strip() for r in got["plain"]["tiny_generate"])
