@@ -76,7 +76,7 @@ def admit(e, now: float) -> int:
       if not resumed:
         e.segments.classify(req, len(e.table.holders) + 1, e.spec.k_max)
       assign_tenant(e, req)
-      req.slot = e.table.insert(req, req.device_req)
+      req.slot = e.table.insert(req, req.device_req, slot=req.kv_slot if e.kv is not None else None)
       if e.kv is not None:
         e.kv.admitted(req)
     except Exception as err:

@@ -63,6 +63,7 @@ class EngineRequest:
   admissions: int = 0
   admit_seq: int = 0  # the engine's admission count when it was last admitted: the preemption order
   kv_key: Any = None  # its id in the block manager while it holds pages
+  kv_slot: Any = None  # the free slot of the data shard its pages were placed on (serve/kv_scheduler.py)
   kv_len: int = 0  # tokens with K/V at the last snapshot read
   inflight: list = dataclasses.field(default_factory=list)  # tokens of pages each dispatched, unread call needs
   prior: tuple = (0, 0, 0)  # (drafted, accepted, drafts) of its rows before the last preemption

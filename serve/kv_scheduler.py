@@ -17,6 +17,10 @@ When the pool is short before a call: first fewer steps (1), then draft cap 0 fo
 whose drafts are accepted least, then preemption of the most recently admitted request (vLLM V1's rule): its pages
 are freed, it goes back to the front of the queue, and it resumes later by recompute from its prompt plus what it
 has already streamed.
+
+On a mesh with a `data` axis the pool is one block manager per data shard (serve/sharded_pool.py): a request is
+placed on the shard of a free slot with the longest prefix hit, then the most pages to spare, and a shard that is
+short cuts speculation and preempts among its own rows only.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import numpy as np
 
 from serve import admission
 from serve.block_manager import BlockManager, PrefixHit, make_salt
-from spec_jax import slots
+from serve.sharded_pool import ShardedPool
+from spec_jax import sharding, slots
 from spec_jax.cache import pool_bytes
 
 log = logging.getLogger("spec_jax.engine")
@@ -47,8 +52,9 @@ def page_bytes(params, spec, *, rows: int, capacity: int, block_size: int, gramm
 
 
 def pool_pages(*, num_kv_blocks: int, kv_cache_memory_bytes: int, bytes_per_page: int, max_num_seqs: int,
-               capacity: int, block_size: int) -> int:
-  """The pool in pages (page 0, the null page, included): from bytes, else pages, else fixed slots' worth."""
+               capacity: int, block_size: int, shards: int = 1) -> int:
+  """The pool in pages (each data shard's null page included): from bytes, else pages, else fixed slots' worth;
+  a multiple of the data shards (each holds an equal share)."""
   if num_kv_blocks < 0 or kv_cache_memory_bytes < 0 or block_size < 1:
     raise ValueError("--num_kv_blocks and --kv_cache_memory_bytes must be >= 0, --block_size >= 1")
   if kv_cache_memory_bytes:
@@ -57,31 +63,27 @@ def pool_pages(*, num_kv_blocks: int, kv_cache_memory_bytes: int, bytes_per_page
   elif num_kv_blocks:
     n, what = num_kv_blocks, f"--num_kv_blocks={num_kv_blocks}"
   else:
-    return 1 + max_num_seqs * -(-capacity // block_size)
-  if n < 2:
-    raise ValueError(f"{what} is {n} pages: the pool needs at least 2 (page 0 is the null page)")
-  return n
+    return shards * (1 + -(-max_num_seqs // shards) * -(-capacity // block_size))
+  if n // shards < 2:
+    raise ValueError(f"{what} is {n} pages: the pool needs at least 2 per data shard ({shards}; page 0 of each "
+                     f"share is its null page)")
+  return n // shards * shards
 
 
 def plan(params, spec, flags, *, rows: int, max_num_seqs: int, capacity: int, grammar_capacity=None):
   """The pool from the flags (dict: block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching,
-  poison_freed_pages) -> KVScheduler's keyword arguments, or None for fixed slots (flags None, or a mesh with a
-  data axis: one pool per data shard is not wired yet)."""
+  poison_freed_pages) -> KVScheduler's keyword arguments, or None for fixed slots (flags None)."""
   if flags is None:
     return None
   bs = int(flags.get("block_size", 16))
   if bs < 1:
     raise ValueError(f"--block_size must be >= 1, got {bs}")
-  if spec.mesh is not None and spec.mesh.shape.get("data", 1) > 1:
-    if flags.get("num_kv_blocks") or flags.get("kv_cache_memory_bytes"):
-      raise ValueError("--num_kv_blocks / --kv_cache_memory_bytes: a pool needs a mesh without a data axis yet")
-    log.warning("mesh with a data axis: each slot keeps its own KV pages (no shared pool yet)")
-    return None
   total, proposer = page_bytes(params, spec, rows=rows, capacity=capacity, block_size=bs,
                                grammar_capacity=grammar_capacity)
   n = pool_pages(num_kv_blocks=int(flags.get("num_kv_blocks") or 0),
                  kv_cache_memory_bytes=int(flags.get("kv_cache_memory_bytes") or 0), bytes_per_page=total,
-                 max_num_seqs=max_num_seqs, capacity=capacity, block_size=bs)
+                 max_num_seqs=max_num_seqs, capacity=capacity, block_size=bs,
+                 shards=sharding.axis_size(spec.mesh, "data"))
   return dict(num_pages=n, block_size=bs, enable_prefix_caching=bool(flags.get("enable_prefix_caching", True)),
               poison_freed_pages=bool(flags.get("poison_freed_pages", False)), bytes_per_page=total,
               speculation_yields=bool(flags.get("kv_speculation_yields", True)),
@@ -95,7 +97,10 @@ class KVScheduler:
                poison_freed_pages: bool = False, bytes_per_page: int = 0, proposer_bytes_per_page: int = 0,
                speculation_yields: bool = True):
     self.e = engine
-    self.bm = BlockManager(num_pages, block_size, engine.capacity, enable_prefix_caching=enable_prefix_caching)
+    self.shards = sharding.axis_size(engine.spec.mesh, "data")
+    self.rows = int(engine.table.state.tokens.shape[0])  # the state's rows: `shards` equal runs
+    self.bm = ShardedPool(num_pages, block_size, engine.capacity, shards=self.shards,
+                          enable_prefix_caching=enable_prefix_caching)
     self.block_size, self.poison = block_size, poison_freed_pages
     self.bytes_per_page, self.proposer_bytes_per_page = bytes_per_page, proposer_bytes_per_page
     self.preemptions = 0
@@ -108,14 +113,15 @@ class KVScheduler:
     self._counted = (0, 0)  # the manager's prefix counters already added to the metrics
     self._seq = 0  # admissions so far: the preemption order
     m = engine.metrics
-    m.kv_pages.set(num_pages - 1)
+    m.kv_pages.set(self.bm.usable)
     m.kv_page_bytes.labels(holder="all").set(bytes_per_page)
     m.kv_page_bytes.labels(holder="proposer").set(proposer_bytes_per_page)
 
   def describe(self) -> str:
-    n = self.bm.num_pages - 1
-    full = n // self.bm.pages_per_seq
-    return (f"KV pool: {n} pages of {self.block_size} tokens = {n * self.block_size} tokens, "
+    n = self.bm.usable
+    full = self.shards * ((self.bm.per_shard - 1) // self.bm.pages_per_seq)
+    shards = f" in {self.shards} data shards' shares" if self.shards > 1 else ""
+    return (f"KV pool: {n} pages of {self.block_size} tokens = {n * self.block_size} tokens{shards}, "
             f"{n * self.bytes_per_page / 2**20:.1f} MiB ({self.proposer_bytes_per_page}/{self.bytes_per_page} bytes "
             f"a page are the proposer's); holds {full} request(s) of {self.e.capacity} tokens; prefix caching "
             f"{'on' if self.bm.enable_prefix_caching else 'off'}")
@@ -124,6 +130,9 @@ class KVScheduler:
     self.bm.reset()
 
   # ---- sizes
+  def shard_of_slot(self, slot: int) -> int:
+    return slot * self.shards // self.rows
+
   def end(self, req) -> int:
     """The most tokens of pages the request can ever use."""
     return min(len(req.prompt_ids) + req.max_new + self.e.spec.lookahead + 1, self.e.capacity)
@@ -139,27 +148,40 @@ class KVScheduler:
     need = min(prompt_len + max_new + self.e.spec.lookahead + 1, self.e.capacity)
     if not self.bm.fits_ever(need):
       e = ValueError(f"the prompt ({prompt_len} tokens) plus max_tokens={max_new} needs {self.bm.pages_for(need)} "
-                     f"KV pages of {self.block_size} tokens; the whole pool has {self.bm.num_pages - 1}")
+                     f"KV pages of {self.block_size} tokens; "
+                     + ("the whole pool" if self.shards == 1 else "a data shard's share of the pool")
+                     + f" has {self.bm.per_shard - 1}")
       e.field = "max_tokens"
       raise e
 
   # ---- admission
   def admit(self, req):
     """Pages for the request's prompt (plus its streamed tokens on a resume) and one call -> its device request
-    for the insert, or None when the pool cannot give them (it waits, first in line)."""
+    for the insert (req.kv_slot: the free slot of the shard it was placed on), or None when the pool cannot give
+    them (it waits, first in line)."""
     tokens = list(req.prompt_ids) + list(req.out_ids)
     prefill = len(tokens) - (1 if req.out_ids else 0)  # a resume feeds its last streamed token next
     salt = make_salt(req.tenant, req.cache_salt)
-    hit = self.bm.lookup(tokens[:prefill], salt)  # leaves at least one position to prefill
-    keep = slots.usable_prefix(self.e.spec, hit[1], self.block_size) // self.block_size
-    hit = PrefixHit(hit[0][:keep], keep * self.block_size, hit.hashes[:keep], hit.n_query)
-    key = (req.id, req.admissions)
     first = min(self.end(req), len(tokens) + self.tokens_per_call(1, self.e.spec.k_max))
-    # Leave the running rows pages for one step without drafts: an admission should not force a preemption.
-    if self.bm.pages_for(first) - keep > self.bm.num_available - self._headroom():
+    best = None
+    for slot in self._one_free_slot_per_shard():
+      shard = self.shard_of_slot(slot)
+      hit = self.bm.lookup(tokens[:prefill], salt, shard)  # leaves at least one position to prefill
+      keep = slots.usable_prefix(self.e.spec, hit[1], self.block_size) // self.block_size
+      # Leave the shard's running rows pages for one step without drafts: an admission should not force a
+      # preemption.
+      spare = self.bm.available(shard) - self._headroom(shard) - (self.bm.pages_for(first) - keep)
+      score = (spare >= 0, keep, spare)
+      if best is None or score > best[0]:
+        best = (score, slot, shard, PrefixHit(hit[0][:keep], keep * self.block_size, hit.hashes[:keep],
+                                              hit.n_query))
+    if best is None or not best[0][0]:
       return None
-    if not self.bm.allocate(key, first, salt=salt, prefix=hit):
+    _, slot, shard, hit = best
+    key = (req.id, req.admissions)
+    if not self.bm.allocate(key, first, shard=shard, salt=salt, prefix=hit):
       return None
+    req.kv_slot = slot
     self._poison()
     pages = self.bm.table(key)
     req.kv_key, req.kv_len, req.inflight = key, prefill, []
@@ -171,11 +193,17 @@ class KVScheduler:
       return req.device_req.replace(pages=jnp.asarray(pages))
     return req.remake(req.prompt_ids, max_new=req.max_new, pages=pages, output_ids=list(req.out_ids), cached=hit[1])
 
-  def _headroom(self) -> int:
-    """Pages the running rows need for their next call at one step without drafts."""
+  def _one_free_slot_per_shard(self) -> list:
+    by_shard = {}
+    for slot in self.e.table.free_slots():
+      by_shard.setdefault(self.shard_of_slot(slot), slot)
+    return list(by_shard.values())
+
+  def _headroom(self, shard: int) -> int:
+    """Pages the shard's running rows need for their next call at one step without drafts."""
     need = 0
-    for r in self.e.table.holders.values():
-      if r.kv_key is not None and r.kv_key in self.bm:
+    for slot, r in self.e.table.holders.items():
+      if self.shard_of_slot(slot) == shard and r.kv_key is not None and r.kv_key in self.bm:
         n = min(self.end(r), r.kv_len + sum(r.inflight) + self.tokens_per_call(1, 0))
         need += max(0, self.bm.pages_for(n) - len(self.bm.pages_of(r.kv_key)))
     return need
@@ -200,17 +228,21 @@ class KVScheduler:
       rows = sorted(self.e.table.holders.items(), key=lambda it: it[1].admit_seq)
       want = [(r, min(self.end(r), r.kv_len + sum(r.inflight) + self.tokens_per_call(steps, int(caps[s]))))
               for s, r in rows]
-      need = sum(max(0, self.bm.pages_for(n) - len(self.bm.pages_of(r.kv_key))) for r, n in want)
-      if need <= self.bm.num_available:
+      need = [0] * self.shards
+      for (slot, _), (r, n) in zip(rows, want):
+        need[self.shard_of_slot(slot)] += max(0, self.bm.pages_for(n) - len(self.bm.pages_of(r.kv_key)))
+      short = [sh for sh in range(self.shards) if need[sh] > self.bm.available(sh)]
+      if not short:
         break
       if steps > 1 and self.speculation_yields:
         steps = 1
         self.shrunk_steps += 1
         continue
-      if self.speculation_yields and self._cut_speculation(rows, caps):
+      mine = [(slot, r) for slot, r in rows if self.shard_of_slot(slot) == short[0]]
+      if self.speculation_yields and self._cut_speculation(mine, caps):
         self.shrunk_caps += 1
         continue
-      self._preempt(self.bm.victim([r for _, r in rows]))
+      self._preempt(BlockManager.victim([r for _, r in mine]))
     self.peak_rows = max(self.peak_rows, len(rows))
     for (slot, r), (_, n) in zip(rows, want):
       assert self.bm.reserve(r.kv_key, n)
@@ -220,7 +252,7 @@ class KVScheduler:
     o = self.over
     o["calls"], o["sum"], o["max"] = o["calls"] + 1, o["sum"] + over, max(o["max"], over)
     o["held_sum"] += sum(len(self.bm.pages_of(r.kv_key)) for _, r in rows)
-    table = np.zeros(self.e.table.state.cache.pages.shape, np.int32)
+    table = np.stack([self.bm.null_row(self.shard_of_slot(i)) for i in range(self.rows)])
     for slot, r in rows:
       table[slot] = self.bm.table(r.kv_key)
     self.e.table.state = slots.set_page_tables(self.e.table.state, table)
@@ -244,7 +276,7 @@ class KVScheduler:
     return True
 
   def _preempt(self, req) -> None:
-    log.info("preempting %s (KV pool short: %d pages available)", req.id, self.bm.num_available)
+    log.info("preempting %s (KV pool short: %d pages free or cached)", req.id, self.bm.num_free + self.bm.num_cached)
     admission.preempt(self.e, req)
     self.release(req)
     self.preemptions += 1
@@ -283,7 +315,8 @@ class KVScheduler:
 
   def to_json(self) -> dict:
     bm = self.bm
-    return {"kv_pages": bm.num_pages - 1, "kv_block_size": self.block_size, "kv_pages_used": bm.num_used,
+    return {"kv_pages": bm.usable, "kv_data_shards": self.shards, "kv_block_size": self.block_size,
+            "kv_pages_used": bm.num_used,
             "kv_pages_cached": bm.num_cached, "kv_cache_usage_perc": round(bm.usage(), 4),
             "kv_bytes_per_page": self.bytes_per_page, "kv_proposer_bytes_per_page": self.proposer_bytes_per_page,
             "num_preemptions": self.preemptions, "kv_shrunk_steps": self.shrunk_steps,

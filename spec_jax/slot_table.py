@@ -53,10 +53,15 @@ class SlotTable:
   def free(self) -> int:
     return len(self._free)
 
-  def insert(self, holder, request: slots.Request) -> int:
-    """Prefill `request` into a free slot held by `holder` -> the slot. If the insert raises, the slot stays free
-    (see `lost`)."""
-    slot = self._free.popleft()
+  def free_slots(self) -> list:
+    return list(self._free)
+
+  def insert(self, holder, request: slots.Request, slot=None) -> int:
+    """Prefill `request` into free slot `slot` (None: the first free one) held by `holder` -> the slot. If the
+    insert raises, the slot stays free (see `lost`)."""
+    if slot is None:
+      slot = self._free[0]
+    self._free.remove(slot)  # ValueError if it is not free
     try:
       self.state = slots.insert(self.params, self.state, np.int32(slot), request, self.spec)
     except Exception:

@@ -41,6 +41,10 @@ def test_mesh_decode():
   run_multidevice("tests/multidevice/test_mesh_dispatch.py", "tests/multidevice/test_mesh_decode.py")
 
 
+def test_mesh_paged():
+  run_multidevice("tests/multidevice/test_mesh_paged.py")
+
+
 def test_mesh_train():
   run_multidevice("tests/multidevice/test_mesh_train.py")
 

@@ -235,3 +235,29 @@ def test_the_property_test_catches_planted_bugs(bug):
   with pytest.raises(AssertionError):
     for seed in range(3):
       run_random_ops(seed, 2, n_ops=1500, bug=bug)
+
+
+def test_one_block_manager_per_data_shard():
+  """serve/sharded_pool.py: each shard hands out pages of its own share in global ids (a row's table points at its
+  shard's null page past its pages), a prefix is cached on its shard only, and freed pages come back global."""
+  from serve.sharded_pool import ShardedPool
+  pool = ShardedPool(num_pages=27, block_size=4, capacity=16, shards=3)  # 27 // 3 = 9 a shard, 8 usable
+  assert (pool.num_pages, pool.per_shard, pool.usable, pool.pages_per_seq) == (27, 9, 24, 4)
+  np.testing.assert_array_equal(pool.null_row(2), [18] * 4)
+  assert pool.allocate("a", 6, shard=1) and pool.allocate("b", 5, shard=2)
+  assert pool.shard_of("a") == 1 and pool.pages_of("a") == [1, 2]  # local ids
+  np.testing.assert_array_equal(pool.table("a"), [10, 11, 9, 9])
+  np.testing.assert_array_equal(pool.table("b"), [19, 20, 18, 18])
+  assert pool.available(1) == 6 and pool.available(0) == 8 and pool.num_used == 4
+  toks = list(range(9))
+  pool.commit("a", toks, 8)  # two full pages cached on shard 1
+  assert pool.lookup(toks, "", 1)[1] == 8 and pool.lookup(toks, "", 0)[1] == 0
+  with pytest.raises(ValueError, match="already holds"):
+    pool.allocate("a", 1, shard=0)
+  pool.check_invariants()
+  pool.free("b")
+  assert sorted(pool.take_freed()) == [19, 20] and "b" not in pool
+  assert pool.fits_ever(16) and not pool.fits_ever(17)  # capacity; 4 pages fit a share of 8
+  with pytest.raises(ValueError, match="null page"):
+    ShardedPool(num_pages=5, block_size=4, capacity=16, shards=3)
+  pool.check_invariants()

@@ -32,7 +32,7 @@ flags.FLAGS(["server", f"--model={sys.argv[1]}", "--dtype=float32", "--max_model
              "--steps_per_sync=4", "--costs_file=", "--timing_probe_s=0", *args["flags"]])
 engine, tok, _ = server.build_engine(server.settings())
 kv = engine.kv
-out = {"pages": kv.bm.num_pages - 1, "pages_per_seq": kv.bm.pages_per_seq,
+out = {"pages": kv.bm.usable, "pages_per_seq": kv.bm.pages_per_seq,
        "proposer_bytes": kv.proposer_bytes_per_page}
 if args["too_long"]:
   try:
@@ -181,3 +181,8 @@ def test_pool_size_from_flags():
   assert pool_pages(num_kv_blocks=20, kv_cache_memory_bytes=10_500, **kw) == 10  # bytes win
   with pytest.raises(ValueError, match="at least 2"):
     pool_pages(num_kv_blocks=0, kv_cache_memory_bytes=1500, **kw)
+  # data shards: equal shares, each with its null page
+  assert pool_pages(num_kv_blocks=0, kv_cache_memory_bytes=0, shards=4, **kw) == 4 * (1 + 1 * 8)
+  assert pool_pages(num_kv_blocks=23, kv_cache_memory_bytes=0, shards=4, **kw) == 20
+  with pytest.raises(ValueError, match="per data shard"):
+    pool_pages(num_kv_blocks=7, kv_cache_memory_bytes=0, shards=4, **kw)
