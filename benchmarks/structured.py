@@ -34,11 +34,11 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import structured_workload as workload
-from spec_jax import flag_table
+from spec_jax import flag_table, streams
 from spec_jax.batch import start
 from spec_jax.checkpoints.load import load_model
 from spec_jax.controls import Controls
-from spec_jax.decode import decode_loop, make_spec
+from spec_jax.decode import decode_loop, draft_keys, make_spec
 from spec_jax.grammar import automaton, formats
 from spec_jax.grammar import rows as grammar_rows
 from spec_jax.grammar.rows import GrammarRows
@@ -89,8 +89,8 @@ def step_drafts(params, state, spec):
   k = spec.ks[0]
   B = state.tokens.shape[0]
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
-  _, k_draft, _ = jax.random.split(state.key, 3)
-  draft, _ = spec.proposer.propose(params["proposer"], state.pstate, ctx, k, k_draft)
+  keys = draft_keys(streams.rows(state.keys, B), state.lengths, k)  # as spec_step draws them
+  draft, _ = spec.proposer.propose(params["proposer"], state.pstate, ctx, k, keys)
   g = state.controls.grammar
   tokens, _ = grammar_rows.forced_chain(g, draft.tokens.astype(jnp.int32), None)
   tokens = jnp.where(jnp.arange(k)[None, :] < state.draft_cap[:, None], tokens, -1)
