@@ -45,25 +45,12 @@ class ShardedPool:
   def usable(self) -> int:
     return self.num_pages - self.shards
 
-  @property
-  def num_free(self) -> int:
-    return sum(m.num_free for m in self.managers)
-
-  @property
-  def num_cached(self) -> int:
-    return sum(m.num_cached for m in self.managers)
-
-  @property
-  def num_used(self) -> int:
-    return sum(m.num_used for m in self.managers)
-
-  @property
-  def prefix_queries(self) -> int:
-    return sum(m.prefix_queries for m in self.managers)
-
-  @property
-  def prefix_hits(self) -> int:
-    return sum(m.prefix_hits for m in self.managers)
+  # Counts over every shard (the managers' own, summed).
+  num_free = property(lambda self: sum(m.num_free for m in self.managers))
+  num_cached = property(lambda self: sum(m.num_cached for m in self.managers))
+  num_used = property(lambda self: sum(m.num_used for m in self.managers))
+  prefix_queries = property(lambda self: sum(m.prefix_queries for m in self.managers))
+  prefix_hits = property(lambda self: sum(m.prefix_hits for m in self.managers))
 
   def usage(self) -> float:
     return self.num_used / self.usable
