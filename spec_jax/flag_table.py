@@ -195,6 +195,8 @@ ROWS: dict[str, Row] = {
     "hbm_bytes_per_s": Row("float", "The device's published HBM bandwidth (H200: 4.8 TB/s).", 4.8e12),
     "runs": Row("integer", "Timed runs per measurement (median reported).", 20),
     "traffic": Row("list", "benchmarks/suffix.py: traffic kinds (specbench, retries, retries_sampled, templated)."),
+    "prompts_out": Row("string", "benchmarks/suffix.py: write the repeated-prompt set (the specbench kind's "
+                       "held-apart questions, each twice in a row) as a serve.generate prompt file here, and exit."),
     "requests_per_kind": Row("integer", "benchmarks/suffix.py: requests per traffic kind (retries: that many rounded "
                              "up to whole prompts sent 3 times)."),
     "retry_temperature": Row("float", "benchmarks/suffix.py: the temperature of the sampled retries."),
