@@ -46,7 +46,10 @@ ROWS: dict[str, Row] = {
     "batch_size": Row("integer", "Prompts per batch."),
     "limit": Row("integer", "Use only the first N prompts (0: all)."),
     "output": Row("string", "Where the command writes its result (a file, or the AOT report's directory)."),
-    "output_dir": Row("string", "Where the report and raw files go."),
+    "output_dir": Row("string", "Where the report and raw files go (serve.loadtest: default the config's, else a "
+                      "fresh loadtest_<date>_<time>/ under the working directory)."),
+    "port_range": Row("string", "serve.loadtest: the ports (LO-HI) the servers it starts may listen on at 127.0.0.1; "
+                      "'' = any free port."),
     "steady_seconds": Row("float", "serve.loadtest.steady: how long the steady mixed traffic runs.", 600.0),
     "steady_clients": Row("integer", "serve.loadtest.steady: closed-loop clients of the steady traffic.", 4),
     "repeats": Row("integer", "Run everything this many times (interleaved) and report the spread.", 1),
