@@ -248,10 +248,9 @@ def format_table(rows: list[dict]) -> str:
               "mean acc len: tokens committed per verify step, the target's own token included (tau; 1.00 = no draft "
               "accepted)",
               "acc rate: accepted drafts / drafted tokens",
-              "acc by position: of the drafts at position 1, 2, ... of a step, the share accepted; drafts by "
-              "position: how many",
-              "  there were (the adaptive loop drafts far positions only when it expects them to hold, so a later "
-              "position over few drafts can read higher)"]
+              "acc by position: of the drafts at position 1, 2, ... of a step, the share accepted",
+              "drafts by position: how many drafts each share is over (the adaptive loop drafts far positions only",
+              "  when it expects them to hold, so a later position over few drafts can read higher)"]
   if any(r.get("estimated") for r in rows):
     lines.append("~ estimated: at batch > 1 rows share steps; per-category time is each row's share until it finished")
   return "\n".join(lines)
