@@ -113,7 +113,11 @@ ROWS: dict[str, Row] = {
                       "/admin/speculation/report."),
     "request_timeout_s": Row("float", "A request still unfinished after this long fails with 504."),
     "drain_timeout_s": Row("float", "SIGTERM: how long running requests may take to finish."),
-    "warmup_prompt_lens": Row("list", "Compile insert for these prompt lengths before serving."),
+    "warmup_prompt_lens": Row("list", "Compile insert for these prompt lengths before serving (the server: "
+                              "1,17,33)."),
+    "extended_warmup": Row("bool", "Before the port opens, send a chat, streamed, completion, n=2, structured-output "
+                           "and logprobs request through the app in-process, so their programs are compiled when "
+                           "'ready' is logged (default on; false: a faster start, slower first requests)."),
     "grammar_capacity": Row("list", "Structured outputs: the largest grammar automaton a slot holds, as "
                             "STATES,CLASSES (token classes; default 2048,512: 4 MB a slot); empty = none "
                             "(response_format, guided_*, tools with tool_choice required are then a 400)."),
