@@ -20,7 +20,7 @@ from serve import run_flags
 
 # --config, the model, sampling and speculation flags (shared with the server), and generate's own rows.
 run_flags.define("prompts", "output", "summary_json", "limit", "categories", "compare", "repeats", "progress",
-                 "batch_size")
+                 "batch_size", "compilation_cache_dir")
 
 FLAGS = flags.FLAGS
 T0 = time.perf_counter()  # the process's start, near enough: the stage lines count from here
@@ -108,6 +108,7 @@ def run(cfg: dict) -> dict:
   if FLAGS.repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {FLAGS.repeats}")
   _show_load_stages()
+  say(setup_lib.use_compilation_cache(FLAGS.compilation_cache_dir))  # a second run skips most compiles
   say(f"loading {cfg['model'] or 'Gemma 3 270M (packaged)'} ({cfg['dtype']}"
       f"{', ' + cfg['quantize'] if cfg.get('quantize') not in (None, '', 'none') else ''})")
   setup = setup_lib.load(cfg)

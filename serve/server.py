@@ -125,19 +125,10 @@ def grammar_capacity(value):
 # ---------------------------------------------------------------------------------------------------- main
 
 def serve(cfg: dict) -> None:
-  import jax
   import uvicorn
 
-  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    log.info("persistent compilation cache: %s (from JAX_COMPILATION_CACHE_DIR)",
-             os.environ["JAX_COMPILATION_CACHE_DIR"])
-  elif cfg["compilation_cache_dir"]:
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg["compilation_cache_dir"]))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    log.info("persistent compilation cache: %s (a restart loads compiled programs; --compilation_cache_dir= "
-             "turns it off)", os.path.expanduser(cfg["compilation_cache_dir"]))
-  else:
-    log.info("persistent compilation cache: off (--compilation_cache_dir is empty)")
+  from serve.setup import use_compilation_cache
+  log.info("%s", use_compilation_cache(cfg["compilation_cache_dir"]))
   engine, tokenizer, sc = build_engine(cfg)
   log_model_card(cfg, tokenizer)
   t0 = time.perf_counter()

@@ -39,7 +39,8 @@ def suffix_run(tmp_path_factory):
 def test_main_job_explains_itself(suffix_run):
   r, summary = suffix_run
   stages = [l for l in r.stderr.splitlines() if l.startswith("[")]
-  assert "loading" in stages[0] and any("compiles" in l for l in stages)
+  assert "persistent compilation cache" in stages[0] and "loading" in stages[1]
+  assert any("compiles" in l for l in stages)
   assert any("dequantizing" in l or "cached" in l for l in stages)  # the slow step says what it is
   out = r.stdout
   # The table names the prompts each category row holds, and the printed outputs carry the same category.
