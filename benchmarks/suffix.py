@@ -58,7 +58,7 @@ logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 KINDS = ("specbench", "retries", "retries_sampled", "templated")
 FLAG_NAMES = ("model", "dtype", "traffic", "requests_per_kind", "max_new_tokens", "methods", "num_speculative_tokens",
-              "batches", "retry_temperature", "repeats", "json_out", "suffix_history_tokens")
+              "batches", "retry_temperature", "repeats", "json_out", "suffix_history_tokens", "prompts_out")
 flag_table.define(FLAG_NAMES, model="", dtype="bfloat16", traffic=list(KINDS), requests_per_kind=8,
                   max_new_tokens=64, methods=["ngram", "suffix"], num_speculative_tokens=4, batches="1,4",
                   retry_temperature=0.7, repeats=1, suffix_history_tokens=2048)
@@ -117,6 +117,19 @@ def traffic(kind: str, tok, n: int) -> list:
     return [(f"t{j}", tok.encode(TEMPLATE.format(s)), 0.0, 0)
             for j, s in enumerate(sentences(qs, n))]
   raise ValueError(f"unknown traffic kind {kind!r} (one of {KINDS})")
+
+
+def write_repeats(path: str, n: int) -> None:
+  """The batch job's check of the history (issue 45): the specbench kind's n held-apart questions, each twice in a
+  row (categories "first" and "second", so serve.generate's table splits the copies), chat turns as the file has
+  them. `python -m serve.generate --prompts=PATH --method=suffix --compare` runs the copies at batch 1 one after
+  the other."""
+  qs = [(i, rec) for i, (_, rec) in enumerate(read_jsonl(SPEC_BENCH)) if i % 2 == 1]
+  with open(path, "w", encoding="utf-8") as f:
+    for i, rec in spread(qs, n):
+      for copy in ("first", "second"):
+        f.write(json.dumps({"id": f"q{i}-{copy}", "category": copy, "turns": rec["turns"][:1]}) + "\n")
+  print(f"wrote {2 * n} prompts to {path}")
 
 
 class ArmRun:
@@ -198,6 +211,8 @@ def kind_summary(arm: ArmRun, plain: ArmRun, ngram, kind: str, repeats: int) -> 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if FLAGS.prompts_out:
+    return write_repeats(FLAGS.prompts_out, FLAGS.requests_per_kind)
   t_start = time.time()
   config, params, tok = load_model(FLAGS.model or None, FLAGS.dtype)
   kinds = [k for k in FLAGS.traffic if k]

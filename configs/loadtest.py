@@ -11,7 +11,9 @@ SLOTS = 4
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.output_dir = "benchmarks/reports/gemma3_270m"
+  # "" = a fresh folder under the working directory; the committed report:
+  #   --output_dir=benchmarks/reports/gemma3_270m
+  c.output_dir = ""
   # Every arm runs `python -m serve.server` with these flags plus its own --speculative_config (nothing else).
   c.server = ml_collections.ConfigDict({
       "flags": {"config": "configs/gemma3_270m.py", "dtype": "bfloat16", "max_num_seqs": SLOTS, "max_queue": 64},

@@ -10,7 +10,9 @@ SLOTS = 4
 
 def get_config():
   c = loadtest.get_config()
-  c.output_dir = "benchmarks/reports/qwen25_coder/loadtest"
+  # "" = a fresh folder under the working directory; the committed report:
+  #   --output_dir=benchmarks/reports/qwen25_coder/loadtest
+  c.output_dir = ""
   c.server.flags = {"config": "configs/qwen25_coder_1p5b.py", "dtype": "float32", "max_num_seqs": SLOTS,
                     "max_queue": 64, "max_model_len": 1024}
   c.model_name = "qwen2.5-coder-1.5b-instruct"

@@ -20,7 +20,9 @@ from configs import loadtest
 
 def get_config():
   c = loadtest.get_config()
-  c.output_dir = "benchmarks/reports/gemma3_270m_segments"
+  # "" = a fresh folder under the working directory; the committed report:
+  #   --output_dir=benchmarks/reports/gemma3_270m_segments
+  c.output_dir = ""
   c.prompt_split = "even"
   c.arms = (
       {"name": "ngram_k2", "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,

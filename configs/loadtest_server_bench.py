@@ -7,7 +7,7 @@ from configs import loadtest
 
 def get_config():
   c = loadtest.get_config()
-  c.output_dir = "/tmp/spec_jax_server_bench"
+  c.output_dir = ""  # a fresh loadtest_<date>_<time>/ under the working directory (or --output_dir)
   c.slots = 16
   c.server.flags.max_num_seqs = 16
   c.arms = ({"name": "ngram_k4", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,

@@ -7,7 +7,7 @@ from configs import loadtest
 
 def get_config():
   c = loadtest.get_config()
-  c.output_dir = "/tmp/spec_jax_loadtest_smoke"
+  c.output_dir = ""  # a fresh loadtest_<date>_<time>/ under the working directory (or --output_dir)
   c.slots = 4
   c.server.flags.max_num_seqs = 4
   c.server.startup_timeout = 600.0

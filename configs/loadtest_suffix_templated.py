@@ -8,7 +8,9 @@ from configs import loadtest_suffix
 
 def get_config():
   c = loadtest_suffix.get_config()
-  c.output_dir = "benchmarks/reports/gemma3_270m_suffix/templated"
+  # "" = a fresh folder under the working directory; the committed report:
+  #   --output_dir=benchmarks/reports/gemma3_270m_suffix/templated
+  c.output_dir = ""
   c.prompts = "benchmarks/reports/gemma3_270m_suffix/templated_prompts.jsonl"
   c.prompt_split = ""  # the file is made from the held-apart half already
   c.samplings = ({"name": "greedy", "temperature": 0.0, "top_p": 1.0},)

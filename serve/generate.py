@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import time
 
 import numpy as np
 
@@ -18,9 +20,33 @@ from serve import run_flags
 
 # --config, the model, sampling and speculation flags (shared with the server), and generate's own rows.
 run_flags.define("prompts", "output", "summary_json", "limit", "categories", "compare", "repeats", "progress",
-                 "batch_size")
+                 "batch_size", "compilation_cache_dir")
 
 FLAGS = flags.FLAGS
+T0 = time.perf_counter()  # the process's start, near enough: the stage lines count from here
+SPREAD_NOTE = ("one run: on a shared or busy machine speedups vary by several percent from run to run; "
+               "--repeats=N interleaves N repeats and prints their range")
+
+
+def say(msg: str) -> None:
+  """A stage line on stderr (with --progress), prefixed by the seconds since start."""
+  if FLAGS.progress:
+    print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+class _SayHandler(logging.Handler):
+  """The loaders' stage messages (logger spec_jax.load: joining, dequantizing or reading the cache) as stage lines."""
+
+  def emit(self, record):
+    say(record.getMessage())
+
+
+def _show_load_stages() -> None:
+  log = logging.getLogger("spec_jax.load")
+  if not any(isinstance(h, _SayHandler) for h in log.handlers):
+    log.addHandler(_SayHandler())
+  log.setLevel(logging.INFO)
+  log.propagate = False
 
 
 def settings() -> dict:
@@ -81,14 +107,21 @@ def run(cfg: dict) -> dict:
 
   if FLAGS.repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {FLAGS.repeats}")
+  _show_load_stages()
+  say(setup_lib.use_compilation_cache(FLAGS.compilation_cache_dir))  # a second run skips most compiles
+  say(f"loading {cfg['model'] or 'Gemma 3 270M (packaged)'} ({cfg['dtype']}"
+      f"{', ' + cfg['quantize'] if cfg.get('quantize') not in (None, '', 'none') else ''})")
   setup = setup_lib.load(cfg)
   prompts, prompt_ids = load_prompts(cfg, setup)
+  loaded_s = time.perf_counter() - T0
   proposer, params, mesh = setup.proposer, setup.params, setup.mesh
   main_arm = arm(cfg, setup)
   costs = main_arm.costs
   arms = [main_arm]
   if FLAGS.compare and proposer.k:
     arms.insert(0, Arm("baseline", NoneProposer(), {}))
+  say(f"loaded; {len(prompts)} prompts, {', '.join(a.label for a in arms)}: each batch compiles on first use "
+      f"(untimed), then generates (timed)")
   runs = run_arms(arms, params, setup.config, setup.tokenizer, prompts, prompt_ids,
                   batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
                   sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
@@ -117,7 +150,8 @@ def run(cfg: dict) -> dict:
     summary = {"baseline": base.summary, "speculative": main_run.summary, "run": run_info,
                "speedup": main_run.summary["output_tokens_per_s"] / max(base.summary["output_tokens_per_s"], 1e-9),
                "speedup_by_repeat": [round(x, 3) for x in ratios],
-               "categories": category_table(base, main_run, cfg["batch_size"])}
+               "categories": category_table(base, main_run, cfg["batch_size"]),
+               "outputs_differ": differences(main_run.records, base.records), "load_s": round(loaded_s, 2)}
     table = format_table(summary["categories"])
   else:
     summary = dict(main_run.summary, run=run_info)
@@ -127,20 +161,67 @@ def run(cfg: dict) -> dict:
       json.dump(summary, f, indent=1)
   if not FLAGS.output:
     for r in records[:8]:
-      print(f"--- {r['id']} ({r['finish_reason']}, {len(r['token_ids'])} tokens)\n{r['text']}")
+      print(f"--- {r['id']} [{r['category'] or '-'}] ({r['finish_reason']}, {len(r['token_ids'])} tokens)\n{r['text']}")
   print()
   print(table)
-  s = main_run.summary
-  line = f"{proposer.name}: {s['output_tokens']} tokens in {s['wall_s']:.2f} s = {s['output_tokens_per_s']:.1f} tok/s"
-  if proposer.k:
-    line += f", mean acceptance length {s['mean_acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}"
-    if proposer.tree is not None:
-      line += f", tree of {proposer.tree.nodes} nodes ({s['mean_draft_tokens_per_step']:.1f} drafted per step)"
+  print()
+  for line in summary_lines(proposer, main_run, base, summary, loaded_s, cfg):
+    print(line)
+  return summary
+
+
+def summary_lines(proposer, main_run, base, summary, loaded_s: float, cfg: dict) -> list:
+  """Tokens and times per arm (timed generation, and the untimed load and compiles beside it), the speedup with
+  the spread to expect, and whether every speculative output equals the baseline's."""
+  lines = []
+  for run, name in ((base, "baseline"), (main_run, proposer.name)):
+    if run is None:
+      continue
+    s = run.summary
+    line = (f"{name}: {s['output_tokens']} tokens in {s['wall_s']:.2f} s of timed generation = "
+            f"{s['output_tokens_per_s']:.1f} tok/s (compiles and warm-up runs, {s['warmup_s']:.1f} s, untimed)")
+    if run is main_run and proposer.k:
+      line += f"; mean acceptance length {s['mean_acceptance_length']:.2f}, acceptance rate {s['acceptance_rate']:.2f}"
+      if proposer.tree is not None:
+        line += f", tree of {proposer.tree.nodes} nodes ({s['mean_draft_tokens_per_step']:.1f} drafted per step)"
+    lines.append(line)
+  total = time.perf_counter() - T0
+  lines.append(f"wall time: {total:.1f} s in all = {loaded_s:.1f} s loading + "
+               f"{sum(r.summary['warmup_s'] for r in (base, main_run) if r):.1f} s compiling and warming up + "
+               f"{sum(r.summary['timed_s_all_repeats'] for r in (base, main_run) if r):.1f} s timed generation "
+               f"(+ the rest: printing, stats)")
   if base is not None:
-    line += f"; baseline {base.summary['output_tokens_per_s']:.1f} tok/s; speedup {summary['speedup']:.2f}x"
+    line = f"speedup {summary['speedup']:.2f}x (speculative tok/s over baseline tok/s, timed generation only)"
     if FLAGS.repeats > 1:
-      line += f" (per repeat {min(summary['speedup_by_repeat']):.2f}-{max(summary['speedup_by_repeat']):.2f}x)"
-  print(line)
+      line += f"; per repeat {min(summary['speedup_by_repeat']):.2f}-{max(summary['speedup_by_repeat']):.2f}x"
+    else:
+      line += f"; {SPREAD_NOTE}"
+    lines.append(line)
+    lines.append(equality_line(main_run.records, base.records, cfg))
+  return lines
+
+
+def differences(records: list, base_records: list) -> list:
+  """[{id, from_token}] for each speculative output that is not the baseline's token for token."""
+  out = []
+  for r, b in zip(records, base_records):
+    if r["token_ids"] != b["token_ids"]:
+      at = next((i for i, (x, y) in enumerate(zip(r["token_ids"], b["token_ids"])) if x != y),
+                min(len(r["token_ids"]), len(b["token_ids"])))
+      out.append({"id": r["id"], "from_token": at})
+  return out
+
+
+def equality_line(records: list, base_records: list, cfg: dict) -> str:
+  """Whether each speculative output equals the baseline's token for token, naming those that differ (and where)."""
+  differ = [f"{d['id']} (from token {d['from_token']})" for d in differences(records, base_records)]
+  n = len(records)
+  if not differ:
+    return f"outputs: all {n} speculative outputs equal the baseline's token for token"
+  why = ("sampled (temperature > 0): the same distribution, not the same draws" if cfg["temperature"] > 0 else
+         "greedy in float32 they must match; in bfloat16 a verify step over k + 1 positions can round a near tie "
+         "differently from one-token decoding")
+  return f"outputs: {n - len(differ)} of {n} equal the baseline's; differ: {', '.join(differ)} ({why})"
   return summary
 
 

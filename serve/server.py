@@ -26,7 +26,7 @@ SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "s
                 "api_key", "served_model_name", "guardrails", "switchback", "request_timeout_s", "drain_timeout_s",
                 "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict", "max_logprobs", "logprobs_mode",
                 "grammar_capacity", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching",
-                "poison_freed_pages", "kv_speculation_yields")
+                "poison_freed_pages", "kv_speculation_yields", "extended_warmup")
 
 
 def define_flags() -> None:
@@ -41,11 +41,12 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64
                        max_model_len=2048, steps_per_sync=8, timing_probe_s=10.0, api_key=None,
                        served_model_name=None,
                        guardrails=None, switchback=None, costs_file=None, request_timeout_s=600.0, drain_timeout_s=30.0,
-                       warmup_prompt_lens=["1"], log_level="info", compilation_cache_dir="~/.cache/spec_jax/xla",
+                       warmup_prompt_lens=["1", "17", "33"], log_level="info",
+                       compilation_cache_dir="~/.cache/spec_jax/xla",
                        mesh="", strict=False, max_logprobs=20, logprobs_mode="raw_logprobs",
                        grammar_capacity=["2048", "512"], block_size=16, num_kv_blocks=0,
                        kv_cache_memory_bytes=0, enable_prefix_caching=True, poison_freed_pages=False,
-                       kv_speculation_yields=True)
+                       kv_speculation_yields=True, extended_warmup=True)
 log = logging.getLogger("spec_jax.server")
 
 
@@ -124,18 +125,23 @@ def grammar_capacity(value):
 # ---------------------------------------------------------------------------------------------------- main
 
 def serve(cfg: dict) -> None:
-  import jax
   import uvicorn
 
-  if cfg["compilation_cache_dir"] and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg["compilation_cache_dir"]))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  from serve.setup import use_compilation_cache
+  log.info("%s", use_compilation_cache(cfg["compilation_cache_dir"]))
   engine, tokenizer, sc = build_engine(cfg)
+  log_model_card(cfg, tokenizer)
   t0 = time.perf_counter()
-  engine.start(warmup_prompt_lens=[int(n) for n in cfg["warmup_prompt_lens"]])
-  log.info("engine warm in %.1f s", time.perf_counter() - t0)
+  lens = [int(n) for n in cfg["warmup_prompt_lens"]]
+  # With the extended warm-up the engine thread compiles every length's bucket as traffic runs it (serve/warmup.py);
+  # Engine.start's own inserts (on a state placed differently) then need only one, for the loop.
+  engine.start(warmup_prompt_lens=lens[:1] if cfg["extended_warmup"] else lens)
+  log.info("engine warm in %.1f s (the loop, insert for prompt length %s)", time.perf_counter() - t0,
+           lens[0] if cfg["extended_warmup"] else ",".join(map(str, lens)))
   from serve.api import create_app
   api = create_app(engine, tokenizer, cfg)
+  if cfg["extended_warmup"]:
+    extended_warmup(api, engine, cfg)
 
   class Server(uvicorn.Server):
     def handle_exit(self, sig, frame):
@@ -160,6 +166,26 @@ def serve(cfg: dict) -> None:
   server.run()
   engine.shutdown(grace_s=cfg["drain_timeout_s"])
   log.info("stopped")
+
+
+def extended_warmup(api, engine, cfg: dict) -> None:
+  """The requests clients send first, through the app before the port opens (serve/warmup.py), timed in the log."""
+  from serve import warmup
+  t0 = time.perf_counter()
+  done = warmup.run(api, cfg, engine.spec.max_logprobs, engine.table.grammar_capacity is not None,
+                    engine.spec.config.vocab_size)
+  log.info("extended warm-up in %.1f s: %s (--extended_warmup=false skips it; its requests count in /metrics)",
+           time.perf_counter() - t0, ", ".join(f"{n} {s:.1f} s" + ("" if c == 200 else f" (HTTP {c})")
+                                               for n, s, c in done))
+
+
+def log_model_card(cfg: dict, tokenizer) -> None:
+  """Say what a base model (no chat template of its own: Gemma 3 270M from the packaged GGUF) means for chat and
+  tools, so a chat answer that continues the prompt does not look like a server bug."""
+  from serve import model_card
+  note = model_card.base_model_note(cfg.get("model") or "", tokenizer)
+  if note:
+    log.warning("%s", note)
 
 
 def main(argv):

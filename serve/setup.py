@@ -59,6 +59,27 @@ class Setup:
     return dataclasses.replace(self, spec_config=spec, proposer=proposer, proposer_params=proposer_params)
 
 
+DEFAULT_COMPILATION_CACHE = "~/.cache/spec_jax/xla"
+
+
+def use_compilation_cache(path: Optional[str]) -> str:
+  """Turn on JAX's persistent compilation cache at `path` (None: the default; "": off) unless
+  JAX_COMPILATION_CACHE_DIR already names one; -> a line saying where it is and how to turn it off. A compiled
+  program is keyed by everything that shapes it (code, shapes, flags, jaxlib), so a stale one is never loaded."""
+  import os
+
+  import jax
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return f"persistent compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']} (from JAX_COMPILATION_CACHE_DIR)"
+  if path == "":
+    return "persistent compilation cache: off (--compilation_cache_dir is empty)"
+  where = os.path.expanduser(path or DEFAULT_COMPILATION_CACHE)
+  jax.config.update("jax_compilation_cache_dir", where)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  return (f"persistent compilation cache: {where} (a rerun loads the compiled programs; --compilation_cache_dir= "
+          "turns it off)")
+
+
 def load_target(cfg: dict):
   """-> (Target, tokenizer, mesh): cfg's model, dtype, quantize, attention_impl and mesh, without a proposer."""
   from spec_jax import sharding

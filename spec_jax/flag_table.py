@@ -46,7 +46,10 @@ ROWS: dict[str, Row] = {
     "batch_size": Row("integer", "Prompts per batch."),
     "limit": Row("integer", "Use only the first N prompts (0: all)."),
     "output": Row("string", "Where the command writes its result (a file, or the AOT report's directory)."),
-    "output_dir": Row("string", "Where the report and raw files go."),
+    "output_dir": Row("string", "Where the report and raw files go (serve.loadtest: default the config's, else a "
+                      "fresh loadtest_<date>_<time>/ under the working directory)."),
+    "port_range": Row("string", "serve.loadtest: the ports (LO-HI) the servers it starts may listen on at 127.0.0.1; "
+                      "'' = any free port."),
     "steady_seconds": Row("float", "serve.loadtest.steady: how long the steady mixed traffic runs.", 600.0),
     "steady_clients": Row("integer", "serve.loadtest.steady: closed-loop clients of the steady traffic.", 4),
     "repeats": Row("integer", "Run everything this many times (interleaved) and report the spread.", 1),
@@ -110,7 +113,11 @@ ROWS: dict[str, Row] = {
                       "/admin/speculation/report."),
     "request_timeout_s": Row("float", "A request still unfinished after this long fails with 504."),
     "drain_timeout_s": Row("float", "SIGTERM: how long running requests may take to finish."),
-    "warmup_prompt_lens": Row("list", "Compile insert for these prompt lengths before serving."),
+    "warmup_prompt_lens": Row("list", "Compile insert for these prompt lengths before serving (the server: "
+                              "1,17,33)."),
+    "extended_warmup": Row("bool", "Before the port opens, send a chat, streamed, completion, n=2, structured-output "
+                           "and logprobs request through the app in-process, so their programs are compiled when "
+                           "'ready' is logged (default on; false: a faster start, slower first requests)."),
     "grammar_capacity": Row("list", "Structured outputs: the largest grammar automaton a slot holds, as "
                             "STATES,CLASSES (token classes; default 2048,512: 4 MB a slot); empty = none "
                             "(response_format, guided_*, tools with tool_choice required are then a 400)."),
@@ -195,6 +202,8 @@ ROWS: dict[str, Row] = {
     "hbm_bytes_per_s": Row("float", "The device's published HBM bandwidth (H200: 4.8 TB/s).", 4.8e12),
     "runs": Row("integer", "Timed runs per measurement (median reported).", 20),
     "traffic": Row("list", "benchmarks/suffix.py: traffic kinds (specbench, retries, retries_sampled, templated)."),
+    "prompts_out": Row("string", "benchmarks/suffix.py: write the repeated-prompt set (the specbench kind's "
+                       "held-apart questions, each twice in a row) as a serve.generate prompt file here, and exit."),
     "requests_per_kind": Row("integer", "benchmarks/suffix.py: requests per traffic kind (retries: that many rounded "
                              "up to whole prompts sent 3 times)."),
     "retry_temperature": Row("float", "benchmarks/suffix.py: the temperature of the sampled retries."),

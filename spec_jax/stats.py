@@ -64,6 +64,7 @@ def summarize(stats: Stats, rows=None) -> dict:
       "mean_acceptance_length": emitted / steps if steps else 0.0,
       "acceptance_rate": accepted / drafted if drafted else 0.0,
       "per_position_acceptance": [float(a / d) if d else 0.0 for a, d in zip(a_at, d_at)],
+      "per_position_drafted": [int(d) for d in d_at],  # the drafts behind each position's figure
       # Tokens drafted per drafting step: k for chains, the tree's size (nodes past the root) for trees.
       "mean_draft_tokens_per_step": drafted / int(d_at[0]) if len(d_at) and d_at[0] else 0.0,
   }

@@ -20,10 +20,31 @@ import httpx
 from spec_jax.datasets import REPO_ROOT as REPO
 
 
-def free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+def parse_port_range(text: str) -> Optional[tuple]:
+  """"LO-HI" (inclusive) -> (lo, hi); "" -> None (any free port). ValueError naming the flag otherwise."""
+  if not text:
+    return None
+  lo, sep, hi = str(text).partition("-")
+  try:
+    lo, hi = int(lo), int(hi)
+  except ValueError:
+    lo = hi = -1
+  if not sep or not 1024 <= lo <= hi <= 65535:
+    raise ValueError(f"--port_range must be LO-HI with 1024 <= LO <= HI <= 65535, got {text!r}")
+  return lo, hi
+
+
+def free_port(port_range: Optional[tuple] = None) -> int:
+  """A port nothing listens on at 127.0.0.1: any (the OS picks), or the first free one in port_range (LO, HI)."""
+  candidates = [0] if port_range is None else range(port_range[0], port_range[1] + 1)
+  for port in candidates:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+      return s.getsockname()[1]
+  raise RuntimeError(f"no free port in {port_range[0]}-{port_range[1]}")
 
 
 def server_argv(flags: dict, speculative_config: Optional[dict], port: int) -> list[str]:
@@ -41,8 +62,8 @@ class ServerProcess:
   """A context manager: the server runs between __enter__ (healthy) and __exit__ (stopped, killed if need be)."""
 
   def __init__(self, flags: dict, speculative_config: Optional[dict], log_path: str, startup_timeout: float = 600.0,
-               stop_grace: float = 30.0, env: Optional[dict] = None):
-    self.port = free_port()
+               stop_grace: float = 30.0, env: Optional[dict] = None, port_range: Optional[tuple] = None):
+    self.port = free_port(port_range)
     self.url = f"http://127.0.0.1:{self.port}"
     self.argv = server_argv(flags, speculative_config, self.port)
     self.log_path, self.startup_timeout, self.stop_grace = log_path, startup_timeout, stop_grace

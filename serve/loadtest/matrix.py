@@ -20,7 +20,7 @@ from typing import Optional
 
 from serve.loadtest import aggregate, loadgen
 from serve.loadtest import metrics as M
-from serve.loadtest.launcher import ServerProcess
+from serve.loadtest.launcher import ServerProcess, parse_port_range
 from serve.loadtest.traffic import build_requests, load_points, load_prompts, split_prompts
 
 
@@ -58,7 +58,8 @@ def arm_server(arm: dict, cfg: dict, out_dir: str):
   log = os.path.join(out_dir, f"server_{arm['name'].replace('#', '_')}.log")
   proc = ServerProcess(flags, spec if isinstance(spec, dict) else None, log,
                        startup_timeout=float(srv_cfg.get("startup_timeout", 600)),
-                       stop_grace=float(srv_cfg.get("stop_grace", 30)), env=dict(srv_cfg.get("env") or {}))
+                       stop_grace=float(srv_cfg.get("stop_grace", 30)), env=dict(srv_cfg.get("env") or {}),
+                       port_range=parse_port_range(cfg.get("port_range") or ""))
   if isinstance(spec, str):  # a path: the server reads the file (the tuned config's own format)
     proc.argv[-1] = f"--speculative_config={spec}"
   with proc:

@@ -13,7 +13,7 @@ import numpy as np
 
 from serve.loadtest import report_kv
 
-SHORT = {"keep": "**keep**", "roll back": "**roll back**", "neutral": "neutral"}
+SHORT = {"keep": "**keep**", "roll back": "**roll back**", "neutral": "neutral", "inconclusive": "**inconclusive**"}
 
 
 def _ms(v: Optional[float]) -> str:
@@ -54,6 +54,10 @@ def _pooled_acceptance(res: dict) -> dict:
 
 
 def make_plots(out_dir: str, run: dict, results: dict, summary: dict, records: list) -> list[str]:
+  import logging
+  # Its warnings at import (building the font cache, once per fresh HOME; a temporary cache directory where HOME
+  # is not writable) are not about the load test.
+  logging.getLogger("matplotlib").setLevel(logging.ERROR)
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -178,6 +182,9 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
     why = []
     for k in o["loads_off"]:
       why.append(f"{points[k]['label']} [{points[k]['sampling']}]: {verdicts[arm][k]['all']['detail']}")
+    if not why:
+      for k, detail in (o.get("inconclusive") or {}).items():
+        why.append(f"{points[k]['label']} [{points[k]['sampling']}]: {detail}")
     if not why:
       for k in o["loads_on"][:2]:
         why.append(f"{points[k]['label']} [{points[k]['sampling']}]: {verdicts[arm][k]['all']['detail']}")
@@ -382,6 +389,11 @@ def _recommend(summary: dict) -> str:
     parts = [f"Speculation ({tuned['method']}) on for " + "; ".join(
         f"{_match_text(r['match']) if r['match'] else 'all other traffic'} (k = {r['k']})" for r in on)
         + ("" if on[-1]["match"] == {} else "; off for all other traffic") + "."]
+  thin = [a for a in summary["arms"] if summary["overall"][a]["overall"] == "inconclusive"]
+  if thin:
+    parts.insert(0, f"Inconclusive for {', '.join(thin)}: some load points finished too few requests to judge "
+                 "(listed above); rerun with a larger max_seconds_per_point / drain_seconds or on a quieter machine "
+                 "before acting on this.")
   if tuned.get("fallbacks"):
     n = len(tuned["fallbacks"])
     parts.append(f"{n} segment{' was' if n == 1 else 's were'} too thinly measured and fell back to a coarser "

@@ -42,6 +42,10 @@ def plot(out_dir: str, results: dict, points: dict) -> list[str]:
   setting; -> the file names written (none without a paged pool)."""
   if not has_kv(results):
     return []
+  import logging
+  # Its warnings at import (building the font cache, once per fresh HOME; a temporary cache directory where HOME
+  # is not writable) are not about the load test.
+  logging.getLogger("matplotlib").setLevel(logging.ERROR)
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

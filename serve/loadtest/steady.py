@@ -103,7 +103,8 @@ def main(argv):
   from spec_jax.spec_config import from_dict, read_json_arg
 
   cfg = _CONFIG.value.to_dict()
-  out_dir = FLAGS.output_dir or cfg["output_dir"]
+  from serve.loadtest.pipeline import output_dir
+  out_dir = output_dir(FLAGS.output_dir, cfg.get("output_dir") or "", "steady")
   try:
     spec_path = FLAGS.speculative_config or os.path.join(out_dir, "speculative_config.json")
     spec = read_json_arg(spec_path, "--speculative_config")

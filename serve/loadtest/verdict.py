@@ -1,10 +1,15 @@
-"""Keep, roll back or neutral for each (load point, segment) cell of a speculative arm against the baseline.
+"""Keep, roll back, neutral or inconclusive for each (load point, segment) cell of a speculative arm against the
+baseline.
 
 The guardrails are fixed in config before the run. A cell rolls back when any guardrail fails, keeps when none
 fails and a latency/throughput metric improves by more than the noise, and is neutral otherwise. The noise is
 measured, not assumed: the baseline runs more than once (first and last, so drift counts as noise), and a metric's
 noise in a cell is the spread of its repeats, (max - min) / mean. A difference counts only beyond
 max(noise_floor, noise_multiplier x noise).
+
+A cell with fewer than min_requests completed requests (in the arm or any baseline repeat) is inconclusive: too thin
+to judge, not evidence of "no difference". An arm with an inconclusive load point on all traffic (and no roll back)
+is inconclusive overall, and the CLI exits non-zero.
 """
 
 from __future__ import annotations
@@ -73,11 +78,14 @@ def decide_cell(arm: dict, base_reps: list, g: dict, *, tag: str, segment: str, 
 
   base_reps = [b for b in base_reps if b is not None]
   if not base_reps or arm is None:
-    return out("neutral", "completed", "no baseline cell" if arm is not None else "no cell for this arm")
+    return out("inconclusive", "completed", "no baseline cell" if arm is not None else "no cell for this arm")
   n_base = min(b["completed"] for b in base_reps)
   if arm["completed"] < g["min_requests"] or n_base < g["min_requests"]:
-    return out("neutral", "completed", f"too few completed requests ({arm['completed']} vs {n_base}; need "
-               f"{g['min_requests']})")
+    worst = min(base_reps, key=lambda b: b["completed"])
+    return out("inconclusive", "completed",
+               f"too few finished requests to judge: {arm['completed']}/{arm['requests']} completed in the arm, "
+               f"{n_base}/{worst['requests']} in the thinnest baseline repeat; need {g['min_requests']} (the rest "
+               f"failed or were cut at max_seconds_per_point + drain_seconds)")
   # Guardrails, in order: memory, failures, p95 ITL, throughput at peak, acceptance.
   ooms = arm.get("oom", 0) + (oom_events or 0)
   if ooms > 0:
@@ -149,13 +157,17 @@ def decide(stats: dict, baselines: list, arms: list, points: dict, g: dict, spec
 
 
 def overall(verdicts: dict) -> dict:
-  """Per arm: roll back if any load point rolls back on all traffic; keep if some keep and none roll back; else
-  neutral. Plus the cells where speculation should be on (keep) and off (roll back)."""
+  """Per arm: roll back if any load point rolls back on all traffic; else inconclusive if any is too thin to judge
+  on all traffic; keep if some keep; else neutral. Plus the cells where speculation should be on (keep) and off
+  (roll back), and the thin points with the reason."""
   res = {}
   for arm, by_point in verdicts.items():
     all_v = {k: v["all"]["verdict"] for k, v in by_point.items() if "all" in v}
+    thin = {k: v["all"]["detail"] for k, v in by_point.items() if "all" in v and v["all"]["verdict"] == "inconclusive"}
     if any(v == "roll back" for v in all_v.values()):
       o = "roll back"
+    elif thin:
+      o = "inconclusive"
     elif any(v == "keep" for v in all_v.values()):
       o = "keep"
     else:
@@ -164,7 +176,7 @@ def overall(verdicts: dict) -> dict:
     off = [(k, s) for k, v in by_point.items() for s, c in v.items() if c["verdict"] == "roll back"]
     res[arm] = {"overall": o, "on": on, "off": off,
                 "loads_on": [k for k, v in all_v.items() if v == "keep"],
-                "loads_off": [k for k, v in all_v.items() if v == "roll back"]}
+                "loads_off": [k for k, v in all_v.items() if v == "roll back"], "inconclusive": thin}
   return res
 
 

@@ -8,6 +8,7 @@ seconds and a replaced GGUF is noticed. Tensor names and the layout conversion a
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ __all__ = ["CACHE_SUFFIX", "DEFAULT_MODEL_FILE", "config_from_reader", "default_
 CACHE_SUFFIX = ".spec_jax.safetensors"
 CACHE_FORMAT = "2"
 SUPPORTED_ARCHS = ("gemma3", "qwen2")
+log = logging.getLogger("spec_jax.load")  # progress of the slow steps (serve.generate prints it)
 
 def config_from_reader(reader, path: str) -> ModelConfig:
   arch = field(reader, "general.architecture", "?")
@@ -206,10 +208,13 @@ def load_gguf(path: str | None = None, dtype=jnp.float32, use_cache: bool = True
         meta = json.load(f)
       if meta.get("fingerprint") == fp and meta.get("format") == CACHE_FORMAT:
         config = _config_from_json(meta["config"])
+        log.info("reading the dequantized weights cached at %s", cpath)
         flat = safetensors_io.read(cpath)
     except Exception:
       flat = None  # a damaged cache is rebuilt, never trusted
   if flat is None:
+    log.info("dequantizing %s (once: the result is cached%s)", os.path.basename(path),
+             f" at {cpath}" if use_cache else " only when use_cache")
     reader = open_reader(path)
     config = config_from_reader(reader, path)
     flat = _flatten(_dequantize_all(reader, config, path))

@@ -188,6 +188,9 @@ def load(path: str | os.PathLike, *, use_cache: bool = True) -> tuple[str, bytes
       if data is not None:
         return kind, (data if kind == "sentencepiece" else json.loads(data.decode("utf-8")))
   model = read_metadata(path, ("tokenizer.ggml.model",)).get("tokenizer.ggml.model")
+  import logging
+  logging.getLogger("spec_jax.load").info("building the tokenizer from %s's metadata (once: cached beside it)",
+                                          os.path.basename(path))
   if model == "llama":
     return "sentencepiece", tokenizer_proto(path, use_cache=use_cache)
   if model == "gpt2":

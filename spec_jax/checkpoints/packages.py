@@ -104,6 +104,9 @@ def assemble(name: str) -> str:
   if _verified(model):
     return model.path
   paths = part_paths(model)
+  import logging
+  logging.getLogger("spec_jax.load").info("joining %s from its %d PyPI parts (once) into %s", model.name,
+                                          len(paths), model.path)
   os.makedirs(os.path.dirname(model.path), exist_ok=True)
   tmp = f"{model.path}.tmp{os.getpid()}"
   h = hashlib.sha256()

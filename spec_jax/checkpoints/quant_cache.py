@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 
 import numpy as np
@@ -20,6 +21,7 @@ from spec_jax.checkpoints import safetensors_io
 from spec_jax.checkpoints.file_cache import cache_path, fingerprint
 
 FORMAT = "3"
+log = logging.getLogger("spec_jax.load")
 
 
 def _sha256(path: str) -> str:
@@ -77,8 +79,11 @@ def load_quantized(source: str, mode: str, config, load_float, dtype, use_cache:
   `load_float()` (-> float params) and cached. Float leaves (norms, biases) take `dtype`."""
   cached = read_cache(source, mode, config) if use_cache else None
   if cached is not None:
+    log.info("read the %s weights cached beside %s", mode, os.path.basename(source))
     return quant.unflatten(cached["arrays"], cached["statics"], dtype)
-  params = quant.quantize_params(load_float(), mode)
+  params = load_float()
+  log.info("quantizing to %s (once: cached beside %s)", mode, os.path.basename(source))
+  params = quant.quantize_params(params, mode)
   if use_cache:
     write_cache(source, mode, params)
   return quant.cast_floats(params, dtype)

@@ -120,6 +120,12 @@ class SuffixProposer:
                          tree_par=put(state.tree_par, row_state.tree_par),
                          tree_hist=put(state.tree_hist, row_state.tree_hist))
 
+  def keep_history(self, prev: SuffixState, fresh: SuffixState) -> SuffixState:
+    """A fresh batch's state (from init) whose slots keep `prev`'s rings, as `insert` keeps a slot's past: a
+    batch job (serve.runner) drafts from what its earlier batches wrote, as the server's long-lived slots do. Slot
+    b takes prev's slot b (a batch with fewer slots keeps the first ones only)."""
+    return _keep_rings(prev, fresh, self.history)
+
   def forget_tenant(self, state, tenant):
     """The DecodeState `state` without `tenant`'s history (the server reuses its id, serve/tenants.py)."""
     return state if self.sharing == "global" else forget_tenant(state, tenant)
@@ -221,3 +227,18 @@ def forget_tenant(state, tenant):
   p = state.pstate
   gone = p.owner == tenant
   return state.replace(pstate=p.replace(hist=jnp.where(gone, NO_TOKEN, p.hist), owner=jnp.where(gone, -1, p.owner)))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _keep_rings(prev: SuffixState, fresh: SuffixState, H: int) -> SuffixState:
+  """keep_history: for the first min(B_prev, B) slots, prev's ring, then a separator and the fresh row's first
+  token (fresh.hist[:, 0]); the rest of the slots stay fresh."""
+  n = min(prev.hist.shape[0], fresh.hist.shape[0])
+  at = prev.pos[:n]
+  rows = jnp.arange(n)[:, None]
+  cols = jnp.stack([at % H, (at + 1) % H], axis=1)
+  sep = jnp.full((n,), NO_TOKEN, jnp.int32)
+  hist = prev.hist[:n].at[rows, cols].set(jnp.stack([sep, fresh.hist[:n, 0]], axis=1))
+  owner = prev.owner[:n].at[rows, cols].set(jnp.stack([jnp.full((n,), -1, jnp.int32), fresh.tenant[:n]], axis=1))
+  return fresh.replace(hist=fresh.hist.at[:n].set(hist), owner=fresh.owner.at[:n].set(owner),
+                       pos=fresh.pos.at[:n].set(at + 2))

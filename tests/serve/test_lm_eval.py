@@ -86,6 +86,7 @@ def _agree_with_and_without_speculation(tmp_path, monkeypatch, model: str, flags
   for name, config in (("spec", spec), ("plain", {})):
     s = LiveServer(f"--model={model}", "--dtype=float32", f"--served_model_name={MODEL}", "--max_model_len=256",
                    "--max_num_seqs=2", "--steps_per_sync=4", "--warmup_prompt_lens=1", "--costs_file=",
+                   "--extended_warmup=false",
                    "--noadaptive", f"--speculative_config={json.dumps(config)}", *flags, timeout=900)
     try:
       got[name] = _evaluate(s.url, tokenizer_dir, tasks_dir, add_bos)

@@ -109,7 +109,17 @@ def test_verdict_rules():
   assert V.decide_cell(_cell(acceptance_rate=0.1), reps, G, tag="low", segment="all",
                        speculative=False)["verdict"] == "neutral"
   assert V.decide_cell(_cell(oom=1), reps, G, tag="low", segment="all", speculative=True)["metric"] == "oom"
-  assert V.decide_cell(_cell(completed=2), reps, G, tag="low", segment="all", speculative=True)["verdict"] == "neutral"
+  thin = V.decide_cell(_cell(completed=2), reps, G, tag="low", segment="all", speculative=True)
+  assert thin["verdict"] == "inconclusive" and "too few finished requests to judge" in thin["detail"]
+
+
+def test_overall_inconclusive_unless_a_point_rolls_back():
+  cell = lambda v: {"all": {"verdict": v, "detail": f"why {v}"}}
+  o = V.overall({"a": {"c1": cell("keep"), "c4": cell("inconclusive")},
+                 "b": {"c1": cell("roll back"), "c4": cell("inconclusive")},
+                 "c": {"c1": cell("keep"), "c4": cell("neutral")}})
+  assert o["a"]["overall"] == "inconclusive" and o["a"]["inconclusive"] == {"c4": "why inconclusive"}
+  assert o["b"]["overall"] == "roll back" and o["c"]["overall"] == "keep"
 
 
 def test_noise_widens_the_neutral_band():

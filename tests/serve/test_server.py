@@ -144,6 +144,7 @@ def tiny_server(tiny_model, *args, **kw) -> LiveServer:
   cache = os.path.join(os.path.dirname(tiny_model), "xla_cache")
   return LiveServer(f"--model={tiny_model}", "--dtype=float32", f"--served_model_name={MODEL}", "--max_model_len=256",
                     "--max_num_seqs=4", "--steps_per_sync=4", "--warmup_prompt_lens=1,17,33", "--costs_file=",
+                    "--extended_warmup=false",  # test_server_warmup.py checks it; the rest count requests exactly
                     f"--compilation_cache_dir={cache}",
                     '--speculative_config={"method": "ngram", "num_speculative_tokens": 4}', *args, **kw)
 

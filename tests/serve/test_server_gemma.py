@@ -33,6 +33,7 @@ def test_greedy_server_output_equals_serve_generate(tmp_path):
 
   # Greedy output does not depend on the step costs: both sides use the default cost model.
   server = LiveServer("--dtype=float32", "--max_num_seqs=4", "--max_model_len=512", "--warmup_prompt_lens=1",
+                      "--extended_warmup=false",
                       "--costs_file=",
                       f"--compilation_cache_dir={os.path.join(str(tmp_path), 'xla_cache')}", timeout=900)
   try:

@@ -26,6 +26,7 @@ def qwen_model(tmp_path_factory) -> str:
 def server(qwen_model):
   s = LiveServer(f"--model={qwen_model}", "--dtype=float32", f"--served_model_name={MODEL}", "--max_model_len=256",
                  "--max_num_seqs=2", "--steps_per_sync=4", "--warmup_prompt_lens=1", "--costs_file=",
+                 "--extended_warmup=false",
                  "--method=draft", f"--speculative_model={qwen_model}", "--num_speculative_tokens=3",
                  "--compilation_cache_dir=")
   yield s
