@@ -1,6 +1,7 @@
-"""The end-to-end check that speculative sampling keeps the target's distribution, shared by the one-device,
-quantized-draft and mesh tests: the first 3 sampled tokens of plain and speculative runs on one prompt,
-compared position by position (and in adjacent pairs) with a chi-square test."""
+"""The end-to-end checks that speculative sampling keeps the target's distribution: the first 3 sampled tokens of
+plain and speculative runs on one prompt, compared position by position (and in adjacent pairs) with a chi-square
+test (shared by the one-device, quantized-draft and mesh tests); and each row's tokens over several verify steps
+against the target's exact conditional distributions (assert_conditional_law, tests/test_sampled_law.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def sample_plain_and_speculative(params, config, proposer, proposer_params, *, n
 
 
 def assert_same_distribution(plain, specd):
+  """Two-sample chi-square on 5 comparisons (3 positions, 2 adjacent pairs), each at 1e-4: a family-wise level of
+  5e-4 per call (Bonferroni). Only the first 3 tokens: assert_conditional_law below checks more positions."""
   from scipy.stats import chi2_contingency
   for cols in ([0], [1], [2], [0, 1], [1, 2]):
     a = [tuple(r) for r in plain[:, cols]]
@@ -50,12 +53,12 @@ def assert_same_distribution(plain, specd):
 # masked) distribution p_s,t that the token there must have been drawn from given its prefix. Per position t the
 # observed token counts O_t[v] and their conditional expectations E_t[v] = sum_s p_s,t[v] differ by a sum of
 # martingale differences with covariance C_t = sum_s diag(p_s,t) - p_s,t p_s,t^T, so
-#   X_t = (O_t - E_t)^T C_t^+ (O_t - E_t)  ~  chi-square(rank C_t)
+#   X_t = (O_t - E_t)^T C_t^+ (O_t - E_t)  ~  chi-square(rank C_t)  (asymptotically: the martingale CLT)
 # for a correct loop (whatever the prefixes were; the positions' differences are uncorrelated, so pooling them is
 # valid too). Pooled over the positions after the first, with the token's id or its rank under p_s,t as the
 # category, the statistics have many more draws (power against a bias common to the positions); the rank
-# catches a bias toward the target's likely or unlikely tokens that moves between ids with the prefix. Tokens outside the support
-# of p fail at once.
+# catches a bias toward the target's likely or unlikely tokens that moves between ids with the prefix. Tokens
+# outside the support of p fail at once.
 
 
 def sample_rows(params, config, proposer, proposer_params, *, n: int, calls: int, new: int, prompt, sampling,

@@ -166,7 +166,7 @@ def test_sampled_speculative_logprobs_are_the_target_s_at_each_committed_positio
 
 
 def test_sampled_logprobs_check_fails_on_broken_recording(monkeypatch):
-  """The check above on a broken variant: record() given the processed logits as raw ones, and processed mode
+  """The check above on a broken variant: record() given the temperature-scaled logits as raw ones, and processed mode
   warped by temperature only (top-k and top-p dropped). Both modes' errors must be large."""
   from spec_jax import decode
   real_record = lps.record
