@@ -155,8 +155,9 @@ def pytest_configure(config):
 # The files holding the suite's longest tests (whole loops compiled over 8 devices, the Qwen pair, many-proposer
 # files, process pairs) go first, so that neither xdist worker is left running one of them alone at the end. The
 # two files of many-device processes are apart, since those run one at a time (below).
-LONGEST_FIRST = ("test_multidevice.py", "test_tree_decode.py", "proposers/test_medusa_eagle.py", "e2e/test_qwen25.py",
-                 "serve/test_loadtest_matrix.py", "test_evaluate_pod.py", "test_slots.py", "test_quant.py")
+LONGEST_FIRST = ("test_multidevice.py", "test_tree_decode.py", "proposers/test_medusa_eagle.py", "test_sampled_law.py",
+                 "test_bfloat16_spec.py", "e2e/test_qwen25.py", "serve/test_loadtest_matrix.py",
+                 "test_evaluate_pod.py", "test_slots.py", "test_quant.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,13 +23,15 @@ N = 4
 
 
 def _run(params, prompts, proposer=NoneProposer(), pparams=None, *, want=N, mode="raw_logprobs", controls=None,
-         sampling=None, max_new=16, seed=0):
-  """-> per row (prompt length, generated ids, chosen [n], top_ids [n, N], top_vals [n, N])."""
+         sampling=None, max_new=16, seed=0, stats=None):
+  """-> per row (prompt length, generated ids, chosen [n], top_ids [n, N], top_vals [n, N]). `mode`: one for all
+  rows or a list, one per row; `stats`: a dict that gets the run's drafted and accepted totals."""
   spec = make_spec(CONFIG, proposer, adaptive_k=False, stop_ids=STOPS, max_logprobs=N)
   full = {"target": params, "proposer": pparams if pparams is not None else {}}
   n = len(prompts)
+  modes = [mode] * n if isinstance(mode, str) else mode
   state = start(full, spec, prompts, max_new_tokens=max_new, seed=seed, sampling=sampling, controls=controls,
-                logprobs=([want] * n, [lps.MODES[mode]] * n))
+                logprobs=([want] * n, [lps.MODES[m] for m in modes]))
   state = decode_loop(full, state, spec)
   g = jax.device_get
   toks, lens, plens = g(state.tokens), g(state.lengths), g(state.prompt_lens)
@@ -40,6 +42,8 @@ def _run(params, prompts, proposer=NoneProposer(), pparams=None, *, want=N, mode
     out.append((int(plens[b]), toks[b, s].tolist(), lp.chosen[b, s], lp.top_ids[b, s], lp.top_vals[b, s]))
   if proposer.k:
     assert int(g(state.stats.drafted).sum()) > 0, "speculation ran"
+  if stats is not None:
+    stats.update(drafted=int(g(state.stats.drafted).sum()), accepted=int(g(state.stats.accepted).sum()))
   return out
 
 
@@ -118,3 +122,60 @@ def test_logprobs_requests_are_checked():
     lps.check(6, "raw_logprobs", 5)
   with pytest.raises(ValueError, match="without logprobs"):
     lps.check(0, "raw_logprobs", lps.OFF)
+
+
+# Sampled speculation: T 0.8, top-k 12, top-p 0.9, one row per prompt in each mode (one compile for both).
+SAMPLED = [(0.8, 12, 0.9)] * 6
+LP_MODES = ["raw_logprobs"] * 3 + ["processed_logprobs"] * 3
+
+
+def _sampled_logprob_errors(name):
+  """Run a sampled speculative batch with logprobs -> (raw rows' and processed rows' largest error of the
+  committed token's logprob and the top N, against a cache-free forward of the committed sequence)."""
+  from tests.test_sampling import ref_probs
+  params = _params(1)
+  prompts = _prompts(5, [11, 8, 14]) * 2
+  stats = {}
+  out = _run(params, prompts, *_proposer(name, params), mode=LP_MODES, sampling=SamplingParams.stack(SAMPLED),
+             max_new=20, seed=7, stats=stats)
+  # Drafts were rejected: each rejection committed a token drawn from the residual, checked below like the rest.
+  assert 0 < stats["accepted"] < stats["drafted"], stats
+  err = {"raw_logprobs": 0.0, "processed_logprobs": 0.0}
+  for b, (pl, ids, ch, ti, tv) in enumerate(out):
+    assert len(ids) > 4
+    ref = _reference(params, prompts[b], ids)[pl - 1:pl - 1 + len(ids)]
+    if LP_MODES[b] == "processed_logprobs":  # the warped target the token was drawn from (float64 reference)
+      with np.errstate(divide="ignore"):
+        ref = np.log(np.stack([ref_probs(r, *SAMPLED[b])[0] for r in ref]))
+    want_ch = ref[np.arange(len(ids)), ids]
+    want_top = -np.sort(-ref, axis=1)[:, :N]
+    assert np.isfinite(want_ch).all(), "a committed token outside the distribution it was drawn from"
+    fin = np.isfinite(want_top)  # processed: entries past the kept set are -inf on both sides
+    with np.errstate(invalid="ignore"):  # -inf - -inf where masked out
+      top_err = np.inf if (np.isfinite(tv) != fin).any() else np.max(np.abs(np.where(fin, tv - want_top, 0.0)))
+    err[LP_MODES[b]] = max(err[LP_MODES[b]], float(np.max(np.abs(ch - want_ch))), top_err)
+  return err
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle_tree"])
+def test_sampled_speculative_logprobs_are_the_target_s_at_each_committed_position(name):
+  """Raw: the target's log-softmax at the committed token's own position; processed: the log of the warped
+  distribution there; including the positions whose token came from the residual after a rejected draft."""
+  err = _sampled_logprob_errors(name)
+  assert err["raw_logprobs"] < 1e-4 and err["processed_logprobs"] < 1e-4, err
+
+
+def test_sampled_logprobs_check_fails_on_broken_recording(monkeypatch):
+  """The check above on a broken variant: record() given the temperature-scaled logits as raw ones, and processed mode
+  warped by temperature only (top-k and top-p dropped). Both modes' errors must be large."""
+  from spec_jax import decode
+  real_record = lps.record
+  monkeypatch.setattr(decode.lps, "record",
+                      lambda lp, raw, processed, *a, **kw: real_record(lp, processed / 0.8, processed, *a, **kw))
+  monkeypatch.setattr(lps, "_processed", lambda logits, sampling: logits / sampling.temperature[:, None, None])
+  jax.clear_caches()  # neither the real loop's trace may be reused, nor this one kept
+  try:
+    err = _sampled_logprob_errors("draft")
+  finally:
+    jax.clear_caches()
+  assert err["raw_logprobs"] > 1e-2 and err["processed_logprobs"] > 1e-2, err

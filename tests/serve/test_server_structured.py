@@ -36,6 +36,15 @@ def server(tiny_model):  # noqa: F811
   assert s.stop() == 0, s.log()[-3000:]
 
 
+def _assert_drafted(r, speculate):
+  """Speculation on drafted something (the usage's extension field `drafted_tokens`; the grammar's forced tokens
+  count as drafts), off drafted nothing: "on equals off" alone would pass a server that stopped drafting (the
+  broken variant: this module's server started with --method=none fails both tests here)."""
+  drafted = (r.usage.model_extra or {}).get("drafted_tokens")
+  assert drafted is not None, r.usage
+  assert (drafted > 0) if speculate else (drafted == 0), (speculate, r.usage)
+
+
 def test_openai_parse_with_a_pydantic_model_speculation_on_and_off(server):
   c = server.client()
   msgs = [{"role": "user", "content": "the cat sat on the mat"}]
@@ -46,6 +55,7 @@ def test_openai_parse_with_a_pydantic_model_speculation_on_and_off(server):
     pet = r.choices[0].message.parsed
     assert isinstance(pet, Pet) and r.choices[0].finish_reason == "stop"
     got.append((r.choices[0].message.content, r.usage.completion_tokens))
+    _assert_drafted(r, speculate)
   assert got[0] == got[1]
 
 
@@ -93,6 +103,7 @@ def test_a_tool_call_round_trip_through_the_openai_client(server):
     else:
       assert call.function.name == "get_time" and args["zone"] in ("UTC", "CET")
     calls.append((call.function.name, call.function.arguments))
+    _assert_drafted(r, speculate)
   assert calls[0] == calls[1]
   # a named function, then the result goes back and the model answers in text
   r = c.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
