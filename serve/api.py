@@ -305,7 +305,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     out["choices"] = [choice(fmt, c, ask, with_ids) for c in choices]
     if plan.tools:  # a choice whose whole text is one valid call answers with tool_calls
       for c, body_choice in zip(choices, out["choices"]):
-        tools.answer({"choices": [body_choice]}, plan.tools, "".join(c.text))
+        tools.answer({"choices": [body_choice]}, plan.tools, "".join(c.text), forced=plan.regex is not None)
     return out
 
   @guarded.post("/v1/completions")

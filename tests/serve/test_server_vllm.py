@@ -1,0 +1,102 @@
+"""Issue 50: what vLLM's users send and read, against one live tiny-model server, speculation on and off per
+request (`speculate`): tool schemas with `$ref` into `$defs` (the openai client's pydantic_function_tool on a
+nested model), a forced call cut by max_tokens, and the rest of the issue's items.
+
+The tiny model never stops on its own (tests/serve/test_server.py), so each request gives max_tokens."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel
+
+from tests.serve.test_server import MODEL, metric, tiny_model, tiny_server  # noqa: F401 (a fixture)
+
+
+class Place(BaseModel):
+  city: Literal["Paris", "Rome"]
+
+
+class Weather(BaseModel):
+  """A nested model: pydantic writes `Place` into `$defs` and points at it with `$ref`."""
+  place: Place
+  unit: Literal["c", "f"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):  # noqa: F811
+  s = tiny_server(tiny_model, "--max_queue=64", "--max_model_len=1024")  # the tools' system turn: ~600 tokens
+  yield s
+  assert s.stop() == 0, s.log()[-3000:]
+
+
+def _weather_tool():
+  import openai
+  tool = openai.pydantic_function_tool(Weather, name="get_weather")
+  assert "$defs" in tool["function"]["parameters"]  # the case of the issue: a reference into $defs
+  return tool
+
+
+def _streamed_call(chunks):
+  """(finish_reason, content, name, arguments) assembled from chat chunks."""
+  name, args, content, finish = None, "", "", None
+  for ch in chunks:
+    if not ch.choices:
+      continue
+    d = ch.choices[0].delta
+    content += d.content or ""
+    for tc in d.tool_calls or ():
+      name = tc.function.name or name
+      args += tc.function.arguments or ""
+    finish = ch.choices[0].finish_reason or finish
+  return finish, content, name, args
+
+
+def test_pydantic_function_tool_with_defs_auto_required_named_streamed_and_not(server):
+  c = server.client()
+  tool = _weather_tool()
+  msgs = [{"role": "user", "content": "weather in Paris?"}]
+  named = {"type": "function", "function": {"name": "get_weather"}}
+  for choice in ("required", named):
+    got = []
+    for speculate in (True, False):
+      kw = dict(model=MODEL, messages=msgs, tools=[tool], tool_choice=choice, max_tokens=150, temperature=0,
+                extra_body={"speculate": speculate})
+      r = c.chat.completions.create(**kw)
+      assert r.choices[0].finish_reason == "tool_calls", r
+      (call,) = r.choices[0].message.tool_calls
+      assert call.function.name == "get_weather"
+      args = Weather.model_validate_json(call.function.arguments)  # valid against the nested model
+      finish, content, name, streamed = _streamed_call(c.chat.completions.create(**kw, stream=True))
+      assert (finish, content, name) == ("tool_calls", "", "get_weather")
+      assert Weather.model_validate_json(streamed) == args
+      got.append(args)
+    assert got[0] == got[1]
+  for speculate in (True, False):  # auto: the tiny model answers in text, the same streamed or not
+    kw = dict(model=MODEL, messages=msgs, tools=[tool], tool_choice="auto", max_tokens=12, temperature=0,
+              extra_body={"speculate": speculate})
+    r = c.chat.completions.create(**kw)
+    finish, content, _, _ = _streamed_call(c.chat.completions.create(**kw, stream=True))
+    assert r.choices[0].message.tool_calls is None and (finish, content) == ("length", r.choices[0].message.content)
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_call_with_finish_reason_length(server):
+  """vLLM's answer: what was generated, as a tool call, finish_reason "length" (streamed and not: the same)."""
+  c = server.client()
+  tool = _weather_tool()
+  msgs = [{"role": "user", "content": "weather in Rome?"}]
+  for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    kw = dict(model=MODEL, messages=msgs, tools=[tool], tool_choice=choice, temperature=0)
+    _, _, _, whole = _streamed_call(c.chat.completions.create(**kw, max_tokens=150, stream=True))
+    for speculate in (True, False):
+      r = c.chat.completions.create(**kw, max_tokens=60, extra_body={"speculate": speculate})
+      choice0 = r.choices[0]
+      assert choice0.finish_reason == "length" and choice0.message.content is None, choice0
+      (call,) = choice0.message.tool_calls
+      assert call.function.name == "get_weather" and call.id.startswith("call_")
+      assert call.function.arguments and whole.startswith(call.function.arguments), (call, whole)
+      assert _streamed_call(c.chat.completions.create(**kw, max_tokens=60, stream=True,
+                                                      extra_body={"speculate": speculate})) == \
+          ("length", "", "get_weather", call.function.arguments)
