@@ -48,6 +48,31 @@ def validation_error(e: RequestValidationError) -> APIError:
   return APIError(400, f"{field or 'body'}: {err['msg']}{got}", param=field or None)
 
 
+def abort_unfinished(engine, choices: list) -> None:
+  for c in choices:
+    if not c.req.finished:
+      engine.abort(c.req)  # the client went away (or the server is stopping): free the slot
+
+
+class EventStream(StreamingResponse):
+  """An SSE response that calls `on_close` however it ends. A client that walks away cancels the response while it
+  may be inside `send`, outside the body generator: the generator is then left suspended and its `finally` runs
+  only when the garbage collector finds it (seconds later), so the request's slot and pages are freed here, at
+  once (the engine frees them at its next iteration)."""
+
+  def __init__(self, body, on_close):
+    super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                     "X-Accel-Buffering": "no"})
+    self.on_close = on_close
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self.on_close()
+      await self.body_iterator.aclose()
+
+
 def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
   model_name = cfg["served_model_name"]
   api_key = cfg["api_key"]
@@ -221,12 +246,9 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
           yield sse(usage_chunk(rid, model_name, obj, ch.total_usage(choices)))
         yield "data: [DONE]\n\n"
       finally:
-        for c in choices:
-          if not c.req.finished:
-            engine.abort(c.req)  # the client went away (or the server is stopping): free the slot
+        abort_unfinished(engine, choices)
 
-    return StreamingResponse(gen(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(gen(), lambda: abort_unfinished(engine, choices))
 
   compiler = []  # the grammar compiler (spec_jax/grammar), made on first use: ~1 s for a 262k vocabulary
 
@@ -296,9 +318,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       for c in choices:
         await collect(request, c, event)
     finally:
-      for c in choices:
-        if not c.req.finished:
-          engine.abort(c.req)
+      abort_unfinished(engine, choices)
     make, choice = (chat_body, ch.chat_choice) if chat else (completion_body, ch.completion_choice)
     out = make(new_id("chatcmpl" if chat else "cmpl"), model_name, "", "stop", ch.total_usage(choices))
     choices = ch.best(choices, gen, n)  # usage above counts every generated sample

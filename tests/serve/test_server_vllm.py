@@ -7,8 +7,10 @@ The tiny model never stops on its own (tests/serve/test_server.py), so each requ
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
+import httpx
 import pytest
 from pydantic import BaseModel
 
@@ -100,3 +102,27 @@ def test_a_forced_call_cut_by_max_tokens_is_a_call_with_finish_reason_length(ser
       assert _streamed_call(c.chat.completions.create(**kw, max_tokens=60, stream=True,
                                                       extra_body={"speculate": speculate})) == \
           ("length", "", "get_weather", call.function.arguments)
+
+
+def _running_and_kv(server) -> tuple:
+  m = server.metrics()
+  return metric(m, "spec_jax:num_requests_running"), metric(m, "spec_jax:kv_cache_usage_perc")
+
+
+def test_a_walked_away_stream_frees_its_slot_and_pages_within_an_iteration(server):
+  """vLLM's own test allows one second; an iteration of the tiny model is a few ms, so 1.5 s bounds it here."""
+  before = _running_and_kv(server)
+  assert before == (0, 0)
+  with server.http() as h, h.stream("POST", "/v1/completions", json={
+      "model": MODEL, "prompt": "the dog ran", "max_tokens": 1000, "stream": True,
+      "speculate": False}) as resp:  # ~7 s of tokens: still running when the client leaves
+    lines = resp.iter_lines()  # held: a generator dropped mid-way closes the connection at once
+    chunks = 0
+    while chunks < 3:
+      chunks += next(lines).startswith("data: {")
+    running = _running_and_kv(server)
+    assert running[0] == 1 and running[1] > 0, running
+  gone = time.monotonic()  # the connection is closed here
+  while time.monotonic() - gone < 1.5 and _running_and_kv(server) != before:
+    time.sleep(0.02)
+  assert _running_and_kv(server) == before, time.monotonic() - gone
