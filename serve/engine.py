@@ -86,6 +86,7 @@ class Engine:
     self._waiting: collections.deque = collections.deque()
     self._draining = False
     self._stop = False
+    self._cut: Optional[str] = None  # set by cut_all: fail every request with this message at the next iteration
     self._applied_on: Optional[bool] = None  # the flag the device state holds
     self._pending = None  # (snapshot, {slot: request}, (window, arm)) of the loop dispatched last iteration
     self._last_uses = np.zeros(len(spec.ks), np.int64)
@@ -207,6 +208,23 @@ class Engine:
       self._draining = True
       self._lock.notify()
 
+  def cut_all(self, message: str) -> None:
+    """The drain's deadline: every running and waiting request ends with a 503 (`message`) at the next iteration,
+    so that each client gets an error (a stream: an error event and [DONE]) rather than a cut connection."""
+    with self._lock:
+      self._cut = message
+      self._lock.notify()
+
+  def _fail_all(self) -> None:
+    """cut_all's work, on the engine thread (reap then frees the slots and pages)."""
+    with self._lock:
+      message, self._cut = self._cut, None
+      running = [r for r in self.table.holders.values() if not r.finished]
+      waiting = [r for r in self._waiting if not r.finished]
+    for r in running + waiting:
+      r.fail(503, "shutdown", message, self.metrics)
+    log.warning("drain deadline: cut %d running and %d waiting request(s) with a 503", len(running), len(waiting))
+
   def shutdown(self, grace_s: float = 30.0) -> None:
     """Drain (up to `grace_s`), abort what is left, stop the thread."""
     self.begin_drain()
@@ -258,6 +276,8 @@ class Engine:
     with self._lock:  # the admin switch resets the guardrails from the HTTP thread
       events = self.switch.tick(now, self.segments.verdict_of)
     self.segments.restart(seg for seg, _, _ in events)  # switched off or probing: measured afresh
+    if self._cut is not None:
+      self._fail_all()
     admission.reap(self, now)
     admitted = admission.admit(self, now)
     snap = None

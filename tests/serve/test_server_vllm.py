@@ -7,6 +7,7 @@ The tiny model never stops on its own (tests/serve/test_server.py), so each requ
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Literal
 
@@ -29,7 +30,8 @@ class Weather(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):  # noqa: F811
-  s = tiny_server(tiny_model, "--max_queue=64", "--max_model_len=1024")  # the tools' system turn: ~600 tokens
+  s = tiny_server(tiny_model, "--max_queue=64", "--max_model_len=1024",
+                  "--drain_timeout_s=2")  # the tools' system turn: ~600 tokens
   yield s
   assert s.stop() == 0, s.log()[-3000:]
 
@@ -126,3 +128,49 @@ def test_a_walked_away_stream_frees_its_slot_and_pages_within_an_iteration(serve
   while time.monotonic() - gone < 1.5 and _running_and_kv(server) != before:
     time.sleep(0.02)
   assert _running_and_kv(server) == before, time.monotonic() - gone
+
+
+# ------------------------------------------------------------------------- keep last: it stops the module's server
+
+def test_sigterm_with_streams_open_ends_each_with_an_error_event_and_done(server):
+  """Four streams that need longer than the drain (--drain_timeout_s=2) and one queued request: at the deadline
+  each stream gets an OpenAI error event and [DONE], the queued request a 503; the process exits 0 within the
+  drain plus a few seconds, and its log says how many requests were cut."""
+  import signal
+  import threading
+
+  body = {"model": MODEL, "prompt": "the dog ran", "max_tokens": 1000, "speculate": False}
+  ends = []
+
+  def stream():
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+      events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+      ends.append(events[-2:])
+
+  def queued():
+    ends.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+
+  httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 8}, timeout=60)  # compiled before
+  threads = [threading.Thread(target=stream) for _ in range(4)] + [threading.Thread(target=queued)]
+  for t in threads:
+    t.start()
+    time.sleep(0.2)
+  end = time.monotonic() + 30
+  while metric(server.metrics(), "spec_jax:num_requests_waiting") < 1 and time.monotonic() < end:
+    time.sleep(0.05)
+  sigterm = time.monotonic()
+  server.proc.send_signal(signal.SIGTERM)
+  for t in threads:
+    t.join(30)
+  assert server.proc.wait(30) == 0
+  assert time.monotonic() - sigterm < 2 + 5, server.log()[-1500:]
+  streams = [e for e in ends if isinstance(e, list)]
+  (late,) = [e for e in ends if not isinstance(e, list)]
+  assert late.status_code == 503 and late.json()["error"]["code"] == "shutdown", late.text
+  assert len(streams) == 4
+  for error, done in streams:
+    assert done == "[DONE]"
+    err = json.loads(error)["error"]
+    assert err["type"] == "service_unavailable" and "drain" in err["message"], err
+  cut = re.search(r"cut (\d+) running and (\d+) waiting request", server.log())
+  assert cut and int(cut[1]) >= 1 and int(cut[1]) + int(cut[2]) == 5, server.log()[-2000:]
