@@ -73,6 +73,14 @@ class EventStream(StreamingResponse):
       await self.body_iterator.aclose()
 
 
+def default_max_tokens(engine, cfg: dict, prompt_len: int) -> int:
+  """A request without max_tokens generates up to the end of the context, as OpenAI and vLLM do (or up to the
+  pool's room for it); --default_max_tokens N > 0 caps that at N."""
+  fits = engine.max_new_for(prompt_len)
+  cap = cfg.get("default_max_tokens") or 0
+  return min(cap, fits) if cap > 0 else fits
+
+
 def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
   model_name = cfg["served_model_name"]
   api_key = cfg["api_key"]
@@ -131,7 +139,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     max_tokens, budget_field = body.token_budget()
     room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
     if max_tokens is None:
-      max_tokens = min(cfg["max_new_tokens"], room)
+      max_tokens = default_max_tokens(engine, cfg, len(prompt_ids))
       if max_tokens < 1:
         raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the context of "
                        f"{engine.capacity} tokens", "prompt")

@@ -132,6 +132,12 @@ class Engine:
                          deadline=now + timeout if timeout else None, remake=make, max_new=int(max_new),
                          cache_salt=cache_salt)
 
+  def max_new_for(self, prompt_len: int) -> int:
+    """The most tokens a request of prompt_len may generate: the context's room after the prompt and the
+    speculative lookahead, and what the KV pool could ever give it."""
+    room = self.capacity - prompt_len - self.spec.lookahead - 1
+    return min(room, self.kv.max_new_ever(prompt_len)) if self.kv is not None else room
+
   def submit(self, req: EngineRequest) -> None:
     with self._lock:
       if self._draining or self._stop:

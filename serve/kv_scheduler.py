@@ -154,6 +154,10 @@ class KVScheduler:
       e.field = "max_tokens"
       raise e
 
+  def max_new_ever(self, prompt_len: int) -> int:
+    """The most tokens a request of prompt_len could ask for and still fit in an empty pool (its shard's share)."""
+    return (self.bm.per_shard - 1) * self.block_size - prompt_len - self.e.spec.lookahead - 1
+
   # ---- admission
   def admit(self, req):
     """Pages for the request's prompt (plus its streamed tokens on a resume) and one call -> its device request

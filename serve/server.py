@@ -28,7 +28,7 @@ SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "s
                 "api_key", "served_model_name", "guardrails", "switchback", "request_timeout_s", "drain_timeout_s",
                 "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict", "max_logprobs", "logprobs_mode",
                 "grammar_capacity", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching",
-                "poison_freed_pages", "kv_speculation_yields")
+                "poison_freed_pages", "kv_speculation_yields", "default_max_tokens")
 
 
 def define_flags() -> None:
@@ -47,7 +47,7 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64
                        mesh="", strict=False, max_logprobs=20, logprobs_mode="raw_logprobs",
                        grammar_capacity=["2048", "512"], block_size=16, num_kv_blocks=0,
                        kv_cache_memory_bytes=0, enable_prefix_caching=True, poison_freed_pages=False,
-                       kv_speculation_yields=True)
+                       kv_speculation_yields=True, default_max_tokens=0)
 log = logging.getLogger("spec_jax.server")
 SHUTDOWN_MARGIN_S = 5.0  # after the drain's deadline, for the cut requests' error events to reach their clients
 

@@ -31,7 +31,7 @@ class Weather(BaseModel):
 @pytest.fixture(scope="module")
 def server(tiny_model):  # noqa: F811
   s = tiny_server(tiny_model, "--max_queue=64", "--max_model_len=1024",
-                  "--drain_timeout_s=2")  # the tools' system turn: ~600 tokens
+                  "--drain_timeout_s=2", "--default_max_tokens=0")  # the tools' system turn: ~600 tokens
   yield s
   assert s.stop() == 0, s.log()[-3000:]
 
@@ -128,6 +128,20 @@ def test_a_walked_away_stream_frees_its_slot_and_pages_within_an_iteration(serve
   while time.monotonic() - gone < 1.5 and _running_and_kv(server) != before:
     time.sleep(0.02)
   assert _running_and_kv(server) == before, time.monotonic() - gone
+
+
+def test_without_max_tokens_the_answer_runs_to_the_end_of_the_context(server):
+  """OpenAI's and vLLM's default (item 6): the context's room after the prompt and the lookahead (k + 1 = 5). A
+  long prompt keeps the room (118 tokens, over the old default of 64), and the test, short."""
+  c = server.client()
+  got = []
+  for speculate in (True, False):
+    r = c.completions.create(model=MODEL, prompt=[2] + [297, 298, 299] * 300, temperature=0,
+                             extra_body={"speculate": speculate})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 1024 - r.usage.prompt_tokens - 5, r.usage
+    got.append(r.choices[0].text)
+  assert got[0] == got[1]
 
 
 # ------------------------------------------------------------------------- keep last: it stops the module's server
