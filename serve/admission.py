@@ -95,6 +95,7 @@ def admit(e, now: float) -> int:
       req.admitted_at = now
       e.metrics.queue_time.observe(now - req.arrival)
       e.metrics.prompt_tokens.inc(len(req.prompt_ids))
+      e.iteration_tokens += len(req.prompt_ids)
   return n
 
 

@@ -38,14 +38,23 @@ log = logging.getLogger("spec_jax.server")
 MAX_CHOICES = 128  # prompts x n in one request: each choice is a request in the engine's queue
 
 
-def validation_error(e: RequestValidationError) -> APIError:
-  """FastAPI's first validation error as a 400 that names the field (`param`), as OpenAI's API does."""
+def validation_error(e: RequestValidationError, content_type: Optional[str] = None) -> APIError:
+  """FastAPI's first validation error as a 400 that names the field (`param`), as OpenAI's API does; a body sent
+  with a Content-Type that is not JSON (curl's -d without -H sends a form) is a 400 that says so."""
   err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+  if tuple(err.get("loc", ())) == ("body",) and content_type and not is_json(content_type):
+    return APIError(400, f"the body must be JSON, sent with the header 'Content-Type: application/json' (this "
+                    f"request's Content-Type is {content_type!r})")
   if err.get("type") == "json_invalid":
     return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
   field = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
   got = f" (got {str(err['input'])[:80]!r})" if "input" in err and field else ""
   return APIError(400, f"{field or 'body'}: {err['msg']}{got}", param=field or None)
+
+
+def is_json(content_type: str) -> bool:
+  kind = content_type.split(";")[0].strip().lower()
+  return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def abort_unfinished(engine, choices: list) -> None:
@@ -71,6 +80,22 @@ class EventStream(StreamingResponse):
     finally:
       self.on_close()
       await self.body_iterator.aclose()
+
+
+def model_card(name: str, cfg: dict, capacity: int) -> dict:
+  """A /v1/models entry with vLLM's extra fields: root (the checkpoint served), parent (null: not a LoRA adapter)
+  and max_model_len."""
+  return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "spec_jax",
+          "root": cfg.get("model") or name, "parent": None, "max_model_len": capacity}
+
+
+def server_version() -> str:
+  """GET /version (vLLM's route): the installed spec_jax's version."""
+  from importlib import metadata
+  try:
+    return metadata.version("spec_jax")
+  except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+    return "0+unknown"
 
 
 def default_max_tokens(engine, cfg: dict, prompt_len: int) -> int:
@@ -103,7 +128,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
 
   @api.exception_handler(RequestValidationError)
   async def _validation(request, e):
-    return error_response(validation_error(e))
+    return error_response(validation_error(e, request.headers.get("content-type")))
 
   @api.exception_handler(HTTPException)
   async def _http(request, e):
@@ -295,6 +320,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     ask = ask_of(body, chat, max_logprobs)
     fmt = Formatter(tokenizer, as_ids=(body.model_extra or {}).get("return_tokens_as_token_ids") is True)
     n = body.n or 1
+    metrics.request_params_n.observe(n)
     gen = ch.generated_per_prompt(body, max_logprobs)  # best_of: more samples than choices, ranked by logprob
     grammar = await compile_grammar(plan)  # one automaton for every choice
     choices = []
@@ -372,8 +398,11 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
 
   @guarded.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "spec_jax", "max_model_len": engine.capacity}]}
+    return {"object": "list", "data": [model_card(model_name, cfg, engine.capacity)]}
+
+  @api.get("/version")
+  async def version():
+    return {"version": server_version()}
 
   @guarded.get("/admin/speculation")
   async def speculation_status():

@@ -86,6 +86,7 @@ class Engine:
     self._waiting: collections.deque = collections.deque()
     self._draining = False
     self._stop = False
+    self.iteration_tokens = 0  # this iteration's prompt tokens inserted and tokens handed over (metrics)
     self._cut: Optional[str] = None  # set by cut_all: fail every request with this message at the next iteration
     self._applied_on: Optional[bool] = None  # the flag the device state holds
     self._pending = None  # (snapshot, {slot: request}, (window, arm)) of the loop dispatched last iteration
@@ -308,6 +309,9 @@ class Engine:
     if pending is not None:
       host += self._process(*pending)
     self.metrics.host_time.observe(host)
+    if self.iteration_tokens:  # vLLM's iteration_tokens_total: prompt tokens inserted and tokens handed over
+      self.metrics.iteration_tokens.observe(self.iteration_tokens)
+      self.iteration_tokens = 0
     self.probe.sample_memory(now)
     self.metrics.observe_occupancy(*self.counts())
 
@@ -374,6 +378,7 @@ class Engine:
         d = a = n = steps = 0
       ttft = req.first_at - req.arrival if first and req.first_at is not None else None
       self.segments.credit(req, dispatched, now, tokens=n, itl=itl, steps=steps, drafted=d, accepted=a, ttft=ttft)
+      self.iteration_tokens += n
       acc = by_segment.setdefault(req.segment, [0, 0, []])
       acc[0] += d
       acc[1] += a

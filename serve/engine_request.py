@@ -126,6 +126,7 @@ class EngineRequest:
     self.finished = True
     tail = self.stream.flush() if flush and self.stream is not None else ""
     m.finished.labels(finished_reason=reason).inc()
+    m.observe_request_end(self, now)
     m.e2e.observe(now - self.arrival)
     if self.first_at is not None and self.n_tokens > 1:
       m.tpot.observe((self.last_at - self.first_at) / (self.n_tokens - 1))

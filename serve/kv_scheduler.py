@@ -114,6 +114,8 @@ class KVScheduler:
     self._seq = 0  # admissions so far: the preemption order
     m = engine.metrics
     m.kv_pages.set(self.bm.usable)
+    m.cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(num_pages),
+                          enable_prefix_caching=str(bool(enable_prefix_caching))).set(1)
     m.kv_page_bytes.labels(holder="all").set(bytes_per_page)
     m.kv_page_bytes.labels(holder="proposer").set(proposer_bytes_per_page)
 

@@ -23,9 +23,12 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 
 
 class APIError(Exception):
-  """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+  """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status. `code` is a string
+  (OpenAI's: "model_not_found", "invalid_api_key", ...; the engine's kind: "timeout", "shutdown", ...) or null,
+  never the status number."""
 
   TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+           405: "invalid_request_error",
            429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable", 504: "timeout"}
 
   def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
@@ -35,7 +38,7 @@ class APIError(Exception):
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param,
-                      "code": self.code if self.code is not None else self.status}}
+                      "code": None if self.code is None else str(self.code)}}
 
 
 def _integral(v):

@@ -144,6 +144,63 @@ def test_without_max_tokens_the_answer_runs_to_the_end_of_the_context(server):
   assert got[0] == got[1]
 
 
+VLLM_DASHBOARD = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
+                  "vllm:spec_decode_num_drafts_total", "vllm:generation_tokens_total", "vllm:prompt_tokens_total"]
+VLLM_HISTOGRAMS = ["request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                   "request_params_max_tokens", "request_inference_time_seconds", "request_prefill_time_seconds",
+                   "request_decode_time_seconds", "iteration_tokens_total", "time_to_first_token_seconds",
+                   "e2e_request_latency_seconds"]
+
+
+def test_metrics_under_vllm_names_and_vllm_routes(server):
+  """What a vLLM Grafana dashboard queries finds its series (issue 45), with the same values as the spec_jax:
+  ones; vLLM's request histograms count this test's requests (issue 50 item 8); /version and /v1/models."""
+  c = server.client()
+  m0 = server.metrics()
+  c.completions.create(model=MODEL, prompt="the cat sat on the mat. the cat sat", max_tokens=5, n=2, temperature=0)
+  c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=3)
+  m1 = server.metrics()
+  for name in VLLM_DASHBOARD:
+    assert (name, frozenset()) in m1, name
+    assert m1[(name, frozenset())] == m1[(name.replace("vllm:", "spec_jax:"), frozenset())], name
+  delta = lambda name: metric(m1, "vllm:" + name) - metric(m0, "vllm:" + name)
+  for name in VLLM_HISTOGRAMS:
+    assert delta(name + "_count") >= (1 if name == "iteration_tokens_total" else 2), name
+  assert delta("request_params_n_count") == 2 and delta("request_params_n_sum") == 3
+  assert delta("request_generation_tokens_count") == 3 and delta("request_generation_tokens_sum") == 13
+  assert delta("request_params_max_tokens_sum") == 13
+  info = [labels for (name, labels), v in m1.items() if name == "vllm:cache_config_info" and v == 1]
+  assert len(info) == 1 and dict(info[0])["block_size"] == "16", info
+  with server.http() as h:
+    assert isinstance(h.get("/version").json()["version"], str)
+    (card,) = h.get("/v1/models").json()["data"]
+  assert card["id"] == MODEL and card["max_model_len"] == 1024 and card["parent"] is None and card["root"]
+
+
+def _error(r, status: int) -> dict:
+  assert r.status_code == status, r.text
+  err = r.json()["error"]
+  assert set(err) == {"message", "type", "param", "code"} and (err["code"] is None or isinstance(err["code"], str))
+  return err
+
+
+def test_every_error_has_openai_s_shape_and_a_form_body_says_which_header(server):
+  with server.http() as h:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+    assert _error(h.post("/v1/chat/completions", json={**chat, "model": "nope"}), 404)["code"] == "model_not_found"
+    err = _error(h.post("/v1/chat/completions", json={**chat, "temperature": -1}), 400)
+    assert err["param"] == "temperature" and err["type"] == "invalid_request_error" and err["code"] is None
+    _error(h.get("/v1/nothing"), 404)
+    _error(h.post("/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"}), 400)
+    # curl -d without -H: a form; BUILD.md's rollback command once sent it so
+    r = h.post("/admin/speculation", content=b'{"enabled": false}',
+               headers={"Content-Type": "application/x-www-form-urlencoded"})
+    err = _error(r, 400)
+    assert "Content-Type: application/json" in err["message"] and "x-www-form-urlencoded" in err["message"], err
+    assert h.post("/admin/speculation", content=b'{"enabled": true}').status_code == 200  # no header: read as JSON
+
+
 # ------------------------------------------------------------------------- keep last: it stops the module's server
 
 def test_sigterm_with_streams_open_ends_each_with_an_error_event_and_done(server):
