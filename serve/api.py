@@ -57,6 +57,21 @@ def is_json(content_type: str) -> bool:
   return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
+def prompt_fields_on_top(body: dict) -> None:
+  """A chat answer has one prompt: its prompt_token_ids and prompt_logprobs sit at the response's top level, where
+  vLLM puts them (a completion's stay in each choice, one per prompt, as there)."""
+  for key in ("prompt_token_ids", "prompt_logprobs"):
+    values = [c.pop(key) for c in body["choices"] if key in c]
+    if values:
+      body[key] = values[0]
+
+
+def progress_usage(c) -> dict:
+  """A streamed choice's usage so far (vLLM's continuous_usage_stats)."""
+  return {"prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.ids),
+          "total_tokens": len(c.prompt_ids) + len(c.ids)}
+
+
 def abort_unfinished(engine, choices: list) -> None:
   for c in choices:
     if not c.req.finished:
@@ -224,8 +239,10 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
   def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-  def stream(choices: list, event, ask, fmt, *, chat: bool, include_usage: bool, with_ids: bool, plan):
+  def stream(choices: list, event, ask, fmt, *, chat: bool, include_usage: bool, with_ids: bool, plan,
+             continuous: bool = False):
     rid = new_id("chatcmpl" if chat else "cmpl")
+    by_index = {c.index: c for c in choices}
     # a chat answer that may be a tool call streams as delta.tool_calls (serve/tool_stream.py)
     calls = {c.index: ToolCallStream(plan.tools, plan.regex is not None) for c in choices} if plan.tools else {}
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -234,6 +251,8 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       body = (chat_chunk(rid, model_name, {}, None, with_usage_field=include_usage) if chat else
               completion_chunk(rid, model_name, "", None, with_usage_field=include_usage))
       body["choices"] = [choice]
+      if continuous:  # vLLM's continuous_usage_stats: the choice's usage so far in every chunk
+        body["usage"] = progress_usage(by_index[choice["index"]])
       return body
 
     def end(c) -> list:
@@ -243,6 +262,8 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
         last = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
       done = {"index": c.index, "logprobs": None, "finish_reason": reason}
       done.update({"delta": {}} if chat else {"text": ""})
+      if with_ids:
+        done["token_ids"] = []
       return last + [done]
 
     async def gen():
@@ -347,7 +368,9 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     with_ids = bool(body.return_token_ids)
     if body.stream:
       include = bool(body.stream_options and body.stream_options.include_usage)
-      return stream(choices, event, ask, fmt, chat=chat, include_usage=include, with_ids=with_ids, plan=plan)
+      continuous = include and bool(body.stream_options.continuous_usage_stats)
+      return stream(choices, event, ask, fmt, chat=chat, include_usage=include, with_ids=with_ids, plan=plan,
+                    continuous=continuous)
     try:
       for c in choices:
         await collect(request, c, event)
@@ -357,6 +380,8 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     out = make(new_id("chatcmpl" if chat else "cmpl"), model_name, "", "stop", ch.total_usage(choices))
     choices = ch.best(choices, gen, n)  # usage above counts every generated sample
     out["choices"] = [choice(fmt, c, ask, with_ids) for c in choices]
+    if chat:
+      prompt_fields_on_top(out)
     if plan.tools:  # a choice whose whole text is one valid call answers with tool_calls
       for c, body_choice in zip(choices, out["choices"]):
         tools.answer({"choices": [body_choice]}, plan.tools, "".join(c.text), forced=plan.regex is not None)

@@ -58,6 +58,7 @@ class EngineRequest:
   # The paged KV pool (serve/kv_scheduler.py): a resume after preemption rebuilds the device request.
   remake: Optional[Callable] = None  # slots.make_request with this request's settings, but prompt and max_new
   max_new: int = 0
+  cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission (usage's cached_tokens)
   cache_salt: Optional[str] = None  # vLLM's: part of the prefix cache's salt, with the tenant
   out_ids: list = dataclasses.field(default_factory=list)  # the token ids handed over so far
   admissions: int = 0
@@ -150,4 +151,5 @@ class EngineRequest:
   def usage(self) -> Usage:
     d, a, n = self.prior
     return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=self.n_tokens,
-                 drafted_tokens=d + self.drafted, accepted_tokens=a + self.accepted, drafts=n + self.drafts)
+                 drafted_tokens=d + self.drafted, accepted_tokens=a + self.accepted, drafts=n + self.drafts,
+                 cached_tokens=self.cached_tokens)

@@ -191,6 +191,8 @@ class KVScheduler:
     self._poison()
     pages = self.bm.table(key)
     req.kv_key, req.kv_len, req.inflight = key, prefill, []
+    if not req.out_ids:  # the first admission: what the prompt found cached (a resume's hit is not the client's)
+      req.cached_tokens = hit[1]
     req.admissions += 1
     self._seq += 1
     req.admit_seq = self._seq

@@ -54,6 +54,7 @@ def integer(**bounds):
 
 
 Int, Count, TopK, TopLogprobs = integer(), integer(ge=1), integer(ge=-1), integer(ge=0, le=20)
+Seed = integer(ge=-2**63, le=2**63 - 1)  # vLLM's: a 64-bit signed integer
 
 
 # ---------------------------------------------------------------------------------------- the request fields
@@ -177,6 +178,7 @@ def refuse_unsupported(body: BaseModel, route: str) -> None:
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="allow")
   include_usage: Optional[StrictBool] = False
+  continuous_usage_stats: Optional[StrictBool] = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Sampling(BaseModel):
@@ -188,7 +190,7 @@ class _Sampling(BaseModel):
   temperature: Optional[float] = Field(None, ge=0)
   top_p: Optional[float] = Field(None, gt=0, le=1)
   top_k: Optional[TopK] = None
-  seed: Optional[Int] = None
+  seed: Optional[Seed] = None
   stop: Optional[Union[StrictStr, Annotated[list[StrictStr], Field(max_length=16)]]] = None
   n: Optional[Count] = 1
   stream: Optional[StrictBool] = False
@@ -209,11 +211,13 @@ class _Sampling(BaseModel):
   return_token_ids: Optional[StrictBool] = False
   tenant: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
   segment: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
-  cache_salt: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
+  cache_salt: Optional[Annotated[StrictStr, Field(min_length=1, max_length=256)]] = None  # vLLM: not empty
 
   def check_supported(self) -> None:
     """What the models accept but the server cannot honour exactly yet: a 400 that names the field (FIELDS)."""
     refuse_unsupported(self, "chat" if isinstance(self, ChatRequest) else "completions")
+    if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's 400
+      raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
 
   def token_budget(self) -> tuple[Optional[int], str]:
     """The output budget and the field it came from: max_completion_tokens wins over max_tokens, as on vLLM."""
@@ -267,11 +271,13 @@ def new_id(prefix: str) -> str:
 
 
 def usage_dict(u) -> dict:
-  """prompt/completion tokens as OpenAI counts them, plus the request's speculation counters; the drafted
+  """prompt/completion tokens as OpenAI counts them (with the prompt tokens the prefix cache held as
+  prompt_tokens_details.cached_tokens), plus the request's speculation counters; the drafted
   tokens that were not accepted are also reported as OpenAI's `rejected_prediction_tokens`."""
   return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
           "total_tokens": u.prompt_tokens + u.completion_tokens, "drafted_tokens": u.drafted_tokens,
           "accepted_tokens": u.accepted_tokens, "num_drafts": u.drafts,
+          "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
           "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_tokens,
                                         "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens}}
 

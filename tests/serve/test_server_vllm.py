@@ -201,6 +201,83 @@ def test_every_error_has_openai_s_shape_and_a_form_body_says_which_header(server
     assert h.post("/admin/speculation", content=b'{"enabled": true}').status_code == 200  # no header: read as JSON
 
 
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 3}
+COMPLETION = {"model": MODEL, "prompt": "the cat", "max_tokens": 3}
+
+
+def test_validation_openai_and_vllm_do(server):
+  """Item 3: each a 400 naming its field."""
+  with server.http() as h:
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+      for extra, param, words in [
+          ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
+          ({"cache_salt": ""}, "cache_salt", ""),
+          ({"seed": 2**63}, "seed", ""), ({"seed": -2**63 - 1}, "seed", ""),
+          ({"logit_bias": {"x": 1, "5": 1, "99999": 2}}, "logit_bias", "'x', '99999'"),
+          ({"stop_token_ids": [5, 99999]}, "stop_token_ids", "in [0, 302); these are not: 99999")]:
+        err = _error(h.post(path, json={**body, **extra}), 400)
+        assert err["param"] == param and words in err["message"], (path, extra, err)
+    err = _error(h.post("/v1/chat/completions", json={**CHAT, "tool_choice": "auto"}), 400)
+    assert err["param"] == "tool_choice" and "needs tools" in err["message"]
+    got = []  # the 64-bit range's ends are served, and a seeded sample is the same with speculation on and off
+    for speculate in (True, False):
+      for seed in (2**63 - 1, -2**63):
+        r = h.post("/v1/completions", json={**COMPLETION, "max_tokens": 12, "temperature": 1.0, "seed": seed,
+                                             "speculate": speculate, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["token_ids"])
+    assert got[:2] == got[2:]
+
+
+def test_usage_cached_tokens_and_continuous_usage_stats(server):
+  """Item 4: prompt_tokens_details.cached_tokens is what the prefix cache held (0 the first time, the prompt's
+  whole pages the second), and a stream with continuous_usage_stats carries the usage so far in every chunk."""
+  prompt = "the mat is on the dog and the cat ran " * 6
+  got = []
+  for speculate in (True, False):
+    salt = f"usage-{speculate}"  # a fresh cache each time
+    cached = []
+    for _ in range(2):
+      r = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                             extra_body={"speculate": speculate, "cache_salt": salt})
+      cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] == 0 and cached[1] == (r.usage.prompt_tokens - 1) // 16 * 16 > 0, (cached, r.usage)
+    got.append((cached, r.choices[0].text))
+  assert got[0] == got[1]
+  for speculate in (True, False):
+    chunks = list(server.client().completions.create(
+        model=MODEL, prompt="the cat", max_tokens=9, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"speculate": speculate}))
+    assert all(ch.usage is not None for ch in chunks)
+    done = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert done == sorted(done) and done[-1] == 9 and chunks[-1].usage.completion_tokens == 9
+    assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in chunks)
+
+
+def test_token_ids_and_prompt_logprobs_where_vllm_puts_them(server):
+  """Item 5: chat's prompt_token_ids and prompt_logprobs at the top level; a streamed completion's first chunk
+  has the prompt's ids and its last chunk token_ids; the same with speculation on and off."""
+  got = []
+  with server.http() as h:
+    for speculate in (True, False):
+      r = h.post("/v1/chat/completions", json={**CHAT, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                                               "prompt_logprobs": 1, "speculate": speculate}).json()
+      choice = r["choices"][0]
+      assert "prompt_token_ids" not in choice and "prompt_logprobs" not in choice and len(choice["token_ids"]) == 6
+      assert len(r["prompt_logprobs"]) == len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"]
+      whole = h.post("/v1/completions", json={**COMPLETION, "max_tokens": 6, "temperature": 0,
+                                              "return_token_ids": True, "speculate": speculate}).json()["choices"][0]
+      text = h.post("/v1/completions", json={**COMPLETION, "max_tokens": 6, "temperature": 0, "stream": True,
+                                             "return_token_ids": True, "speculate": speculate}).text
+      chunks = [json.loads(line[6:])["choices"][0] for line in text.splitlines() if line.startswith("data: {")]
+      assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+      assert all("prompt_token_ids" not in c for c in chunks[1:])
+      assert all("token_ids" in c for c in chunks) and chunks[-1]["finish_reason"] == "length"
+      assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+      got.append((r["prompt_token_ids"], choice["token_ids"], whole["token_ids"]))
+  assert got[0] == got[1]
+
+
 # ------------------------------------------------------------------------- keep last: it stops the module's server
 
 def test_sigterm_with_streams_open_ends_each_with_an_error_event_and_done(server):
