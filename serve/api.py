@@ -57,6 +57,48 @@ def is_json(content_type: str) -> bool:
   return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
+def truncated(ids: list, body, engine) -> list:
+  """vLLM's truncate_prompt_tokens: the last N prompt tokens (truncation_side "right": the first N); -1 keeps what
+  the context holds with room for one token."""
+  n = body.truncate_prompt_tokens
+  if n is None:
+    return ids
+  if n == 0:
+    raise APIError(400, "truncate_prompt_tokens: a number of tokens >= 1, or -1 (the context's)",
+                   "truncate_prompt_tokens")
+  if n == -1:
+    n = max(engine.max_new_for(0) - 1, 1)
+  return ids[:n] if body.truncation_side == "right" else ids[-n:]
+
+
+def chat_prompt(tokenizer, turns: list, body) -> str:
+  """The chat template's text: a new model turn opened unless add_generation_prompt is false; with
+  continue_final_message the last (assistant) turn left open, cut after its content, as vLLM renders it."""
+  opened = body.add_generation_prompt is not False
+  if body.continue_final_message:
+    if opened:
+      raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
+    if turns[-1]["role"] not in ("assistant", "model"):
+      raise APIError(400, "continue_final_message continues an assistant turn: the last message is "
+                     f"{turns[-1]['role']!r}", "continue_final_message")
+  text = tokenizer.apply_chat_template(turns, add_generation_prompt=opened)
+  if body.continue_final_message:
+    content = turns[-1]["content"].strip()
+    end = text.rfind(content)
+    if not content or end < 0:
+      raise APIError(400, "continue_final_message: the last message's content is empty", "continue_final_message")
+    text = text[:end + len(content)]
+  return text
+
+
+def chat_echo(body) -> str:
+  """vLLM's chat echo: the last message's content when it is an assistant turn (the answer continues it)."""
+  last = body.messages[-1]
+  if not body.echo or last.role not in ("assistant", "model"):
+    return ""
+  return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content or ())
+
+
 def prompt_fields_on_top(body: dict) -> None:
   """A chat answer has one prompt: its prompt_token_ids and prompt_logprobs sit at the response's top level, where
   vLLM puts them (a completion's stay in each choice, one per prompt, as there)."""
@@ -240,7 +282,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
   def stream(choices: list, event, ask, fmt, *, chat: bool, include_usage: bool, with_ids: bool, plan,
-             continuous: bool = False):
+             continuous: bool = False, echo: str = ""):
     rid = new_id("chatcmpl" if chat else "cmpl")
     by_index = {c.index: c for c in choices}
     # a chat answer that may be a tool call streams as delta.tool_calls (serve/tool_stream.py)
@@ -270,7 +312,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       try:
         if chat:
           for c in choices:
-            yield sse(wrap({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            yield sse(wrap({"index": c.index, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                             "finish_reason": None}))
         live = list(choices)
         while live:
@@ -333,7 +375,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       task.add_done_callback(lambda _: compiling.pop(key, None))
     return await asyncio.shield(task)
 
-  async def complete(request: Request, body, prompts: list, *, chat: bool, plan=structured.Plan()):
+  async def complete(request: Request, body, prompts: list, *, chat: bool, plan=structured.Plan(), echo: str = ""):
     """The one path of both routes: a choice per (prompt, sample), then a stream or the whole answer. prompts:
     (token ids, text) per prompt."""
     loop = asyncio.get_running_loop()
@@ -370,7 +412,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       include = bool(body.stream_options and body.stream_options.include_usage)
       continuous = include and bool(body.stream_options.continuous_usage_stats)
       return stream(choices, event, ask, fmt, chat=chat, include_usage=include, with_ids=with_ids, plan=plan,
-                    continuous=continuous)
+                    continuous=continuous, echo=echo)
     try:
       for c in choices:
         await collect(request, c, event)
@@ -382,6 +424,9 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     out["choices"] = [choice(fmt, c, ask, with_ids) for c in choices]
     if chat:
       prompt_fields_on_top(out)
+      for body_choice in out["choices"]:  # chat echo: the continued turn's content first
+        if echo and body_choice["message"]["content"] is not None:
+          body_choice["message"]["content"] = echo + body_choice["message"]["content"]
     if plan.tools:  # a choice whose whole text is one valid call answers with tool_calls
       for c, body_choice in zip(choices, out["choices"]):
         tools.answer({"choices": [body_choice]}, plan.tools, "".join(c.text), forced=plan.regex is not None)
@@ -401,12 +446,14 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       if not p:
         raise APIError(400, "the prompt is empty", "prompt")
       if isinstance(p, str):
-        prompts.append((tokenizer.encode(p), p))
+        ids = tokenizer.encode(p)
       else:
         bad = [t for t in p if not 0 <= t < engine.spec.config.vocab_size]
         if bad:
           raise APIError(400, f"prompt token ids outside the vocabulary: {bad[:5]}", "prompt")
-        prompts.append((list(p), tokenizer.decode(p, skip_special=True)))
+        ids, p = list(p), None
+      kept = truncated(ids, body, engine)
+      prompts.append((kept, p if p is not None and kept == ids else tokenizer.decode(kept, skip_special=True)))
     return await complete(request, body, prompts, chat=False, plan=structured.plan(body, "completions"))
 
   @guarded.post("/v1/chat/completions")
@@ -414,12 +461,13 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     checked(body)
     plan = structured.plan(body, "chat")
     try:
-      prompt_text = tokenizer.apply_chat_template(tools.render([m.model_dump() for m in body.messages], plan.tools))
+      prompt_text = chat_prompt(tokenizer, tools.render([m.model_dump() for m in body.messages], plan.tools), body)
     except (ValueError, TypeError, KeyError) as e:
       raise APIError(400, f"messages: {e}", "messages")
     if (body.n or 1) > MAX_CHOICES:
       raise APIError(400, f"n={body.n} is over {MAX_CHOICES} choices per request", "n")
-    return await complete(request, body, [(tokenizer.encode(prompt_text), prompt_text)], chat=True, plan=plan)
+    ids = truncated(tokenizer.encode(prompt_text), body, engine)
+    return await complete(request, body, [(ids, prompt_text)], chat=True, plan=plan, echo=chat_echo(body))
 
   @guarded.get("/v1/models")
   async def models():

@@ -278,6 +278,65 @@ def test_token_ids_and_prompt_logprobs_where_vllm_puts_them(server):
   assert got[0] == got[1]
 
 
+def test_vllm_extensions_honoured_with_speculation_on_and_off(server):
+  """Item 7: truncate_prompt_tokens / truncation_side, add_generation_prompt false, continue_final_message and
+  chat echo, each the same with speculation on and off."""
+  got = []
+  user = [{"role": "user", "content": "the cat"}]
+  turn = user + [{"role": "assistant", "content": "the dog"}]
+  with server.http() as h:
+    post = lambda path, **kw: h.post(path, json={"model": MODEL, "max_tokens": 6, "temperature": 0,
+                                                  "return_token_ids": True, **kw})
+    for speculate in (True, False):
+      out = []
+      full = post("/v1/completions", prompt="the cat sat on the mat", speculate=speculate).json()["choices"][0]
+      ids = full["prompt_token_ids"]
+      for side, kept in ((None, ids[-3:]), ("left", ids[-3:]), ("right", ids[:3])):
+        r = post("/v1/completions", prompt="the cat sat on the mat", truncate_prompt_tokens=3, truncation_side=side,
+                 speculate=speculate).json()
+        same = post("/v1/completions", prompt=kept, speculate=speculate).json()["choices"][0]
+        assert r["choices"][0]["prompt_token_ids"] == kept and r["usage"]["prompt_tokens"] == 3
+        assert r["choices"][0]["token_ids"] == same["token_ids"]
+        out.append(same["token_ids"])
+      chat = lambda **kw: post("/v1/chat/completions", speculate=speculate, **kw).json()
+      opened, closed = chat(messages=user), chat(messages=user, add_generation_prompt=False)
+      assert opened["prompt_token_ids"][:len(closed["prompt_token_ids"])] == closed["prompt_token_ids"]
+      assert len(closed["prompt_token_ids"]) < len(opened["prompt_token_ids"])
+      ended = chat(messages=turn, add_generation_prompt=False)["prompt_token_ids"]
+      cont = chat(messages=turn, add_generation_prompt=False, continue_final_message=True)
+      n = len(cont["prompt_token_ids"])
+      assert ended[:n] == cont["prompt_token_ids"] and ended[n] == 6  # the turn's <end_of_turn> is left off
+      echoed = chat(messages=turn, add_generation_prompt=False, continue_final_message=True, echo=True)
+      text = cont["choices"][0]["message"]["content"]
+      assert echoed["choices"][0]["message"]["content"] == "the dog" + text
+      streamed = h.post("/v1/chat/completions", json={
+          "model": MODEL, "max_tokens": 6, "temperature": 0, "messages": turn, "add_generation_prompt": False,
+          "continue_final_message": True, "echo": True, "stream": True, "speculate": speculate}).text
+      deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.splitlines()
+                if line.startswith("data: {")]
+      assert "".join(d.get("content") or "" for d in deltas) == "the dog" + text
+      got.append((out, closed["choices"][0]["token_ids"], text))
+  assert got[0] == got[1]
+
+
+def test_vllm_extensions_not_done_are_400s_naming_them(server):
+  with server.http() as h:
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+      for extra, param, words in [
+          ({"allowed_token_ids": [5, 6]}, "allowed_token_ids", "logit_bias"),
+          ({"use_beam_search": True}, "use_beam_search", "beam search"),
+          ({"guided_grammar": 'root ::= "a"'}, "guided_grammar", "context-free"),
+          ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1")]:
+        err = _error(h.post(path, json={**body, **extra}), 400)
+        assert err["param"] == param and words in err["message"], (path, extra, err)
+    turn = CHAT["messages"] + [{"role": "assistant", "content": "x"}]
+    for extra, param in [({"messages": [{"role": "developer", "content": "a"}]}, "messages.0.role"),
+                         ({"messages": turn, "continue_final_message": True}, "continue_final_message"),
+                         ({"continue_final_message": True, "add_generation_prompt": False},
+                          "continue_final_message")]:
+      assert _error(h.post("/v1/chat/completions", json={**CHAT, **extra}), 400)["param"] == param, extra
+
+
 # ------------------------------------------------------------------------- keep last: it stops the module's server
 
 def test_sigterm_with_streams_open_ends_each_with_an_error_event_and_done(server):
