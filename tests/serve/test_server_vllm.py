@@ -274,7 +274,11 @@ def test_token_ids_and_prompt_logprobs_where_vllm_puts_them(server):
       assert all("prompt_token_ids" not in c for c in chunks[1:])
       assert all("token_ids" in c for c in chunks) and chunks[-1]["finish_reason"] == "length"
       assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
-      got.append((r["prompt_token_ids"], choice["token_ids"], whole["token_ids"]))
+      # a special token's logprob entry shows its text (<bos>), as vLLM's does, not ""
+      echo = h.post("/v1/completions", json={**COMPLETION, "max_tokens": 2, "temperature": 0, "echo": True,
+                                             "logprobs": 1, "speculate": speculate}).json()["choices"][0]
+      assert echo["logprobs"]["tokens"][0] == "<bos>" and all(echo["logprobs"]["tokens"]), echo["logprobs"]
+      got.append((r["prompt_token_ids"], choice["token_ids"], whole["token_ids"], echo["logprobs"]["tokens"]))
   assert got[0] == got[1]
 
 
