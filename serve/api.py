@@ -312,8 +312,11 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       try:
         if chat:
           for c in choices:
-            yield sse(wrap({"index": c.index, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
-                            "finish_reason": None}))
+            first = wrap({"index": c.index, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+                          "finish_reason": None})
+            if with_ids:  # vLLM's: the prompt's ids once, at the top of the first chunk
+              first["prompt_token_ids"] = c.prompt_ids
+            yield sse(first)
         live = list(choices)
         while live:
           moved = False

@@ -265,6 +265,12 @@ def test_token_ids_and_prompt_logprobs_where_vllm_puts_them(server):
       choice = r["choices"][0]
       assert "prompt_token_ids" not in choice and "prompt_logprobs" not in choice and len(choice["token_ids"]) == 6
       assert len(r["prompt_logprobs"]) == len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"]
+      text = h.post("/v1/chat/completions", json={**CHAT, "max_tokens": 6, "temperature": 0, "stream": True,
+                                                  "return_token_ids": True, "speculate": speculate}).text
+      chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+      assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"]
+      assert all("prompt_token_ids" not in c for c in chunks[1:])
+      assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == choice["token_ids"]
       whole = h.post("/v1/completions", json={**COMPLETION, "max_tokens": 6, "temperature": 0,
                                               "return_token_ids": True, "speculate": speculate}).json()["choices"][0]
       text = h.post("/v1/completions", json={**COMPLETION, "max_tokens": 6, "temperature": 0, "stream": True,
