@@ -30,6 +30,7 @@ def reap(e, now: float) -> None:
       e.tenants.release(req.tenant_id)
       if e.kv is not None:
         e.kv.release(req)
+        e.kv.metrics_update()  # kv_cache_usage_perc drops now, not at the next loop call (there may be none)
   with e._lock:
     keep = collections.deque()
     for req in e._waiting:
@@ -94,6 +95,7 @@ def admit(e, now: float) -> int:
       req.admitted_at = now
       e.metrics.queue_time.observe(now - req.arrival)
       e.metrics.prompt_tokens.inc(len(req.prompt_ids))
+      e.iteration_tokens += len(req.prompt_ids)
   return n
 
 

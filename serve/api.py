@@ -38,14 +38,129 @@ log = logging.getLogger("spec_jax.server")
 MAX_CHOICES = 128  # prompts x n in one request: each choice is a request in the engine's queue
 
 
-def validation_error(e: RequestValidationError) -> APIError:
-  """FastAPI's first validation error as a 400 that names the field (`param`), as OpenAI's API does."""
+def validation_error(e: RequestValidationError, content_type: Optional[str] = None) -> APIError:
+  """FastAPI's first validation error as a 400 that names the field (`param`), as OpenAI's API does; a body sent
+  with a Content-Type that is not JSON (curl's -d without -H sends a form) is a 400 that says so."""
   err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+  if tuple(err.get("loc", ())) == ("body",) and content_type and not is_json(content_type):
+    return APIError(400, f"the body must be JSON, sent with the header 'Content-Type: application/json' (this "
+                    f"request's Content-Type is {content_type!r})")
   if err.get("type") == "json_invalid":
     return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
   field = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
   got = f" (got {str(err['input'])[:80]!r})" if "input" in err and field else ""
   return APIError(400, f"{field or 'body'}: {err['msg']}{got}", param=field or None)
+
+
+def is_json(content_type: str) -> bool:
+  kind = content_type.split(";")[0].strip().lower()
+  return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def truncated(ids: list, body, engine) -> list:
+  """vLLM's truncate_prompt_tokens: the last N prompt tokens (truncation_side "right": the first N); -1 keeps what
+  the context holds with room for one token."""
+  n = body.truncate_prompt_tokens
+  if n is None:
+    return ids
+  if n == 0:
+    raise APIError(400, "truncate_prompt_tokens: a number of tokens >= 1, or -1 (the context's)",
+                   "truncate_prompt_tokens")
+  if n == -1:
+    n = max(engine.max_new_for(0) - 1, 1)
+  return ids[:n] if body.truncation_side == "right" else ids[-n:]
+
+
+def chat_prompt(tokenizer, turns: list, body) -> str:
+  """The chat template's text: a new model turn opened unless add_generation_prompt is false; with
+  continue_final_message the last (assistant) turn left open, cut after its content, as vLLM renders it."""
+  opened = body.add_generation_prompt is not False
+  if body.continue_final_message:
+    if opened:
+      raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
+    if turns[-1]["role"] not in ("assistant", "model"):
+      raise APIError(400, "continue_final_message continues an assistant turn: the last message is "
+                     f"{turns[-1]['role']!r}", "continue_final_message")
+  text = tokenizer.apply_chat_template(turns, add_generation_prompt=opened)
+  if body.continue_final_message:
+    content = turns[-1]["content"].strip()
+    end = text.rfind(content)
+    if not content or end < 0:
+      raise APIError(400, "continue_final_message: the last message's content is empty", "continue_final_message")
+    text = text[:end + len(content)]
+  return text
+
+
+def chat_echo(body) -> str:
+  """vLLM's chat echo: the last message's content when it is an assistant turn (the answer continues it)."""
+  last = body.messages[-1]
+  if not body.echo or last.role not in ("assistant", "model"):
+    return ""
+  return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content or ())
+
+
+def prompt_fields_on_top(body: dict) -> None:
+  """A chat answer has one prompt: its prompt_token_ids and prompt_logprobs sit at the response's top level, where
+  vLLM puts them (a completion's stay in each choice, one per prompt, as there)."""
+  for key in ("prompt_token_ids", "prompt_logprobs"):
+    values = [c.pop(key) for c in body["choices"] if key in c]
+    if values:
+      body[key] = values[0]
+
+
+def progress_usage(c) -> dict:
+  """A streamed choice's usage so far (vLLM's continuous_usage_stats)."""
+  return {"prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.ids),
+          "total_tokens": len(c.prompt_ids) + len(c.ids)}
+
+
+def abort_unfinished(engine, choices: list) -> None:
+  for c in choices:
+    if not c.req.finished:
+      engine.abort(c.req)  # the client went away (or the server is stopping): free the slot
+
+
+class EventStream(StreamingResponse):
+  """An SSE response that calls `on_close` however it ends. A client that walks away cancels the response while it
+  may be inside `send`, outside the body generator: the generator is then left suspended and its `finally` runs
+  only when the garbage collector finds it (seconds later), so the request's slot and pages are freed here, at
+  once (the engine frees them at its next iteration)."""
+
+  def __init__(self, body, on_close):
+    super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                     "X-Accel-Buffering": "no"})
+    self.on_close = on_close
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self.on_close()
+      await self.body_iterator.aclose()
+
+
+def model_card(name: str, cfg: dict, capacity: int) -> dict:
+  """A /v1/models entry with vLLM's extra fields: root (the checkpoint served), parent (null: not a LoRA adapter)
+  and max_model_len."""
+  return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "spec_jax",
+          "root": cfg.get("model") or name, "parent": None, "max_model_len": capacity}
+
+
+def server_version() -> str:
+  """GET /version (vLLM's route): the installed spec_jax's version."""
+  from importlib import metadata
+  try:
+    return metadata.version("spec_jax")
+  except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+    return "0+unknown"
+
+
+def default_max_tokens(engine, cfg: dict, prompt_len: int) -> int:
+  """A request without max_tokens generates up to the end of the context, as OpenAI and vLLM do (or up to the
+  pool's room for it); --default_max_tokens N > 0 caps that at N."""
+  fits = engine.max_new_for(prompt_len)
+  cap = cfg.get("default_max_tokens") or 0
+  return min(cap, fits) if cap > 0 else fits
 
 
 def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
@@ -70,7 +185,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
 
   @api.exception_handler(RequestValidationError)
   async def _validation(request, e):
-    return error_response(validation_error(e))
+    return error_response(validation_error(e, request.headers.get("content-type")))
 
   @api.exception_handler(HTTPException)
   async def _http(request, e):
@@ -106,7 +221,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     max_tokens, budget_field = body.token_budget()
     room = engine.capacity - len(prompt_ids) - engine.spec.lookahead - 1
     if max_tokens is None:
-      max_tokens = min(cfg["max_new_tokens"], room)
+      max_tokens = default_max_tokens(engine, cfg, len(prompt_ids))
       if max_tokens < 1:
         raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the context of "
                        f"{engine.capacity} tokens", "prompt")
@@ -166,8 +281,10 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
   def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-  def stream(choices: list, event, ask, fmt, *, chat: bool, include_usage: bool, with_ids: bool, plan):
+  def stream(choices: list, event, ask, fmt, *, chat: bool, include_usage: bool, with_ids: bool, plan,
+             continuous: bool = False, echo: str = ""):
     rid = new_id("chatcmpl" if chat else "cmpl")
+    by_index = {c.index: c for c in choices}
     # a chat answer that may be a tool call streams as delta.tool_calls (serve/tool_stream.py)
     calls = {c.index: ToolCallStream(plan.tools, plan.regex is not None) for c in choices} if plan.tools else {}
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -176,6 +293,8 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       body = (chat_chunk(rid, model_name, {}, None, with_usage_field=include_usage) if chat else
               completion_chunk(rid, model_name, "", None, with_usage_field=include_usage))
       body["choices"] = [choice]
+      if continuous:  # vLLM's continuous_usage_stats: the choice's usage so far in every chunk
+        body["usage"] = progress_usage(by_index[choice["index"]])
       return body
 
     def end(c) -> list:
@@ -185,14 +304,19 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
         last = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
       done = {"index": c.index, "logprobs": None, "finish_reason": reason}
       done.update({"delta": {}} if chat else {"text": ""})
+      if with_ids:
+        done["token_ids"] = []
       return last + [done]
 
     async def gen():
       try:
         if chat:
           for c in choices:
-            yield sse(wrap({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}))
+            first = wrap({"index": c.index, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+                          "finish_reason": None})
+            if with_ids:  # vLLM's: the prompt's ids once, at the top of the first chunk
+              first["prompt_token_ids"] = c.prompt_ids
+            yield sse(first)
         live = list(choices)
         while live:
           moved = False
@@ -221,12 +345,9 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
           yield sse(usage_chunk(rid, model_name, obj, ch.total_usage(choices)))
         yield "data: [DONE]\n\n"
       finally:
-        for c in choices:
-          if not c.req.finished:
-            engine.abort(c.req)  # the client went away (or the server is stopping): free the slot
+        abort_unfinished(engine, choices)
 
-    return StreamingResponse(gen(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(gen(), lambda: abort_unfinished(engine, choices))
 
   compiler = []  # the grammar compiler (spec_jax/grammar), made on first use: ~1 s for a 262k vocabulary
 
@@ -257,7 +378,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       task.add_done_callback(lambda _: compiling.pop(key, None))
     return await asyncio.shield(task)
 
-  async def complete(request: Request, body, prompts: list, *, chat: bool, plan=structured.Plan()):
+  async def complete(request: Request, body, prompts: list, *, chat: bool, plan=structured.Plan(), echo: str = ""):
     """The one path of both routes: a choice per (prompt, sample), then a stream or the whole answer. prompts:
     (token ids, text) per prompt."""
     loop = asyncio.get_running_loop()
@@ -265,6 +386,7 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     ask = ask_of(body, chat, max_logprobs)
     fmt = Formatter(tokenizer, as_ids=(body.model_extra or {}).get("return_tokens_as_token_ids") is True)
     n = body.n or 1
+    metrics.request_params_n.observe(n)
     gen = ch.generated_per_prompt(body, max_logprobs)  # best_of: more samples than choices, ranked by logprob
     grammar = await compile_grammar(plan)  # one automaton for every choice
     choices = []
@@ -291,21 +413,26 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     with_ids = bool(body.return_token_ids)
     if body.stream:
       include = bool(body.stream_options and body.stream_options.include_usage)
-      return stream(choices, event, ask, fmt, chat=chat, include_usage=include, with_ids=with_ids, plan=plan)
+      continuous = include and bool(body.stream_options.continuous_usage_stats)
+      return stream(choices, event, ask, fmt, chat=chat, include_usage=include, with_ids=with_ids, plan=plan,
+                    continuous=continuous, echo=echo)
     try:
       for c in choices:
         await collect(request, c, event)
     finally:
-      for c in choices:
-        if not c.req.finished:
-          engine.abort(c.req)
+      abort_unfinished(engine, choices)
     make, choice = (chat_body, ch.chat_choice) if chat else (completion_body, ch.completion_choice)
     out = make(new_id("chatcmpl" if chat else "cmpl"), model_name, "", "stop", ch.total_usage(choices))
     choices = ch.best(choices, gen, n)  # usage above counts every generated sample
     out["choices"] = [choice(fmt, c, ask, with_ids) for c in choices]
+    if chat:
+      prompt_fields_on_top(out)
+      for body_choice in out["choices"]:  # chat echo: the continued turn's content first
+        if echo and body_choice["message"]["content"] is not None:
+          body_choice["message"]["content"] = echo + body_choice["message"]["content"]
     if plan.tools:  # a choice whose whole text is one valid call answers with tool_calls
       for c, body_choice in zip(choices, out["choices"]):
-        tools.answer({"choices": [body_choice]}, plan.tools, "".join(c.text))
+        tools.answer({"choices": [body_choice]}, plan.tools, "".join(c.text), forced=plan.regex is not None)
     return out
 
   @guarded.post("/v1/completions")
@@ -322,12 +449,14 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
       if not p:
         raise APIError(400, "the prompt is empty", "prompt")
       if isinstance(p, str):
-        prompts.append((tokenizer.encode(p), p))
+        ids = tokenizer.encode(p)
       else:
         bad = [t for t in p if not 0 <= t < engine.spec.config.vocab_size]
         if bad:
           raise APIError(400, f"prompt token ids outside the vocabulary: {bad[:5]}", "prompt")
-        prompts.append((list(p), tokenizer.decode(p, skip_special=True)))
+        ids, p = list(p), None
+      kept = truncated(ids, body, engine)
+      prompts.append((kept, p if p is not None and kept == ids else tokenizer.decode(kept, skip_special=True)))
     return await complete(request, body, prompts, chat=False, plan=structured.plan(body, "completions"))
 
   @guarded.post("/v1/chat/completions")
@@ -335,17 +464,21 @@ def create_app(engine, tokenizer, cfg: dict) -> FastAPI:
     checked(body)
     plan = structured.plan(body, "chat")
     try:
-      prompt_text = tokenizer.apply_chat_template(tools.render([m.model_dump() for m in body.messages], plan.tools))
+      prompt_text = chat_prompt(tokenizer, tools.render([m.model_dump() for m in body.messages], plan.tools), body)
     except (ValueError, TypeError, KeyError) as e:
       raise APIError(400, f"messages: {e}", "messages")
     if (body.n or 1) > MAX_CHOICES:
       raise APIError(400, f"n={body.n} is over {MAX_CHOICES} choices per request", "n")
-    return await complete(request, body, [(tokenizer.encode(prompt_text), prompt_text)], chat=True, plan=plan)
+    ids = truncated(tokenizer.encode(prompt_text), body, engine)
+    return await complete(request, body, [(ids, prompt_text)], chat=True, plan=plan, echo=chat_echo(body))
 
   @guarded.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "spec_jax", "max_model_len": engine.capacity}]}
+    return {"object": "list", "data": [model_card(model_name, cfg, engine.capacity)]}
+
+  @api.get("/version")
+  async def version():
+    return {"version": server_version()}
 
   @guarded.get("/admin/speculation")
   async def speculation_status():

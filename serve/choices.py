@@ -35,6 +35,7 @@ class Choice:
   lps: list = dataclasses.field(default_factory=list)
   final: Any = None  # the last Delta (finish reason, usage)
   sent_prefix: bool = False  # streaming: echo already sent
+  sent_ids: bool = False  # streaming: prompt_token_ids already sent
   offset: int = 0  # streaming: text offset of the next token (completions' text_offset)
 
   def add(self, d) -> None:
@@ -85,6 +86,7 @@ def total_usage(choices: list) -> Usage:
   for c in choices:
     cu = c.final.usage if c.final is not None and c.final.usage is not None else c.req.usage()
     u.prompt_tokens += cu.prompt_tokens if c.first_sample else 0
+    u.cached_tokens += cu.cached_tokens if c.first_sample else 0
     u.completion_tokens += cu.completion_tokens
     u.drafted_tokens += cu.drafted_tokens
     u.accepted_tokens += cu.accepted_tokens
@@ -150,6 +152,8 @@ def completion_delta(fmt: Formatter, c: Choice, d, ask: Ask, with_ids: bool) -> 
   out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None}
   if with_ids:
     out["token_ids"] = d.token_ids
+    if not c.sent_ids:  # vLLM sends the prompt's ids once, in the choice's first chunk
+      out["prompt_token_ids"], c.sent_ids = c.prompt_ids, True
   return out
 
 

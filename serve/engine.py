@@ -86,6 +86,8 @@ class Engine:
     self._waiting: collections.deque = collections.deque()
     self._draining = False
     self._stop = False
+    self.iteration_tokens = 0  # this iteration's prompt tokens inserted and tokens handed over (metrics)
+    self._cut: Optional[str] = None  # set by cut_all: fail every request with this message at the next iteration
     self._applied_on: Optional[bool] = None  # the flag the device state holds
     self._pending = None  # (snapshot, {slot: request}, (window, arm)) of the loop dispatched last iteration
     self._last_uses = np.zeros(len(spec.ks), np.int64)
@@ -130,6 +132,12 @@ class Engine:
                          features=(float(temperature), int(max_new), str(tag), int(top_k), float(top_p)),
                          deadline=now + timeout if timeout else None, remake=make, max_new=int(max_new),
                          cache_salt=cache_salt)
+
+  def max_new_for(self, prompt_len: int) -> int:
+    """The most tokens a request of prompt_len may generate: the context's room after the prompt and the
+    speculative lookahead, and what the KV pool could ever give it."""
+    room = self.capacity - prompt_len - self.spec.lookahead - 1
+    return min(room, self.kv.max_new_ever(prompt_len)) if self.kv is not None else room
 
   def submit(self, req: EngineRequest) -> None:
     with self._lock:
@@ -207,6 +215,23 @@ class Engine:
       self._draining = True
       self._lock.notify()
 
+  def cut_all(self, message: str) -> None:
+    """The drain's deadline: every running and waiting request ends with a 503 (`message`) at the next iteration,
+    so that each client gets an error (a stream: an error event and [DONE]) rather than a cut connection."""
+    with self._lock:
+      self._cut = message
+      self._lock.notify()
+
+  def _fail_all(self) -> None:
+    """cut_all's work, on the engine thread (reap then frees the slots and pages)."""
+    with self._lock:
+      message, self._cut = self._cut, None
+      running = [r for r in self.table.holders.values() if not r.finished]
+      waiting = [r for r in self._waiting if not r.finished]
+    for r in running + waiting:
+      r.fail(503, "shutdown", message, self.metrics)
+    log.warning("drain deadline: cut %d running and %d waiting request(s) with a 503", len(running), len(waiting))
+
   def shutdown(self, grace_s: float = 30.0) -> None:
     """Drain (up to `grace_s`), abort what is left, stop the thread."""
     self.begin_drain()
@@ -258,6 +283,8 @@ class Engine:
     with self._lock:  # the admin switch resets the guardrails from the HTTP thread
       events = self.switch.tick(now, self.segments.verdict_of)
     self.segments.restart(seg for seg, _, _ in events)  # switched off or probing: measured afresh
+    if self._cut is not None:
+      self._fail_all()
     admission.reap(self, now)
     admitted = admission.admit(self, now)
     snap = None
@@ -282,6 +309,9 @@ class Engine:
     if pending is not None:
       host += self._process(*pending)
     self.metrics.host_time.observe(host)
+    if self.iteration_tokens:  # vLLM's iteration_tokens_total: prompt tokens inserted and tokens handed over
+      self.metrics.iteration_tokens.observe(self.iteration_tokens)
+      self.iteration_tokens = 0
     self.probe.sample_memory(now)
     self.metrics.observe_occupancy(*self.counts())
 
@@ -348,6 +378,7 @@ class Engine:
         d = a = n = steps = 0
       ttft = req.first_at - req.arrival if first and req.first_at is not None else None
       self.segments.credit(req, dispatched, now, tokens=n, itl=itl, steps=steps, drafted=d, accepted=a, ttft=ttft)
+      self.iteration_tokens += n
       acc = by_segment.setdefault(req.segment, [0, 0, []])
       acc[0] += d
       acc[1] += a

@@ -58,6 +58,7 @@ class EngineRequest:
   # The paged KV pool (serve/kv_scheduler.py): a resume after preemption rebuilds the device request.
   remake: Optional[Callable] = None  # slots.make_request with this request's settings, but prompt and max_new
   max_new: int = 0
+  cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission (usage's cached_tokens)
   cache_salt: Optional[str] = None  # vLLM's: part of the prefix cache's salt, with the tenant
   out_ids: list = dataclasses.field(default_factory=list)  # the token ids handed over so far
   admissions: int = 0
@@ -126,6 +127,7 @@ class EngineRequest:
     self.finished = True
     tail = self.stream.flush() if flush and self.stream is not None else ""
     m.finished.labels(finished_reason=reason).inc()
+    m.observe_request_end(self, now)
     m.e2e.observe(now - self.arrival)
     if self.first_at is not None and self.n_tokens > 1:
       m.tpot.observe((self.last_at - self.first_at) / (self.n_tokens - 1))
@@ -149,4 +151,5 @@ class EngineRequest:
   def usage(self) -> Usage:
     d, a, n = self.prior
     return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=self.n_tokens,
-                 drafted_tokens=d + self.drafted, accepted_tokens=a + self.accepted, drafts=n + self.drafts)
+                 drafted_tokens=d + self.drafted, accepted_tokens=a + self.accepted, drafts=n + self.drafts,
+                 cached_tokens=self.cached_tokens)

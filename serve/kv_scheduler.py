@@ -114,6 +114,8 @@ class KVScheduler:
     self._seq = 0  # admissions so far: the preemption order
     m = engine.metrics
     m.kv_pages.set(self.bm.usable)
+    m.cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(num_pages),
+                          enable_prefix_caching=str(bool(enable_prefix_caching))).set(1)
     m.kv_page_bytes.labels(holder="all").set(bytes_per_page)
     m.kv_page_bytes.labels(holder="proposer").set(proposer_bytes_per_page)
 
@@ -154,6 +156,10 @@ class KVScheduler:
       e.field = "max_tokens"
       raise e
 
+  def max_new_ever(self, prompt_len: int) -> int:
+    """The most tokens a request of prompt_len could ask for and still fit in an empty pool (its shard's share)."""
+    return (self.bm.per_shard - 1) * self.block_size - prompt_len - self.e.spec.lookahead - 1
+
   # ---- admission
   def admit(self, req):
     """Pages for the request's prompt (plus its streamed tokens on a resume) and one call -> its device request
@@ -185,6 +191,8 @@ class KVScheduler:
     self._poison()
     pages = self.bm.table(key)
     req.kv_key, req.kv_len, req.inflight = key, prefill, []
+    if not req.out_ids:  # the first admission: what the prompt found cached (a resume's hit is not the client's)
+      req.cached_tokens = hit[1]
     req.admissions += 1
     self._seq += 1
     req.admit_seq = self._seq

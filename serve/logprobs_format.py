@@ -72,8 +72,9 @@ class Formatter:
     if self.as_ids:
       return f"token_id:{int(tid)}"
     s = self._text.get(tid)
-    if s is None:
-      s = self._text[tid] = self.tokenizer.decode([int(tid)])
+    if s is None:  # a special token shows as its piece ("<bos>"), as vLLM's token strings do, not as ""
+      special = int(tid) in self.tokenizer.special_ids
+      s = self._text[tid] = self.tokenizer.piece_of(int(tid)) if special else self.tokenizer.decode([int(tid)])
     return s
 
   def completion(self, ids: list, entries: list, top: int, offset: int = 0) -> dict:

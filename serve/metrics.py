@@ -1,4 +1,9 @@
-"""Prometheus metrics of the server, under the `spec_jax:` prefix, in the shape of vLLM's.
+"""Prometheus metrics of the server, under the `spec_jax:` prefix, in the shape of vLLM's, and every one of them
+again under vLLM's own prefix `vllm:` (the same series, renamed at each scrape), so that vLLM's Grafana
+dashboards and load tools read them unchanged. Both, always, rather than a flag: the duplicate costs only scrape
+bytes, and neither this project's dashboards and tests nor a vLLM one need a server restarted to find theirs.
+vLLM's request histograms (prompt and generation tokens, n, max_tokens, inference / prefill / decode time),
+iteration_tokens_total and cache_config_info have vLLM's names and meanings.
 
 The speculation counters follow vLLM's `vllm/v1/spec_decode/metrics.py`, so dashboards and load tools that read
 vLLM read these too: a draft is one (request, step) that proposed at least one token; draft tokens are the tokens
@@ -21,8 +26,14 @@ otherwise).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import Metric
 
 PREFIX = "spec_jax:"
+VLLM_PREFIX = "vllm:"
+# vLLM's buckets for token counts and request phases (vllm/v1/metrics/loggers.py's shapes: 1-2-5 steps)
+_TOKENS = tuple(float(m * 10 ** e) for e in range(6) for m in (1, 2, 5))
+_PHASE = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+          960.0, 1920.0, 7680.0)
 # Latency buckets in seconds: from a fast CPU step (a few ms) to a long queue wait.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
             10.0, 20.0, 40.0, 80.0)
@@ -131,6 +142,40 @@ class Metrics:
     self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens handed to requests.", registry=r)
     for reason in ("stop", "length", "abort"):
       self.finished.labels(finished_reason=reason)
+    # vLLM's per-request histograms (observed when a request ends; n per HTTP request)
+    self.request_prompt_tokens = Histogram(f"{p}request_prompt_tokens", "Prompt tokens per finished request.",
+                                           buckets=_TOKENS, registry=r)
+    self.request_generation_tokens = Histogram(f"{p}request_generation_tokens",
+                                               "Generated tokens per finished request.", buckets=_TOKENS, registry=r)
+    self.request_params_n = Histogram(f"{p}request_params_n", "The n of each request.", buckets=(1, 2, 5, 10, 20),
+                                      registry=r)
+    self.request_params_max_tokens = Histogram(f"{p}request_params_max_tokens", "The output budget of each "
+                                               "finished request (max_tokens, or the default).", buckets=_TOKENS,
+                                               registry=r)
+    self.request_inference_time = Histogram(f"{p}request_inference_time_seconds", "Slot insert to finish.",
+                                            buckets=_PHASE, registry=r)
+    self.request_prefill_time = Histogram(f"{p}request_prefill_time_seconds", "Slot insert to first token.",
+                                          buckets=_PHASE, registry=r)
+    self.request_decode_time = Histogram(f"{p}request_decode_time_seconds", "First token to finish.",
+                                         buckets=_PHASE, registry=r)
+    self.iteration_tokens = Histogram(f"{p}iteration_tokens_total", "Tokens per engine iteration: prompt tokens "
+                                      "inserted and tokens handed to requests.", buckets=_TOKENS, registry=r)
+    self.cache_config = Gauge(f"{p}cache_config_info", "The KV cache's settings (vLLM's labels), value 1.",
+                              ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=r)
+    self.vllm_view = CollectorRegistry(auto_describe=False)
+    self.vllm_view.register(_Renamed(r, PREFIX, VLLM_PREFIX))
+
+  def observe_request_end(self, req, now: float) -> None:
+    """vLLM's per-request histograms, at a request's end (finished or aborted; a request that never got a slot
+    has no phases)."""
+    self.request_prompt_tokens.observe(len(req.prompt_ids))
+    self.request_generation_tokens.observe(req.n_tokens)
+    self.request_params_max_tokens.observe(req.max_new)
+    if req.admitted_at is not None:
+      self.request_inference_time.observe(now - req.admitted_at)
+      if req.first_at is not None:
+        self.request_prefill_time.observe(req.first_at - req.admitted_at)
+        self.request_decode_time.observe(now - req.first_at)
 
   def observe_occupancy(self, running: int, waiting: int) -> None:
     """Requests in slots and in the queue (every slot a running request holds is in use)."""
@@ -156,4 +201,19 @@ class Metrics:
         self.accepted_per_pos.labels(position=str(pos)).inc(int(accepted_at[pos]))
 
   def render(self) -> bytes:
-    return generate_latest(self.registry)
+    return generate_latest(self.registry) + generate_latest(self.vllm_view)
+
+
+class _Renamed:
+  """A registry's families whose names start with `old`, under `new` instead (samples and all)."""
+
+  def __init__(self, registry, old: str, new: str):
+    self.registry, self.old, self.new = registry, old, new
+
+  def collect(self):
+    for fam in self.registry.collect():
+      if not fam.name.startswith(self.old):
+        continue
+      out = Metric(self.new + fam.name[len(self.old):], fam.documentation, fam.type, fam.unit)
+      out.samples = [s._replace(name=self.new + s.name[len(self.old):]) for s in fam.samples]
+      yield out

@@ -19,6 +19,7 @@ class Usage:
   drafted_tokens: int
   accepted_tokens: int
   drafts: int
+  cached_tokens: int = 0  # prompt tokens read from the prefix cache (OpenAI's prompt_tokens_details)
 
 
 @dataclasses.dataclass

@@ -23,9 +23,12 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 
 
 class APIError(Exception):
-  """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+  """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status. `code` is a string
+  (OpenAI's: "model_not_found", "invalid_api_key", ...; the engine's kind: "timeout", "shutdown", ...) or null,
+  never the status number."""
 
   TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+           405: "invalid_request_error",
            429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable", 504: "timeout"}
 
   def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
@@ -35,7 +38,7 @@ class APIError(Exception):
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param,
-                      "code": self.code if self.code is not None else self.status}}
+                      "code": None if self.code is None else str(self.code)}}
 
 
 def _integral(v):
@@ -51,6 +54,7 @@ def integer(**bounds):
 
 
 Int, Count, TopK, TopLogprobs = integer(), integer(ge=1), integer(ge=-1), integer(ge=0, le=20)
+Seed = integer(ge=-2**63, le=2**63 - 1)  # vLLM's: a 64-bit signed integer
 
 
 # ---------------------------------------------------------------------------------------- the request fields
@@ -98,7 +102,9 @@ OFF = Refused(noop=(False,))  # a switch that is off by default
 GRAMMAR_WHY = ("a grammar (EBNF, Lark) describes a context-free language, and this server's grammar engine "
                "(outlines-core) compiles regular languages only; send a regular language as a regex (guided_regex, "
                "structured_outputs.regex) or JSON as a schema (guided_json, response_format)")
-ABSENT = Refused(example={"x": 1})  # every value changes the output: only null or left out pass
+ABSENT = Refused(example={"x": 1})
+ALLOWED_WHY = ("the sampler's per-request token constraints are logit_bias's (at most 300 ids); a mask over the "
+               "whole vocabulary is not there yet: send logit_bias, or a regex (guided_regex)")  # every value changes the output: only null or left out pass
 
 # Every OpenAI (Completions, Chat Completions) and vLLM request field, and what the server does with it.
 # Honoured: the server does it (api.py's routes and engine_request). Harmless: it does not change the tokens.
@@ -128,14 +134,17 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "n": HONOURED,  # a choice per sample (serve/choices.py)
     "best_of": Refused(noop=(1,), example=2, routes=("chat",)),  # honoured on completions (serve/choices.py)
     "logprobs": HONOURED, "top_logprobs": HONOURED, "prompt_logprobs": HONOURED,  # serve/logprobs_format.py
-    "echo": Refused(noop=(False,), routes=("chat",)),  # honoured on completions (the prompt and its logprobs)
+    "echo": HONOURED,  # completions: the prompt and its logprobs; chat: a final assistant turn's content (vLLM's)
     "suffix": Refused(noop=("",), example="x"),
     # penalties and token constraints: exact at every verified position (spec_jax/controls.py)
     "presence_penalty": HONOURED, "frequency_penalty": HONOURED, "repetition_penalty": HONOURED, "min_p": HONOURED,
     "min_tokens": HONOURED, "ignore_eos": HONOURED, "logit_bias": HONOURED, "stop_token_ids": HONOURED,
     "bad_words": Refused(noop=([],), example=["cat"]),
-    "allowed_token_ids": Refused(example=[5, 6]), "logits_processors": Refused(noop=([],), example=["m.f"]),
-    "use_beam_search": OFF, "truncate_prompt_tokens": Refused(example=4), "prompt_embeds": Refused(example="AAAA"),
+    "allowed_token_ids": Refused(example=[5, 6], why=ALLOWED_WHY),
+    "logits_processors": Refused(noop=([],), example=["m.f"]),
+    "use_beam_search": Refused(noop=(False,), why="beam search is not implemented (sampling and greedy are)"),
+    "truncate_prompt_tokens": HONOURED, "truncation_side": HONOURED,  # vLLM's: keep the last (or first) N tokens
+    "prompt_embeds": Refused(example="AAAA"),
     # the text and the prompt's tokens: special tokens skipped, stop strings dropped, BOS as vLLM adds it by default
     "include_stop_str_in_output": OFF, "skip_special_tokens": Refused(noop=(True,), example=False),
     "spaces_between_special_tokens": Refused(noop=(True,), example=False),
@@ -152,8 +161,7 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "reasoning_effort": Refused(example="low"), "verbosity": Refused(example="low"),
     "web_search_options": Refused(example={}),
     # the chat template
-    "add_generation_prompt": Refused(noop=(True,), example=False, routes=("chat",)),
-    "continue_final_message": Refused(noop=(False,), routes=("chat",)),
+    "add_generation_prompt": HONOURED, "continue_final_message": HONOURED,  # chat: vLLM's prompt rendering
     "chat_template": Refused(example="{{ messages }}", routes=("chat",)),
     "chat_template_kwargs": Refused(noop=({},), example={"enable_thinking": True}, routes=("chat",)),
     "documents": Refused(noop=([],), example=[{"text": "a"}], routes=("chat",)),
@@ -174,6 +182,7 @@ def refuse_unsupported(body: BaseModel, route: str) -> None:
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="allow")
   include_usage: Optional[StrictBool] = False
+  continuous_usage_stats: Optional[StrictBool] = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Sampling(BaseModel):
@@ -185,7 +194,7 @@ class _Sampling(BaseModel):
   temperature: Optional[float] = Field(None, ge=0)
   top_p: Optional[float] = Field(None, gt=0, le=1)
   top_k: Optional[TopK] = None
-  seed: Optional[Int] = None
+  seed: Optional[Seed] = None
   stop: Optional[Union[StrictStr, Annotated[list[StrictStr], Field(max_length=16)]]] = None
   n: Optional[Count] = 1
   stream: Optional[StrictBool] = False
@@ -206,11 +215,15 @@ class _Sampling(BaseModel):
   return_token_ids: Optional[StrictBool] = False
   tenant: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
   segment: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
-  cache_salt: Optional[Annotated[StrictStr, Field(max_length=256)]] = None
+  cache_salt: Optional[Annotated[StrictStr, Field(min_length=1, max_length=256)]] = None  # vLLM: not empty
+  truncate_prompt_tokens: Optional[integer(ge=-1)] = None  # vLLM's: N keeps N prompt tokens, -1 the context's
+  truncation_side: Optional[Literal["left", "right"]] = None  # left (default): keep the last N
 
   def check_supported(self) -> None:
     """What the models accept but the server cannot honour exactly yet: a 400 that names the field (FIELDS)."""
     refuse_unsupported(self, "chat" if isinstance(self, ChatRequest) else "completions")
+    if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's 400
+      raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
 
   def token_budget(self) -> tuple[Optional[int], str]:
     """The output budget and the field it came from: max_completion_tokens wins over max_tokens, as on vLLM."""
@@ -252,6 +265,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
   messages: Annotated[list[ChatMessage], Field(min_length=1)]
+  add_generation_prompt: Optional[StrictBool] = True  # vLLM's: false renders no opening of a new model turn
+  continue_final_message: Optional[StrictBool] = False  # vLLM's: the last (assistant) turn is left open
+  echo: Optional[StrictBool] = False  # vLLM's: the answer begins with that last assistant turn's content
 
 
 class SpeculationSwitch(BaseModel):
@@ -264,11 +280,13 @@ def new_id(prefix: str) -> str:
 
 
 def usage_dict(u) -> dict:
-  """prompt/completion tokens as OpenAI counts them, plus the request's speculation counters; the drafted
+  """prompt/completion tokens as OpenAI counts them (with the prompt tokens the prefix cache held as
+  prompt_tokens_details.cached_tokens), plus the request's speculation counters; the drafted
   tokens that were not accepted are also reported as OpenAI's `rejected_prediction_tokens`."""
   return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
           "total_tokens": u.prompt_tokens + u.completion_tokens, "drafted_tokens": u.drafted_tokens,
           "accepted_tokens": u.accepted_tokens, "num_drafts": u.drafts,
+          "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
           "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_tokens,
                                         "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens}}
 

@@ -6,7 +6,8 @@
 Routes (serve/api.py): /v1/completions, /v1/chat/completions (the model's chat template), /v1/models, /health,
 /metrics (Prometheus), /openapi.json and POST /admin/speculation {"enabled": bool} (rollback without restart);
 `--api_key` guards /v1 and /admin.
-SIGTERM stops taking requests, lets running ones finish (up to --drain_timeout_s) and exits 0.
+SIGTERM stops taking requests (a 503), lets running and queued ones finish for up to --drain_timeout_s, then ends
+those left with a 503 (a stream: an OpenAI error event and [DONE]) and exits 0.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 from absl import app, flags
@@ -26,7 +28,8 @@ SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "s
                 "api_key", "served_model_name", "guardrails", "switchback", "request_timeout_s", "drain_timeout_s",
                 "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict", "max_logprobs", "logprobs_mode",
                 "grammar_capacity", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching",
-                "poison_freed_pages", "kv_speculation_yields", "extended_warmup")
+                "poison_freed_pages", "kv_speculation_yields", "extended_warmup",
+                "default_max_tokens")
 
 
 def define_flags() -> None:
@@ -46,8 +49,9 @@ SERVER_DEFAULTS = dict(host="127.0.0.1", port=8000, max_num_seqs=4, max_queue=64
                        mesh="", strict=False, max_logprobs=20, logprobs_mode="raw_logprobs",
                        grammar_capacity=["2048", "512"], block_size=16, num_kv_blocks=0,
                        kv_cache_memory_bytes=0, enable_prefix_caching=True, poison_freed_pages=False,
-                       kv_speculation_yields=True, extended_warmup=True)
+                       kv_speculation_yields=True, extended_warmup=True, default_max_tokens=0)
 log = logging.getLogger("spec_jax.server")
+SHUTDOWN_MARGIN_S = 5.0  # after the drain's deadline, for the cut requests' error events to reach their clients
 
 
 def settings() -> dict:
@@ -143,16 +147,25 @@ def serve(cfg: dict) -> None:
   if cfg["extended_warmup"]:
     extended_warmup(api, engine, cfg)
 
+  drain = cfg["drain_timeout_s"]
+
   class Server(uvicorn.Server):
     def handle_exit(self, sig, frame):
-      log.info("signal %s: draining (up to %g s)", sig, cfg["drain_timeout_s"])
-      engine.begin_drain()
+      if not engine.draining:
+        log.info("signal %s: draining (up to %g s)", sig, drain)
+        engine.begin_drain()
+        # at the deadline the engine ends what is left with a 503 (an error event and [DONE] in a stream), and
+        # uvicorn, which waits a little longer, sees every response end rather than cutting them
+        cut = threading.Timer(drain, engine.cut_all, [f"the server is shutting down: its drain of {drain:g} s "
+                                                      "(--drain_timeout_s) ended before this request did"])
+        cut.daemon = True  # a drain that ends early does not wait for it
+        cut.start()
       super().handle_exit(sig, frame)
       if sig == signal.SIGTERM and sig in getattr(self, "_captured_signals", []):
         self._captured_signals.remove(sig)  # uvicorn re-raises it after the drain: a drained stop exits 0
 
   server = Server(uvicorn.Config(api, host=cfg["host"], port=cfg["port"], log_level="warning", access_log=False,
-                                 timeout_graceful_shutdown=cfg["drain_timeout_s"], lifespan="off"))
+                                 timeout_graceful_shutdown=drain + SHUTDOWN_MARGIN_S, lifespan="off"))
 
   def announce():
     while not server.started and not server.should_exit:
@@ -161,10 +174,9 @@ def serve(cfg: dict) -> None:
       log.info("ready: http://%s:%d/v1 model=%s slots=%d max_model_len=%d speculation=%s", cfg["host"], cfg["port"],
                cfg["served_model_name"], engine.B, engine.capacity, sc.describe())
 
-  import threading
   threading.Thread(target=announce, daemon=True).start()
   server.run()
-  engine.shutdown(grace_s=cfg["drain_timeout_s"])
+  engine.shutdown(grace_s=1.0)  # what is left was cut at the drain's deadline
   log.info("stopped")
 
 

@@ -109,8 +109,8 @@ def plan(body, route: str) -> Plan:
   p = Plan(*found) if found else Plan()
   raw_tools, choice = extra.get("tools"), extra.get("tool_choice")
   if route != "chat" or raw_tools in (None, []):
-    if choice not in (None, "none", "auto"):
-      raise APIError(400, "tool_choice needs tools", "tool_choice")
+    if choice not in (None, "none"):  # "auto" too, as OpenAI and vLLM refuse it
+      raise APIError(400, f"tool_choice {json.dumps(choice)} needs tools", "tool_choice")
     if route != "chat" and raw_tools not in (None, []):
       raise APIError(400, "tools are for /v1/chat/completions", "tools")
     return p

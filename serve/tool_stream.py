@@ -109,3 +109,17 @@ def choice_chunks(ts: ToolCallStream, piece) -> list:
     o["logprobs"] = None
     o.pop("token_ids", None)
   return out
+
+
+def cut_call(listed: dict, text: str):
+  """A forced call (tool_choice required or named) that max_tokens cut: its tool_calls entry with the arguments
+  generated so far, as vLLM returns it (finish_reason "length"), the same call the stream sent; None when the cut
+  came before the function's name was complete (then the text stays content)."""
+  ts = ToolCallStream(listed, constrained=True)
+  deltas = ts.feed(text) + ts.finish("length")[0]
+  calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+  if not calls or "id" not in calls[0]:
+    return None
+  head = calls[0]
+  args = "".join(c["function"]["arguments"] for c in calls)
+  return {"id": head["id"], "type": "function", "function": {"name": head["function"]["name"], "arguments": args}}

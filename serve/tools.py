@@ -69,13 +69,28 @@ def call_regex(tools: dict, only: Optional[str] = None) -> str:
   names = [only] if only else list(tools)
   parts = []
   for name in names:
-    schema = {"type": "object", "properties": {"name": {"enum": [name]}, "arguments": tools[name]["parameters"]},
-              "required": ["name", "arguments"]}
+    schema = {"type": "object", "required": ["name", "arguments"],
+              "properties": {"name": {"enum": [name]}, "arguments": nested(tools[name]["parameters"], _ARGS)}}
     try:
       parts.append(formats.json_schema_regex(schema))
     except GrammarError as e:
       raise APIError(400, f"tools: function {name!r}: {e}", "tools") from None
   return parts[0] if len(parts) == 1 else "(" + "|".join(f"({p})" for p in parts) + ")"
+
+
+_ARGS = "#/properties/arguments"  # where a function's parameters sit in the call's schema
+
+
+def nested(schema, at: str):
+  """A schema moved to `at` inside another: its local references (`#/$defs/X`, `#` itself), which pydantic writes
+  for every nested model, re-pointed there, so they resolve against the schema they were written for. Other
+  references (remote ones) are left as they are."""
+  if isinstance(schema, dict):
+    return {k: at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else nested(v, at)
+            for k, v in schema.items()}
+  if isinstance(schema, list):
+    return [nested(v, at) for v in schema]
+  return schema
 
 
 def system_turn(tools: dict) -> str:
@@ -123,9 +138,14 @@ def parse_call(text: str, tools: dict) -> Optional[dict]:
   return None
 
 
-def answer(body: dict, tools: dict, text: str) -> dict:
-  """A chat.completion body whose text is one valid call: the call as `tool_calls`, finish_reason tool_calls."""
+def answer(body: dict, tools: dict, text: str, forced: bool = False) -> dict:
+  """A chat.completion body whose text is one valid call: the call as `tool_calls`, finish_reason tool_calls. A
+  forced call (`forced`: tool_choice required or named) cut by max_tokens is a call too, with the arguments cut
+  (finish_reason length)."""
   call = parse_call(text, tools)
+  if call is None and forced and body["choices"][0]["finish_reason"] == "length":
+    from serve.tool_stream import cut_call  # (tool_stream imports this module)
+    call = cut_call(tools, text)
   if call is not None:
     choice = body["choices"][0]
     choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}

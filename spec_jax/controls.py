@@ -97,20 +97,38 @@ def validate(*, presence=0.0, frequency=0.0, repetition=1.0, min_p=0.0, min_toke
   bias = logit_bias or {}
   if len(bias) > MAX_BIAS:
     raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_BIAS}")
-  for t, v in bias.items():
-    try:
-      tid = int(t)
-    except (TypeError, ValueError):
-      raise ValueError(f"logit_bias keys must be token ids, got {t!r}") from None
-    if tid < 0 or (vocab_size is not None and tid >= vocab_size):
-      raise ValueError(f"logit_bias token id {tid} is out of the vocabulary [0, {vocab_size})")
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or not -100 <= v <= 100:
-      raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {tid}")
+  vocab = f"[0, {vocab_size})" if vocab_size is not None else "the vocabulary"
+  keys = [t for t in bias if not _is_id(t, vocab_size)]
+  if keys:  # every bad key named, not only the first
+    raise field_error("logit_bias", f"logit_bias keys must be token ids in {vocab}; these are not: "
+                      + ", ".join(repr(t) for t in keys[:20]) + (f" (and {len(keys) - 20} more)" if len(keys) > 20
+                                                                  else ""))
+  values = [f"{v!r} for token {t}" for t, v in bias.items()
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or not -100 <= v <= 100]
+  if values:
+    raise field_error("logit_bias", "logit_bias values must be numbers in [-100, 100], got " + ", ".join(values[:20]))
   if len(stop_token_ids) > MAX_STOP:
     raise ValueError(f"stop_token_ids has {len(stop_token_ids)} entries; at most {MAX_STOP}")
-  for t in stop_token_ids:
-    if isinstance(t, bool) or int(t) != t or t < 0 or (vocab_size is not None and t >= vocab_size):
-      raise ValueError(f"stop_token_ids: {t!r} is not a token id of the vocabulary")
+  bad = [t for t in stop_token_ids if isinstance(t, bool) or not _is_id(t, vocab_size)]
+  if bad:
+    raise field_error("stop_token_ids", f"stop_token_ids must be token ids in {vocab}; these are not: "
+                      + ", ".join(repr(t) for t in bad))
+
+
+def _is_id(t, vocab_size) -> bool:
+  """A token id (an int, or a string of one: logit_bias's JSON keys) inside the vocabulary."""
+  try:
+    tid = int(t)
+  except (TypeError, ValueError):
+    return False
+  return (tid == t or str(tid) == str(t).strip()) and 0 <= tid and (vocab_size is None or tid < vocab_size)
+
+
+def field_error(field: str, message: str) -> ValueError:
+  """A ValueError that names its request field (the server's 400 sets `param` from it)."""
+  e = ValueError(message)
+  e.field = field
+  return e
 
 
 def _committed_counts(tokens, lengths, prompt_lens, vocab: int):

@@ -112,7 +112,10 @@ ROWS: dict[str, Row] = {
                       "file, e.g. '{\"window_s\": 5, \"off_share\": 0.25}' (serve/live_ab.py); the report is GET "
                       "/admin/speculation/report."),
     "request_timeout_s": Row("float", "A request still unfinished after this long fails with 504."),
-    "drain_timeout_s": Row("float", "SIGTERM: how long running requests may take to finish."),
+    "drain_timeout_s": Row("float", "SIGTERM: how long running and queued requests may take to finish; then each "
+                           "ends with a 503 (a stream: an error event and [DONE])."),
+    "default_max_tokens": Row("integer", "The output budget of a request without max_tokens: 0 = up to the end of "
+                              "the context (OpenAI's and vLLM's); N > 0 caps it at N."),
     "warmup_prompt_lens": Row("list", "Compile insert for these prompt lengths before serving (the server: "
                               "1,17,33)."),
     "extended_warmup": Row("bool", "Before the port opens, send a chat, streamed, completion, n=2, structured-output "

@@ -80,8 +80,11 @@ def test_no_controls_leave_the_logits_alone():
     (dict(presence=2.5), "presence_penalty"), (dict(frequency=float("nan")), "frequency_penalty"),
     (dict(repetition=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=2 ** 63), "min_tokens"),
-    (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={"99": 1}), "out of the vocabulary"),
+    (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={"99": 1}), r"in \[0, \d+\)"),
+    # every bad key named (issue 50 item 3), and the vocabulary's size
+    (dict(logit_bias={"x": 1, "3": 1, "99": 2, "-1": 0}), "these are not: 'x', '99', '-1'$"),
     (dict(logit_bias={"3": 101}), "logit_bias values"), (dict(stop_token_ids=(V,)), "stop_token_ids"),
+    (dict(stop_token_ids=(3, V, V + 1)), rf"in \[0, {V}\); these are not: {V}, {V + 1}$"),
     (dict(stop_token_ids=tuple(range(17))), "at most"),
 ])
 def test_bad_controls_name_the_field(bad, msg):

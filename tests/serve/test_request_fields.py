@@ -54,7 +54,7 @@ def test_no_op_values_are_json_equal_not_python_equal():
   chat = {"model": MODEL, "messages": [{"role": "user", "content": "a"}]}
   refuse_unsupported(ChatRequest(**chat, repetition_penalty=1, min_p=0.0, n=1.0, tool_choice="none"), "chat")
   for name, value in [("include_stop_str_in_output", 0), ("use_beam_search", 0), ("skip_special_tokens", 1),
-                      ("best_of", True), ("echo", 0)]:
+                      ("best_of", True), ("spaces_between_special_tokens", 1)]:
     with pytest.raises(Exception) as e:
       refuse_unsupported(ChatRequest(**chat, **{name: value}), "chat")
     assert getattr(e.value, "param", None) == name, (name, value)

@@ -142,8 +142,10 @@ def tiny_server(tiny_model, *args, **kw) -> LiveServer:
   """Every tiny server has the same slots, capacity and proposer, so all but the first load their programs from
   the shared compilation cache. The config's calibrated step costs are Gemma's: the tiny model uses the default."""
   cache = os.path.join(os.path.dirname(tiny_model), "xla_cache")
+  # --default_max_tokens: a request without max_tokens stops at 64 tokens (the tiny model never stops on its own)
   return LiveServer(f"--model={tiny_model}", "--dtype=float32", f"--served_model_name={MODEL}", "--max_model_len=256",
-                    "--max_num_seqs=4", "--steps_per_sync=4", "--warmup_prompt_lens=1,17,33", "--costs_file=",
+                    "--max_num_seqs=4", "--steps_per_sync=4", "--default_max_tokens=64",
+                    "--warmup_prompt_lens=1,17,33", "--costs_file=",
                     "--extended_warmup=false",  # test_server_warmup.py checks it; the rest count requests exactly
                     f"--compilation_cache_dir={cache}",
                     '--speculative_config={"method": "ngram", "num_speculative_tokens": 4}', *args, **kw)

@@ -52,7 +52,8 @@ def test_greedy_server_output_equals_serve_generate(tmp_path):
         f.result()
     for got, rid in ((plain, "plain"), (chat, "chat")):
       choice = got.choices[0].model_extra
-      assert choice["prompt_token_ids"] == ref[rid]["prompt_token_ids"], rid
+      prompt_ids = (got.model_extra if rid == "chat" else choice)["prompt_token_ids"]  # chat: vLLM's top level
+      assert prompt_ids == ref[rid]["prompt_token_ids"], rid
       assert choice["token_ids"] == ref[rid]["token_ids"], rid
     if plain.choices[0].finish_reason == "length":  # no stop token for the reference's text to render
       assert plain.choices[0].text == ref["plain"]["text"]

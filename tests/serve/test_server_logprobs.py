@@ -64,7 +64,7 @@ def _queries(s):
                              ({"logprobs": True}, "logprobs", "/v1/completions"),
                              ({"top_logprobs": 2}, "top_logprobs", "/v1/chat/completions"),
                              ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "/v1/chat/completions"),
-                             ({"echo": True}, "echo", "/v1/chat/completions"),
+                             ({"echo": 1}, "echo", "/v1/chat/completions"),  # chat echo: vLLM's, honoured
                              ({"n": 0}, "n", "/v1/completions"), ({"n": 3, "best_of": 2}, "best_of", "/v1/completions"),
                              ({"best_of": 3, "stream": True}, "best_of", "/v1/completions"),
                              ({"prompt_logprobs": -2}, "prompt_logprobs", "/v1/completions")):
