@@ -45,12 +45,13 @@ class TimedBatch:
 
 
 def timed_generate(params, config, prompt_ids, *, max_new_tokens, sampling, proposer, proposer_params, adaptive_k,
-                   costs, seed, impl, stop_ids=(), warm=True, mesh=None) -> TimedBatch:
+                   costs, seed, impl, stop_ids=(), warm=True, mesh=None, kv_cache_dtype="auto") -> TimedBatch:
   """Prefill + loop for one batch, timed. Compiles first (a run with one new token per row) when `warm`.
   With a mesh, params come placed (sharding.shard_params, once per run in run_arms); rows pad to a multiple of
   `data`."""
   n = len(prompt_ids)
-  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, mesh=mesh)
+  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, mesh=mesh,
+                   kv_cache_dtype=kv_cache_dtype)
   both = {"target": params, "proposer": proposer_params}
   slots = sharding.pad_rows(backend.batch_rows(params, n), mesh)
 
@@ -82,7 +83,8 @@ class RunResult:
 
 
 def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size, max_new_tokens, sampling_args,
-             adaptive_k, seed, impl, stop_ids=(), repeats=1, progress=True, mesh=None) -> list:
+             adaptive_k, seed, impl, stop_ids=(), repeats=1, progress=True, mesh=None,
+             kv_cache_dtype="auto") -> list:
   """Every arm over the same batches, interleaved batch by batch (A, B, A, B, ...), `repeats` times, so that a
   change in machine load hits every arm alike. Records and counters come from the last repeat (the outputs of a
   seeded run are the same every repeat); tokens/s is reported per repeat and as min/median/max."""
@@ -102,7 +104,7 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
                              sampling=sampling, proposer=arm.proposer, proposer_params=arm.proposer_params,
                              adaptive_k=adaptive_k if arm.adaptive_k is None else arm.adaptive_k,
                              costs=_costs_for(arm.costs, len(batch), params, mesh), seed=seed + bi, impl=impl,
-                             stop_ids=stop_ids, mesh=mesh)
+                             stop_ids=stop_ids, mesh=mesh, kv_cache_dtype=kv_cache_dtype)
         st["walls"][r] += res.wall_s
         if r == repeats - 1:
           st["uses"] = res.option_uses if st["uses"] is None else [a + b for a, b in zip(st["uses"], res.option_uses)]
