@@ -187,3 +187,41 @@ def test_greedy_speculation_on_an_8_bit_cache_equals_plain_decoding_on_it(name, 
     np.testing.assert_allclose(a, b, atol=2e-5)
   assert len(caches) == (1 if name == "ngram" else 2)
   assert all(c.kv_dtype == kv and c.k.dtype == kv_storage_dtype(kv) and c.quantized for c in caches)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft"])
+def test_a_memory_budget_holds_about_twice_the_pages_of_a_bfloat16_cache(name):
+  """The server's pool sizing (serve/kv_scheduler.py) counts every cache of the decode state in 8 bits plus the
+  scales: a byte budget holds 2 / (1 + 4 / head_dim) times the pages of a bfloat16 cache (head_dim 16 here: 1.6x;
+  Gemma 3's 256: 1.97x)."""
+  from serve.kv_scheduler import page_bytes, pool_pages
+  from tests.proposers.test_medusa_eagle import CONFIG, _params
+  from tests.test_slots import _proposer
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+  proposer, pparams = _proposer(name, params)
+  both = {"target": params, "proposer": pparams}
+  per_page = {kv: page_bytes(both, make_spec(CONFIG, proposer, kv_cache_dtype=kv), rows=2, capacity=32,
+                             block_size=4) for kv in ("auto", "int8")}
+  (auto, auto_p), (q, q_p) = per_page["auto"], per_page["int8"]
+  assert auto / q == pytest.approx(2 / (1 + 4 / CONFIG.head_dim))
+  assert (q_p > 0) == (auto_p > 0) and (not q_p or auto_p / q_p == pytest.approx(auto / q))  # the draft's too
+  pages = lambda b: pool_pages(num_kv_blocks=0, kv_cache_memory_bytes=1 << 20, bytes_per_page=b, max_num_seqs=2,
+                               capacity=32, block_size=4)
+  assert pages(q) >= 1.5 * pages(auto)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_poisoned_pages_of_an_8_bit_pool_read_as_nan_and_are_masked_past_the_lengths(kv):
+  """slots.fill_pages (--poison_freed_pages) NaNs an 8-bit page's scales as well as its data (int8 cannot hold
+  NaN): a read of a poisoned slot shows, and slots past a row's length stay zero however their page was poisoned."""
+  from spec_jax import slots
+  cache = _paged(kv)
+  rng = np.random.default_rng(5)
+  shape = (GEMMA.num_layers, 2, 7, GEMMA.num_kv_heads, GEMMA.head_dim)
+  cache = _write(cache, *(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)), [7])
+  cache = slots.fill_pages(cache, jnp.asarray(cache.pages[1]))
+  assert np.isnan(np.asarray(cache.k_scale[:, np.asarray(cache.pages[1])])).all()
+  k, v = cache.layer_view(jnp.int32(0))
+  assert np.isfinite(np.asarray(k[0])).all() and np.isnan(np.asarray(k[1, :, :7])).all()
+  k, v = cache.replace(lengths=jnp.asarray([7, 0], jnp.int32)).layer_view(jnp.int32(0))
+  assert np.isfinite(np.asarray(k)).all() and np.isfinite(np.asarray(v)).all() and not np.asarray(k[1]).any()
