@@ -94,7 +94,7 @@ def draft_cost(setup, prompt_ids, max_new_tokens: int, seed: int, reps: int) -> 
       best = min(best, (time.perf_counter() - t0) / max(ran, 1))
     return best
 
-  kw = dict(stop_ids=setup.stop_ids, impl=setup.impl, mesh=setup.mesh)
+  kw = dict(stop_ids=setup.stop_ids, impl=setup.impl, mesh=setup.mesh, kv_cache_dtype=setup.kv_cache_dtype)
   spec = make_spec(setup.config, setup.proposer, adaptive_k=False, **kw)
   both, state = fresh(spec, setup.proposer_params)
   propose = min(time_propose(both, state, spec) for _ in range(reps + 1))  # the first compiles
@@ -152,6 +152,7 @@ def run(cfg: dict, out=sys.stdout) -> dict:
   findings = static_part(cfg, target, tokenizer)
   verdict = pair_check.verdict(findings, strict)
   report = {"target": cfg.get("model") or target.config.name, "speculative_config": spec.to_json(),
+            "kv_cache_dtype": target.kv_cache_dtype,
             "strict": strict, "static": [f.to_json() for f in findings], "static_verdict": verdict}
   print(f"pair check: {report['target']} + {spec.describe()}", file=out)
   print(pair_check.format_findings(findings), file=out)

@@ -190,7 +190,7 @@ def run() -> dict:
                   batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
                   sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
                   adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=setup.impl, repeats=FLAGS.repeats,
-                  progress=FLAGS.progress and lead, mesh=mesh)
+                  progress=FLAGS.progress and lead, mesh=mesh, kv_cache_dtype=setup.kv_cache_dtype)
   base = runs[0]
   run_info = {"dtype": cfg["dtype"], "batch_size": cfg["batch_size"], "max_new_tokens": cfg["max_new_tokens"],
               "temperature": cfg["temperature"], "top_k": cfg["top_k"], "top_p": cfg["top_p"],

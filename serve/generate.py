@@ -126,7 +126,7 @@ def run(cfg: dict) -> dict:
                   batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
                   sampling_args=dict(temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"]),
                   adaptive_k=cfg["adaptive"], seed=cfg["seed"], impl=setup.impl, stop_ids=setup.tokenizer.stop_ids,
-                  repeats=FLAGS.repeats, progress=FLAGS.progress, mesh=mesh)
+                  repeats=FLAGS.repeats, progress=FLAGS.progress, mesh=mesh, kv_cache_dtype=setup.kv_cache_dtype)
   base, main_run = (runs[0], runs[1]) if len(runs) == 2 else (None, runs[0])
 
   records = main_run.records
@@ -139,6 +139,7 @@ def run(cfg: dict) -> dict:
       for r in records:
         f.write(json.dumps(r, ensure_ascii=False) + "\n")
   run_info = {"method": proposer.name, "speculative_config": setup.spec_config.to_json(), "dtype": cfg["dtype"],
+              "kv_cache_dtype": setup.kv_cache_dtype,
               "batch_size": cfg["batch_size"],
               "num_speculative_tokens": proposer.k, "adaptive": cfg["adaptive"], "attention_impl": setup.impl,
               "costs_file": cfg.get("costs_file") or "", "step_costs": None if costs is None else

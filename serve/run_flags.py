@@ -22,8 +22,8 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gemma
 
 
 # The target's, sampling's and speculation's rows of spec_jax/flag_table.py that every run command takes.
-RUN_FLAGS = ("plugins", "model", "dtype", "attention_impl", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-             "quantize", "adaptive", "mesh", "costs_file")
+RUN_FLAGS = ("plugins", "model", "dtype", "attention_impl", "kv_cache_dtype", "max_new_tokens", "temperature", "top_k",
+             "top_p", "seed", "quantize", "adaptive", "mesh", "costs_file")
 _config = None
 
 

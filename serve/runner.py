@@ -47,13 +47,15 @@ class TimedBatch:
 
 
 def timed_generate(params, config, prompt_ids, *, max_new_tokens, sampling, proposer, proposer_params, adaptive_k,
-                   costs, seed, impl, stop_ids=(), warm=True, mesh=None, history=None, phase=None) -> TimedBatch:
+                   costs, seed, impl, stop_ids=(), warm=True, mesh=None, history=None, phase=None,
+                   kv_cache_dtype="auto") -> TimedBatch:
   """Prefill + loop for one batch, timed. Compiles first (a run with one new token per row) when `warm`.
   With a mesh, params come placed (sharding.shard_params, once per run in run_arms); rows pad to a multiple of
   `data`. `history`: an earlier batch's TimedBatch.history, kept by a proposer with keep_history (suffix), as a
   server's slots keep theirs. `phase(str)`: told "compiling" and "generating" (a progress display)."""
   n = len(prompt_ids)
-  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, mesh=mesh)
+  spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, mesh=mesh,
+                   kv_cache_dtype=kv_cache_dtype)
   both = {"target": params, "proposer": proposer_params}
   slots = sharding.pad_rows(backend.batch_rows(params, n), mesh)
   keeps = hasattr(proposer, "keep_history")
@@ -95,7 +97,8 @@ class RunResult:
 
 
 def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size, max_new_tokens, sampling_args,
-             adaptive_k, seed, impl, stop_ids=(), repeats=1, progress=True, mesh=None) -> list:
+             adaptive_k, seed, impl, stop_ids=(), repeats=1, progress=True, mesh=None,
+             kv_cache_dtype="auto") -> list:
   """Every arm over the same batches, interleaved batch by batch (A, B, A, B, ...), `repeats` times, so that a
   change in machine load hits every arm alike. Records and counters come from the last repeat (the outputs of a
   seeded run are the same every repeat); tokens/s is reported per repeat and as min/median/max.
@@ -123,7 +126,8 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
                              sampling=sampling, proposer=arm.proposer, proposer_params=arm.proposer_params,
                              adaptive_k=adaptive_k if arm.adaptive_k is None else arm.adaptive_k,
                              costs=_costs_for(arm.costs, len(batch), params, mesh), seed=seed + bi, impl=impl,
-                             stop_ids=stop_ids, mesh=mesh, history=st["history"], phase=phase)
+                             stop_ids=stop_ids, mesh=mesh, history=st["history"], phase=phase,
+                             kv_cache_dtype=kv_cache_dtype)
         st["history"] = res.history
         st["walls"][r] += res.wall_s
         st["warm_s"] += res.warm_s

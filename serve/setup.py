@@ -43,6 +43,10 @@ class Setup:
     return self.target.impl
 
   @property
+  def kv_cache_dtype(self) -> str:
+    return self.target.kv_cache_dtype
+
+  @property
   def stop_ids(self) -> tuple:
     return tuple(sorted(set(self.config.eos_ids) | set(self.tokenizer.stop_ids)))
 
@@ -81,10 +85,12 @@ def use_compilation_cache(path: Optional[str]) -> str:
 
 
 def load_target(cfg: dict):
-  """-> (Target, tokenizer, mesh): cfg's model, dtype, quantize, attention_impl and mesh, without a proposer."""
+  """-> (Target, tokenizer, mesh): cfg's model, dtype, quantize, attention_impl, kv_cache_dtype and mesh, without a
+  proposer."""
   from spec_jax import sharding
   from spec_jax.checkpoints.load import load_model
   from spec_jax.config import validate_sampling
+  from spec_jax.decode import check_kv_cache_dtype
   from spec_jax.kernels import resolve_impl
   from spec_jax.proposers.registry import Target
   validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
@@ -92,8 +98,11 @@ def load_target(cfg: dict):
     raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
   mesh = sharding.make_mesh(cfg.get("mesh") or "")
   impl = resolve_impl(cfg["attention_impl"])
+  kv_cache_dtype = cfg.get("kv_cache_dtype") or "auto"
+  check_kv_cache_dtype(kv_cache_dtype, impl)  # before the model loads
   config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
-  return Target(config, params, impl=impl, model_path=cfg["model"] or None, dtype=cfg["dtype"]), tokenizer, mesh
+  return Target(config, params, impl=impl, model_path=cfg["model"] or None, dtype=cfg["dtype"],
+                kv_cache_dtype=kv_cache_dtype), tokenizer, mesh
 
 
 def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
@@ -130,7 +139,8 @@ def draft_lengths(setup: Setup, adaptive: bool, switchable: bool = False) -> tup
 def loop_spec(setup: Setup, ks: tuple, max_logprobs: int = -1):
   from spec_jax.decode import LoopSpec
   return LoopSpec(config=setup.config, proposer=setup.proposer, ks=ks, stop_ids=setup.stop_ids, impl=setup.impl,
-                  mesh=setup.mesh, max_logprobs=max_logprobs)
+                  mesh=setup.mesh, max_logprobs=max_logprobs,
+                  kv_cache_dtype=setup.kv_cache_dtype)
 
 
 def step_costs(cfg: dict, setup: Setup, ks: tuple, rows: int):

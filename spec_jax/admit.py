@@ -138,7 +138,7 @@ def start_rows(params, spec: LoopSpec, prompt_tokens, prompt_lens, max_new, samp
   finish = jnp.where(stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE)).astype(jnp.int32)
   pre = PrefillOut(prompt_tokens=prompt_tokens, tokens=tokens, lengths=lengths, prompt_lens=prompt_lens,
                    prompt_hidden=prompt_hidden, last_hidden=feats, chunk=chunk, pages=cache.pages,
-                   num_pages=cache.num_pages, block_size=cache.block_size, offsets=offsets,
+                   num_pages=cache.num_pages, block_size=cache.block_size, offsets=offsets, kv_dtype=cache.kv_dtype,
                    proposer_cache=None if resume is None else resume.proposer_cache)
   pstate = spec.proposer.init(params["proposer"], pre, capacity)
   return DecodeState(

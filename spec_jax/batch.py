@@ -96,7 +96,7 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
     raise ValueError(f"controls are for {controls.presence.shape[0] - (B - n)} rows, but there are {n} prompts")
   params_t = params["target"]
   mesh = spec.mesh
-  cache = init_cache(config, B, S, params_t["final_norm"].dtype, mesh)
+  cache = init_cache(config, B, S, params_t["final_norm"].dtype, mesh, kv_dtype=spec.kv_cache_dtype)
   # Host inputs become arrays split over `data` (global arrays on a multi-host mesh; plain ones without a mesh).
   buf, prompt_lens, max_new, sampling, controls = sharding.rows((buf, prompt_lens, max_new, sampling, controls), mesh)
   costs = np.asarray(adaptive.default_costs(spec.ks) if costs is None else costs, np.float32)
@@ -119,10 +119,10 @@ def start(params, spec: LoopSpec, prompts: Sequence[Sequence[int]], *, max_new_t
                       logprobs=None if logprobs is None else tuple(jnp.asarray(a) for a in logprobs))
 
 
-def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None) -> KVCache:
+def init_cache(config: ModelConfig, batch: int, capacity: int, dtype, mesh=None, kv_dtype: str = "auto") -> KVCache:
   """An empty target cache, created directly in its shards when there is a mesh (no full copy on one device)."""
   shards = sharding.axis_size(mesh, "data")
-  make = lambda: KVCache.init(config, batch, capacity, dtype, shards=shards)
+  make = lambda: KVCache.init(config, batch, capacity, dtype, shards=shards, kv_dtype=kv_dtype)
   if mesh is None:
     return make()
   return sharding.settle(jax.jit(make, out_shardings=sharding.state_shardings(jax.eval_shape(make), mesh))())
@@ -147,13 +147,13 @@ def generate(target_params, config: ModelConfig, prompts: Sequence[Sequence[int]
              sampling: Optional[SamplingParams] = None, proposer=NoneProposer(), proposer_params=None,
              adaptive_k: bool = True, costs=None, stop_ids: Sequence[int] = (), seed: int = 0, impl: str = "xla",
              prefill_chunk: int = DEFAULT_CHUNK, probe_every: int = 16, num_slots: Optional[int] = None,
-             mesh=None, controls: Optional[Controls] = None) -> GenerationResult:
+             mesh=None, controls: Optional[Controls] = None, kv_cache_dtype: str = "auto") -> GenerationResult:
   """Prefill plus the loop to the end: tokens, finish reasons and acceptance counters for each prompt.
 
   A seeded run is reproducible: nothing here reads a clock (the adaptive controller's step costs are an input).
   """
   spec = make_spec(config, proposer, adaptive_k=adaptive_k, stop_ids=stop_ids, impl=impl, probe_every=probe_every,
-                   mesh=mesh)
+                   mesh=mesh, kv_cache_dtype=kv_cache_dtype)
   params = {"target": target_params, "proposer": proposer_params if proposer_params is not None else {}}
   params = sharding.shard_params(params, mesh)  # a no-op when already placed
   state = start(params, spec, prompts, max_new_tokens=max_new_tokens, sampling=sampling, costs=costs, seed=seed,

@@ -14,9 +14,17 @@ forward overwrites them. Rollback copies nothing.
 Every cache of a decode state (the target's, the draft model's, the EAGLE layer's) shares one page table and one
 page count: a page id holds that many tokens of each, so what a proposer holds is part of every page the scheduler
 hands out.
+
+An 8-bit cache (--kv_cache_dtype fp8 / fp8_e5m2 / int8) stores K and V in that dtype with a float32 scale per token
+and KV head beside the pool ([L, N, Hkv, block_size]). A token's scale depends on that token alone, so a page
+filled over several calls is the same as one written at once, and the new tokens of a forward attend to each other
+quantized exactly as they will be read back from the pool (`fake_quant`): plain decoding, a verified chain and a
+tree all compute the same quantized target, so speculation stays exact.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +37,45 @@ from spec_jax.config import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 16
 NULL_PAGE = 0  # local id of each data shard's null page
+
+# --kv_cache_dtype (vLLM's names) -> the pool's storage dtype; None: the activation dtype.
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+                   "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
+
+
+def kv_storage_dtype(name: str):
+  """The pool dtype of a --kv_cache_dtype value (None for 'auto'); an unknown value is an error."""
+  if name not in KV_CACHE_DTYPES:
+    raise ValueError(f"unknown --kv_cache_dtype {name!r}; choose one of {tuple(KV_CACHE_DTYPES)}")
+  return KV_CACHE_DTYPES[name]
+
+
+def _qmax(dtype) -> float:
+  dtype = jnp.dtype(dtype)
+  return float(jnp.iinfo(dtype).max if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).max)
+
+
+def quantize(x, dtype):
+  """x [..., D] -> (q [..., D] in `dtype`, float32 scale [...]): one scale per vector (a token's K or V of one KV
+  head), its largest magnitude mapped to the dtype's largest value; x ~ q * scale."""
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=-1)
+  scale = jnp.where(amax > 0, amax / _qmax(dtype), 1.0)
+  y = jnp.clip(x / scale[..., None], -_qmax(dtype), _qmax(dtype))
+  if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):
+    y = jnp.round(y)
+  return y.astype(dtype), scale
+
+
+def dequantize(q, scale, dtype):
+  return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def fake_quant(x, kv_dtype: str):
+  """x as an 8-bit cache of `kv_dtype` gives it back when read (x itself for 'auto'): what the new tokens of a
+  forward attend to, so that they see each other as later forwards will see them in the pool."""
+  store = kv_storage_dtype(kv_dtype)
+  return x if store is None else dequantize(*quantize(x, store), x.dtype)
 
 
 def contiguous_table(batch: int, pages_per_seq: int, shards: int = 1) -> np.ndarray:
@@ -50,20 +97,29 @@ class KVCache:
   """k, v [L, N, Hkv, block_size, D] in the activation dtype (L layers, N pages of the pool; heads before the
   page's tokens: on TPU the last two dims are the tiled ones, and (block, D) tiles cleanly for any number of KV
   heads); lengths int32[B] committed entries per row; pages int32[B, pages_per_seq] the page table (global page
-  ids; row b's pages lie in its data shard's share of the pool)."""
+  ids; row b's pages lie in its data shard's share of the pool).
+
+  An 8-bit cache (kv_dtype != 'auto'): k, v in the storage dtype, k_scale, v_scale float32 [L, N, Hkv, block_size]
+  (one per token and KV head, beside the pool and paged with it), act_dtype the dtype every reader dequantizes to.
+  """
 
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
   pages: jax.Array
+  k_scale: Optional[jax.Array] = None
+  v_scale: Optional[jax.Array] = None
+  kv_dtype: str = struct.field(pytree_node=False, default="auto")
+  act_dtype: str = struct.field(pytree_node=False, default="")
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *,
            block_size: int = DEFAULT_BLOCK_SIZE, num_pages: int | None = None, pages=None,
-           shards: int = 1) -> "KVCache":
+           shards: int = 1, kv_dtype: str = "auto") -> "KVCache":
     """An empty cache of rows of `max_len` slots (rounded up to whole pages). Without `pages`, the contiguous
     table over a pool of exactly the rows' pages (plus each shard's null page); with `pages` int32[batch, P] and
-    `num_pages`, that table over that pool."""
+    `num_pages`, that table over that pool. `kv_dtype`: --kv_cache_dtype ('auto': `dtype`)."""
+    store = kv_storage_dtype(kv_dtype)
     pps = -(-max_len // block_size)
     if pages is None:
       pages = contiguous_table(batch, pps, shards)
@@ -74,7 +130,24 @@ class KVCache:
     if pages.shape != (batch, pps):
       raise ValueError(f"page table {pages.shape} is not [batch, pages_per_seq] = {(batch, pps)}")
     shape = (config.num_layers, int(num_pages), config.num_kv_heads, block_size, config.head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32), pages)
+    lengths = jnp.zeros((batch,), jnp.int32)
+    if store is None:
+      return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), lengths, pages)
+    scale = lambda: jnp.ones(shape[:-1], jnp.float32)
+    return cls(jnp.zeros(shape, store), jnp.zeros(shape, store), lengths, pages, scale(), scale(), kv_dtype,
+               jnp.dtype(dtype).name)
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
+
+  def pools(self) -> tuple:
+    """The arrays a page holds: (k, v), and (k_scale, v_scale) for an 8-bit cache."""
+    return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+
+  def with_pools(self, pools) -> "KVCache":
+    k, v, *scales = pools
+    return self.replace(k=k, v=v, **(dict(k_scale=scales[0], v_scale=scales[1]) if scales else {}))
 
   @property
   def block_size(self) -> int:
@@ -93,29 +166,33 @@ class KVCache:
     return self.replace(lengths=self.lengths + n.astype(jnp.int32))
 
   def nbytes(self) -> int:
-    return self.k.size * self.k.dtype.itemsize * 2
+    return sum(a.size * a.dtype.itemsize for a in self.pools())
 
   def page_bytes(self) -> int:
-    """Bytes one page holds (K and V, every layer)."""
+    """Bytes one page holds (K and V, every layer; their scales in an 8-bit cache)."""
     return self.nbytes() // self.num_pages
 
   # ---- reads and writes through the page table (inside jit) ----
 
   def layer_view(self, layer, mesh=None):
     """Layer `layer` (traced) as each row's logical cache: (k, v) [B, Hkv, S, D], S = max_len. Slots at or past
-    a row's length are zero (they may hold another request's K/V, or NaN in the poisoned-page tests)."""
-    return gather_rows(self.k, self.v, self.pages, self.lengths, layer, mesh)
+    a row's length are zero (they may hold another request's K/V, or NaN in the poisoned-page tests).
+    An 8-bit cache comes back dequantized to its act_dtype."""
+    return gather_rows(self.k, self.v, self.pages, self.lengths, layer, mesh, scales=self._scales())
+
+  def _scales(self):
+    return (self.k_scale, self.v_scale, self.act_dtype) if self.quantized else None
 
   def write(self, k_new, v_new, mesh=None) -> "KVCache":
     """k_new, v_new [L, B, T, Hkv, D] written at slots lengths[b] .. lengths[b]+T-1 of each row, through its
-    pages (slots past its table go to the null page); `lengths` does not move."""
-    k, v = scatter_rows(self.k, self.v, k_new, v_new, self.pages, self.lengths, mesh)
-    return self.replace(k=k, v=v)
+    pages (slots past its table go to the null page); `lengths` does not move. An 8-bit cache quantizes them
+    here, in the same loop (one scale per token and head)."""
+    return self.with_pools(scatter_rows(self.pools(), k_new, v_new, self.pages, self.lengths, mesh))
 
   def insert_row(self, row: "KVCache", slot) -> "KVCache":
     """Take a one-row view's pool (a slot insert prefilled straight into row `slot`'s pages of this very pool,
     spec_jax/slots.py) and its length; no other row's pages were written."""
-    return self.replace(k=row.k, v=row.v, lengths=self.lengths.at[slot].set(row.lengths[0]))
+    return self.with_pools(row.pools()).replace(lengths=self.lengths.at[slot].set(row.lengths[0]))
 
   def with_page_row(self, slot, pages_row) -> "KVCache":
     return self.replace(pages=self.pages.at[slot].set(pages_row.astype(jnp.int32)))
@@ -134,8 +211,9 @@ def _data_shards(mesh, k, pages):
 
 
 def _per_shard(fn, mesh, k, pages, *, pool_args, row_args, out_pool: bool, out_rows: int = 0):
-  """Run fn(pools..., pages_local, rows...) per data shard (shard_map over the pool's layout) where the pool is
-  split over `data`; as is otherwise (the partitioner places it)."""
+  """Run fn(pools..., pages_local, rows...) per data shard (shard_map over the pool's layout; a scale pool
+  [L, N, Hkv, bs] split like its data) where the pool is split over `data`; as is otherwise (the partitioner
+  places it)."""
   shards = _data_shards(mesh, k, pages)
   if shards == 1:
     return fn(*pool_args, pages, *row_args)
@@ -149,35 +227,47 @@ def _per_shard(fn, mesh, k, pages, *, pool_args, row_args, out_pool: bool, out_r
     index = lax.axis_index("data")
     return fn(*pools, _shard_local(pg, n_pool, shards, index), *rest)
 
+  pool_spec = tuple(spec if a.ndim == 5 else P(*spec[:a.ndim]) for a in pool_args)
   row_spec = lambda a: P(rows, *([None] * (a.ndim - 1)))
-  in_specs = (spec,) * len(pool_args) + (P(rows, None),) + tuple(
+  in_specs = pool_spec + (P(rows, None),) + tuple(
       P(None, rows, None, heads, None) if a.ndim == 5 else row_spec(a) for a in row_args)
   if out_pool:
-    out_specs = (spec,) * len(pool_args)
+    out_specs = pool_spec
   else:
     out_specs = tuple(P(rows, heads, None, None) for _ in range(out_rows))
   return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
       *pool_args, pages, *row_args)
 
 
-def gather_rows(k_pool, v_pool, pages, lengths, layer, mesh=None):
-  """-> (k, v) [B, Hkv, S, D]: layer `layer` of each row's pages in order, zero at slots >= lengths[b]."""
+def gather_rows(k_pool, v_pool, pages, lengths, layer, mesh=None, scales=None):
+  """-> (k, v) [B, Hkv, S, D]: layer `layer` of each row's pages in order, zero at slots >= lengths[b].
+  scales (k_scale, v_scale, act_dtype): an 8-bit pool, dequantized to act_dtype (its scales paged the same way;
+  a poisoned page's NaN scale is masked like its data)."""
+  act = None if scales is None else scales[2]
 
-  def fn(kp, vp, pg, lengths):
+  def fn(kp, vp, *rest):
+    *sc, pg, lengths = rest
     B, npp = pg.shape
     bs = kp.shape[3]
+    live = jnp.arange(npp * bs, dtype=jnp.int32)[None, :] < lengths[:, None]
 
-    def one(pool):
-      lay = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)  # [N, Hkv, bs, D]
-      g = jnp.take(lay, pg, axis=0)  # [B, P, Hkv, bs, D]
-      g = g.transpose(0, 2, 1, 3, 4).reshape(B, g.shape[2], npp * bs, g.shape[4])
-      live = jnp.arange(npp * bs, dtype=jnp.int32)[None, :] < lengths[:, None]
+    def take(pool):  # -> [B, Hkv, S, ...]
+      lay = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)  # [N, Hkv, bs, ...]
+      g = jnp.take(lay, pg, axis=0)  # [B, P, Hkv, bs, ...]
+      g = jnp.swapaxes(g, 1, 2)
+      return g.reshape(B, g.shape[1], npp * bs, *g.shape[4:])
+
+    def one(pool, scale):
+      g = take(pool)
+      if scale is not None:
+        g = dequantize(g, take(scale), act)
       return jnp.where(live[:, None, :, None], g, jnp.zeros((), g.dtype))
 
-    return one(kp), one(vp)
+    ks, vs = sc if sc else (None, None)
+    return one(kp, ks), one(vp, vs)
 
-  return _per_shard(fn, mesh, k_pool, pages, pool_args=(k_pool, v_pool), row_args=(lengths,), out_pool=False,
-                    out_rows=2)
+  pools = (k_pool, v_pool) + (tuple(scales[:2]) if scales is not None else ())
+  return _per_shard(fn, mesh, k_pool, pages, pool_args=pools, row_args=(lengths,), out_pool=False, out_rows=2)
 
 
 def _address(pages, slots, bs):
@@ -190,38 +280,47 @@ def _address(pages, slots, bs):
   return jnp.where(inside, page, NULL_PAGE), jnp.where(inside, slots % bs, 0)
 
 
-def scatter_rows(k_pool, v_pool, k_new, v_new, pages, lengths, mesh=None):
-  """k_new, v_new [L, B, T, Hkv, D] -> pools with token t of row b at its slot lengths[b] + t.
+def scatter_rows(pools, k_new, v_new, pages, lengths, mesh=None):
+  """pools (k, v[, k_scale, v_scale]) -> the pools with token t of row b (k_new, v_new [L, B, T, Hkv, D]) at its
+  slot lengths[b] + t. With scale pools, the new tokens are quantized to the pool's dtype first (one scale per
+  token and head, written beside it).
 
   One dynamic_update_slice per token (B * T of them, in a loop): each updates the pool in place, where XLA:CPU
   copies the whole buffer for a scatter."""
-
-  def fn(kp, vp, pg, kn, vn, lengths):
+  def fn(*args):
+    pools, (pg, kn, vn, lengths) = args[:-4], args[-4:]
     L, B, T, H, D = kn.shape
-    page, off = _address(pg, lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], kp.shape[3])
+    page, off = _address(pg, lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], pools[0].shape[3])
+    if len(pools) == 4:
+      (kn, ks), (vn, vs) = quantize(kn, pools[0].dtype), quantize(vn, pools[1].dtype)
+      news = (kn, vn, jnp.swapaxes(ks, 2, 3), jnp.swapaxes(vs, 2, 3))  # scales [L, B, H, T]
+    else:
+      news = (kn, vn)
     # The new tokens go to the pool's head-major order before the loop: swapped token by token inside it, XLA:TPU
     # carried the pool with its layers minor and copied it in and out of every loop call.
-    kn, vn = jnp.swapaxes(kn, 2, 3), jnp.swapaxes(vn, 2, 3)  # [L, B, H, T, D]
+    news = tuple(jnp.swapaxes(n, 2, 3) for n in news[:2]) + news[2:]  # [L, B, H, T, D]
 
     def one(i, pools):
       b, t = i // T, i % T
       out = []
-      for pool, new in zip(pools, (kn, vn)):
-        tok = lax.dynamic_slice(new, (0, b, 0, t, 0), (L, 1, H, 1, D))
-        out.append(lax.dynamic_update_slice(pool, tok.astype(pool.dtype), (0, page[b, t], 0, off[b, t], 0)))
+      for pool, new in zip(pools, news):
+        start, size = (0, b, 0, t, 0)[:new.ndim], (L, 1, H, 1, D)[:new.ndim]
+        tok = lax.dynamic_slice(new, start, size)
+        at = (0, page[b, t], 0, off[b, t], 0)[:new.ndim]
+        out.append(lax.dynamic_update_slice(pool, tok.astype(pool.dtype), at))
       return tuple(out)
 
-    return lax.fori_loop(0, B * T, one, (kp, vp))
+    return lax.fori_loop(0, B * T, one, tuple(pools))
 
-  return _per_shard(fn, mesh, k_pool, pages, pool_args=(k_pool, v_pool), row_args=(k_new, v_new, lengths),
+  return _per_shard(fn, mesh, pools[0], pages, pool_args=tuple(pools), row_args=(k_new, v_new, lengths),
                     out_pool=True)
 
 
 def pool_bytes(tree, shape=lambda a: a.shape) -> tuple[int, int]:
-  """-> (bytes, pages) of the K and V pools of every KVCache in a pytree (a decode state, a proposer state; real
-  or abstract arrays). `shape` gives the shape counted (a chip's shard of a sharded pool); pages: the first pool's
+  """-> (bytes, pages) of the K and V pools (and an 8-bit cache's scales) of every KVCache in a pytree (a decode
+  state, a proposer state; real or abstract arrays). `shape` gives the shape counted (a chip's shard of a sharded pool); pages: the first pool's
   (every cache of a state shares one table)."""
   caches = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, KVCache))
             if isinstance(x, KVCache)]
-  nbytes = sum(2 * int(np.prod(shape(c.k))) * np.dtype(c.k.dtype).itemsize for c in caches)
+  nbytes = sum(int(np.prod(shape(a))) * np.dtype(a.dtype).itemsize for c in caches for a in c.pools())
   return nbytes, (int(shape(caches[0].k)[1]) if caches else 0)

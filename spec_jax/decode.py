@@ -52,6 +52,7 @@ class LoopSpec:
   probe_every: int = 16
   mesh: Any = None  # a jax.sharding.Mesh ('data', 'model'), or None for one device (spec_jax/sharding.py)
   max_logprobs: int = lps.OFF  # top logprobs a row may ask for (spec_jax/logprobs.py); OFF: no logprob buffers
+  kv_cache_dtype: str = "auto"  # every KV cache of the state (spec_jax/cache.py KV_CACHE_DTYPES)
 
   @property
   def k_max(self) -> int:
@@ -64,6 +65,7 @@ class LoopSpec:
     return max(self.k_max, tree.lookahead if tree is not None and self.k_max else 0)
 
   def __post_init__(self):
+    check_kv_cache_dtype(self.kv_cache_dtype, self.impl)
     # A proposer that runs attention itself (the draft model, EAGLE) declares a `mesh` field: it runs on the
     # loop's mesh, so its Pallas kernels run per shard as the target's do.
     if any(f.name == "mesh" for f in dataclasses.fields(self.proposer)) and self.proposer.mesh != self.mesh:
@@ -339,10 +341,21 @@ def decode_loop(params, state: DecodeState, spec: LoopSpec, max_steps=NO_LIMIT) 
   return state
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, impl: str) -> None:
+  """An unknown --kv_cache_dtype, or an 8-bit cache with a Pallas kernel (they read the pool without its scales
+  yet), is an error."""
+  from spec_jax import kernels
+  from spec_jax.cache import kv_storage_dtype
+  if kv_storage_dtype(kv_cache_dtype) is not None and kernels.resolve_impl(impl).startswith("pallas"):
+    raise ValueError(f"--kv_cache_dtype {kv_cache_dtype} needs --attention_impl xla: the Pallas kernels "
+                     f"({kernels.resolve_impl(impl)}) do not read an 8-bit cache's scales yet")
+
+
 def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool = True, stop_ids: Sequence[int] = (),
-              impl: str = "xla", probe_every: int = 16, mesh=None, max_logprobs: int = lps.OFF) -> LoopSpec:
+              impl: str = "xla", probe_every: int = 16, mesh=None, max_logprobs: int = lps.OFF,
+              kv_cache_dtype: str = "auto") -> LoopSpec:
   """The loop's static settings; the stop ids add to the model's EOS ids. With a mesh, the state is sharded by
   spec_jax/sharding.py's table (params must be placed with sharding.shard_params)."""
   return LoopSpec(config=config, proposer=proposer, ks=adaptive.option_set(proposer.k, adaptive_k, proposer.tree),
                   stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every,
-                  mesh=mesh, max_logprobs=max_logprobs)
+                  mesh=mesh, max_logprobs=max_logprobs, kv_cache_dtype=kv_cache_dtype)

@@ -31,6 +31,10 @@ ROWS: dict[str, Row] = {
     "dtype": Row("enum", "Weights and activations dtype.", None, ("float32", "bfloat16")),
     "attention_impl": Row("enum", "Attention kernel ('' = the platform's).", None,
                           ("", "auto", "xla", "pallas_gpu", "pallas_tpu")),
+    "kv_cache_dtype": Row("enum", "Every KV cache (target, draft model, EAGLE layer): 'auto' = the activation dtype; "
+                          "fp8 (= fp8_e4m3), fp8_e5m2 or int8 with a float32 scale per token and KV head, half the "
+                          "bytes a page (vLLM's flag; the XLA attention only).", "auto",
+                          ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")),
     "max_new_tokens": Row("integer", "New tokens per prompt (the server: a request's default max_tokens)."),
     "temperature": Row("float", "0 is greedy (the server: a request's default)."),
     "top_k": Row("integer", "0 is off (the server: a request's default)."),

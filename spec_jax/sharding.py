@@ -153,9 +153,12 @@ def state_shardings(state, mesh: Mesh):
   from spec_jax.cache import KVCache
 
   def cache(c: KVCache):
-    kv = NamedSharding(mesh, cache_spec(c.k.shape, mesh))
-    return KVCache(kv, kv, NamedSharding(mesh, logical_to_spec(("batch",), c.lengths.shape, mesh)),
-                   NamedSharding(mesh, logical_to_spec(("batch", None), c.pages.shape, mesh)))
+    spec = cache_spec(c.k.shape, mesh)
+    kv = NamedSharding(mesh, spec)
+    scale = NamedSharding(mesh, P(*spec[:4])) if c.quantized else None  # split like the pages they scale
+    return c.replace(k=kv, v=kv, lengths=NamedSharding(mesh, logical_to_spec(("batch",), c.lengths.shape, mesh)),
+                     pages=NamedSharding(mesh, logical_to_spec(("batch", None), c.pages.shape, mesh)),
+                     k_scale=scale, v_scale=scale)
 
   def one(path, x):
     if _is_cache(x):

@@ -169,7 +169,7 @@ def _empty(params, spec, batch, capacity, costs, key, controls=None, *, block_si
   if num_pages is not None:  # a pool handed out by the host: every row starts on its shard's null page
     pages = np.repeat((np.arange(batch) // (batch // shards)) * (num_pages // shards), pps).reshape(batch, pps)
   cache = KVCache.init(spec.config, batch, capacity, params["target"]["final_norm"].dtype, block_size=block_size,
-                       num_pages=num_pages, pages=pages, shards=shards)
+                       num_pages=num_pages, pages=pages, shards=shards, kv_dtype=spec.kv_cache_dtype)
   return prefill_rows(params, spec, prompt, lens, lens, SamplingParams.make(batch), jnp.zeros((batch,), jnp.int32),
                       jnp.broadcast_to(key, (batch, 2)), cache, capacity=capacity, chunk=chunk,
                       live=jnp.zeros((batch,), bool), costs=costs, controls=controls)
@@ -259,7 +259,8 @@ def fill_pages(state: DecodeState, pages, value=float("nan")) -> DecodeState:
   def one(x):
     if not isinstance(x, KVCache):
       return x
-    return x.replace(k=x.k.at[:, pages].set(value), v=x.v.at[:, pages].set(value))
+    # an 8-bit pool's data cannot hold NaN (int8): its scales are poisoned too, so a read of it is NaN all the same
+    return x.with_pools(tuple(a.at[:, pages].set(value) for a in x.pools()))
   return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 

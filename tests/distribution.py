@@ -16,9 +16,10 @@ def sample_plain_and_speculative(params, config, proposer, proposer_params, *, n
                                  **kw):
   """`calls` batches of n rows each way (one compiled shape reused; a 3000-row batch once crashed XLA's
   compiler). -> (plain tokens [n * calls, 3], speculative tokens, acceptance rate per call). `sampling`: the
-  SamplingParams of n rows (default T 1, top-k 6, top-p 0.95); other keywords (controls=...) go to both runs."""
+  SamplingParams of n rows (default T 1, top-k 6, top-p 0.95); other keywords go to the speculative run, and
+  controls= and kv_cache_dtype= to both (the same target both ways)."""
   samp = sampling if sampling is not None else SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
-  both = {k: v for k, v in kw.items() if k == "controls"}
+  both = {k: v for k, v in kw.items() if k in ("controls", "kv_cache_dtype")}
   plain, specd, rates = [], [], []
   for c in range(calls):
     plain += generate(params, config, [PROMPT] * n, max_new_tokens=3, sampling=samp, seed=100 + c,

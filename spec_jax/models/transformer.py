@@ -25,7 +25,7 @@ import numpy as np
 
 from spec_jax import kernels
 from spec_jax.quant import QTensor, qdot, take_rows
-from spec_jax.cache import KVCache
+from spec_jax.cache import KVCache, fake_quant
 from spec_jax.config import ModelConfig
 from spec_jax.models import schema
 
@@ -135,7 +135,7 @@ def layer_finish(c: ModelConfig, x, attn, p):
 
 
 def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, base, positions, lengths, *,
-                  impl: str = "xla", tree_mask=None, mesh=None, attn_input=None, pages=None):
+                  impl: str = "xla", tree_mask=None, mesh=None, attn_input=None, pages=None, kv_dtype: str = "auto"):
   """One decoder layer over x [B, T, D] at positions [B, T] -> (x, k_new, v_new [B, T, K, d]).
 
   It reads the committed slots (< lengths[b]) of k_cache/v_cache [B, K, S, d] (a row's logical cache,
@@ -145,6 +145,8 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
   cache-free forward does. `tree_mask` bool [B, T, T] (or [T, T]) replaces the causal mask among the T new tokens
   (a token tree). `mesh`: the device mesh a Pallas kernel runs per shard on (kernels.attention). `attn_input`:
   what the Q/K/V projections read instead of the normed x (layer_qkv); the residual stays x.
+  `kv_dtype`: the cache's --kv_cache_dtype; an 8-bit cache's readers see the new K/V quantized (cache.fake_quant)
+  as every later forward reads them back, so chains, trees and plain decoding compute the same target.
   """
   c = config
   B, T = positions.shape
@@ -154,7 +156,8 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
     # kernels have no backward pass).
     k_cache = v_cache = jnp.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype)
     impl, layer = "xla", None
-  attn = kernels.attention(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, positions,
+  k_seen, v_seen = fake_quant(k, kv_dtype), fake_quant(v, kv_dtype)
+  attn = kernels.attention(q, k_seen.astype(k_cache.dtype), v_seen.astype(v_cache.dtype), k_cache, v_cache, positions,
                            lengths, scale=c.attn_scale, window=window, tree_mask=tree_mask, layer=layer, impl=impl,
                            mesh=mesh, pages=pages)
   return layer_finish(c, x, attn, p), k, v
@@ -220,6 +223,14 @@ def lm_head(params, hidden):
   return out[:rows].reshape(*lead, out.shape[-1])
 
 
+def _no_scales(cache: KVCache, impl: str) -> None:
+  """A kernel that reads the pool itself cannot take an 8-bit one yet (no scale operand): refuse, never read the
+  raw 8-bit values as if their scale were 1."""
+  if cache.quantized:
+    raise ValueError(f"attention impl {impl} reads the page pool without its scales: an 8-bit KV cache "
+                     f"({cache.kv_dtype}) needs the XLA attention")
+
+
 def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, *, config: ModelConfig,
             impl: str = "xla", compute_logits: bool = True, return_layers: Sequence[int] = (),
             tree_mask=None, mesh=None, write: bool = True):
@@ -255,11 +266,13 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
     # A kernel that reads pages gets the pools and the table; the others read each row's pages gathered into a
     # logical [B, Hkv, S, D] cache (zero past each length).
     if cache is not None and kernels.reads_pages(impl, cache.block_size):
+      _no_scales(cache, impl)
       kc, vc, at, pages = cache.k, cache.v, layer, cache.pages
     else:
       (kc, vc), at, pages = ((None, None) if cache is None else cache.layer_view(layer, mesh)), None, None
     x, k_new, v_new = decoder_layer(c, x, p, kc, vc, at, window, base, positions, lengths, impl=impl,
-                                    tree_mask=tree_mask, mesh=mesh, pages=pages)
+                                    tree_mask=tree_mask, mesh=mesh, pages=pages,
+                                    kv_dtype="auto" if cache is None else cache.kv_dtype)
     return x, ((k_new, v_new) if cache is not None else None, x if collect else None)
 
   # Nothing writes the pool inside the scan; all layers' new entries are written after it, in place, through

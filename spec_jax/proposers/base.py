@@ -82,18 +82,19 @@ class PrefillOut:
   block_size: int = struct.field(pytree_node=False, default=16)
   offsets: Optional[jax.Array] = None
   proposer_cache: Optional[object] = None
+  kv_dtype: str = struct.field(pytree_node=False, default="auto")  # the target cache's (--kv_cache_dtype)
 
   def cache_for(self, config, dtype, capacity: int):
     """An empty KV cache for a proposer's own model, paged like the target's (contiguous rows of `capacity`
-    slots when no table is given)."""
+    slots when no table is given) and stored like it (one --kv_cache_dtype covers every cache)."""
     from spec_jax.cache import KVCache
     if self.proposer_cache is not None:
       return self.proposer_cache.replace(lengths=self.offsets, pages=self.pages)
     if self.pages is None:
-      return KVCache.init(config, self.tokens.shape[0], capacity, dtype)
+      return KVCache.init(config, self.tokens.shape[0], capacity, dtype, kv_dtype=self.kv_dtype)
     B, pps = self.pages.shape
     return KVCache.init(config, B, pps * self.block_size, dtype, block_size=self.block_size,
-                        num_pages=self.num_pages, pages=self.pages)
+                        num_pages=self.num_pages, pages=self.pages, kv_dtype=self.kv_dtype)
 
 
 @struct.dataclass

@@ -136,18 +136,21 @@ def cache_read(cache: KVCache, impl: str, mesh=None):
   """What the head's attention reads: (pool k, pool v, page table) for a kernel that reads pages, else each row's
   pages gathered ([B, Hkv, S, D] each, no table)."""
   if kernels.reads_pages(impl, cache.block_size):
+    tfm._no_scales(cache, impl)
     return cache.k, cache.v, cache.pages
   return (*cache.layer_view(jnp.int32(0), mesh), None)
 
 
 def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, v_cache, lengths, *,
-               published: Optional[Published] = None, impl: str = "xla", tree_mask=None, mesh=None, pages=None):
+               published: Optional[Published] = None, impl: str = "xla", tree_mask=None, mesh=None, pages=None,
+               kv_dtype: str = "auto"):
   """The head's layer over (feature, token) pairs -> (the layer's output x [B, T, D], k_new, v_new). With
-  `pages`, k_cache/v_cache are the head's page pools (cache_read)."""
+  `pages`, k_cache/v_cache are the head's page pools (cache_read); kv_dtype: the head cache's."""
   run = functools.partial(tfm.decoder_layer, cfg, p=params["layer"], k_cache=k_cache, v_cache=v_cache,
                           layer=None if pages is None else jnp.int32(0), pages=pages, window=jnp.int32(0),
                           base=jnp.float32(cfg.rope_base),
-                          positions=positions, lengths=lengths, impl=impl, tree_mask=tree_mask, mesh=mesh)
+                          positions=positions, lengths=lengths, impl=impl, tree_mask=tree_mask, mesh=mesh,
+                          kv_dtype=kv_dtype)
   x, attn_in = layer_inputs(params, cfg, feats, toks, published)
   return run(x, attn_input=attn_in)
 
@@ -201,11 +204,11 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
   """
   kc, vc, pages = cache_read(cache, impl, mesh)
   x, k_new, v_new = layer_step(params, cfg, feats, toks, positions, kc, vc, cache.lengths,
-                               published=published, impl=impl, mesh=mesh, pages=pages)
+                               published=published, impl=impl, mesh=mesh, pages=pages, kv_dtype=cache.kv_dtype)
   # The rows are written after the layer has read the cache: with nothing ordering the attention call and the
   # row loop, XLA:GPU's copy insertion copied the whole cache around the loop (7 copies a step on an H200).
-  x, ck, cv = jax.lax.optimization_barrier((x, cache.k, cache.v))
-  cache = cache.replace(k=ck, v=cv).write(k_new[None], v_new[None], mesh)
+  x, pools = jax.lax.optimization_barrier((x, cache.pools()))
+  cache = cache.with_pools(pools).write(k_new[None], v_new[None], mesh)
   return out_feature(params, cfg, x, published), cache
 
 
@@ -297,7 +300,7 @@ class EagleProposer:
     def score(tokens, parent_feat, depths, mask):
       x, _, _ = layer_step(params, self.config, parent_feat, tokens, (ctx.lengths - 2)[:, None] + depths, kc,
                            vc, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask, pages=pages,
-                           mesh=self.mesh)
+                           mesh=self.mesh, kv_dtype=cache.kv_dtype)
       out = out_feature(params, self.config, x, self.published)
       return logp(out), out
 

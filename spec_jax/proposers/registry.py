@@ -26,6 +26,7 @@ class Target:
   impl: str = "xla"
   model_path: Optional[str] = None  # its checkpoint (qdraft quantizes it; an independent draft checks it)
   dtype: str = "float32"
+  kv_cache_dtype: str = "auto"  # every KV cache of the decode state (--kv_cache_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,6 +70,18 @@ def test_greedy_identical_to_one_device(mesh_text, name, batch):
     assert out.stats["accepted_tokens"] == ref.stats["accepted_tokens"]
 
 
+def test_an_8_bit_cache_on_a_mesh_is_identical_to_one_device():
+  """EAGLE on an int8 cache (the target's and the layer's) over data:4,model:2: the scales split like the pages,
+  the same tokens and counters as one device."""
+  prop, pp = _proposer("eagle")
+  run = lambda mesh: generate(_params(), CONFIG, _prompts(8), max_new_tokens=MAX_NEW, proposer=prop,
+                              proposer_params=pp, adaptive_k=False, mesh=mesh, kv_cache_dtype="int8")
+  out, ref = run(sharding.make_mesh("data:4,model:2")), run(None)
+  assert out.token_ids == ref.token_ids
+  assert out.stats["drafted_tokens"] == ref.stats["drafted_tokens"] > 0
+  assert out.stats["accepted_tokens"] == ref.stats["accepted_tokens"]
+
+
 def test_layout_follows_the_table():
   """Parameters, the target cache, the decode state and the proposer states carry the table's shardings, in the
   arrays the compiled loop takes and gives back."""

@@ -33,7 +33,7 @@ flags.FLAGS(["server", f"--model={sys.argv[1]}", "--dtype=float32", "--max_model
 engine, tok, _ = server.build_engine(server.settings())
 kv = engine.kv
 out = {"pages": kv.bm.usable, "pages_per_seq": kv.bm.pages_per_seq,
-       "proposer_bytes": kv.proposer_bytes_per_page}
+       "proposer_bytes": kv.proposer_bytes_per_page, "kv_cache_dtype": engine.spec.kv_cache_dtype}
 if args["too_long"]:
   try:
     engine.make_request(tok.encode("the cat"), max_new=args["too_long"])
@@ -130,11 +130,17 @@ def test_a_small_pool_runs_more_requests_than_it_holds_preempts_and_loses_nothin
     ("draft", ['--speculative_config={"method": "draft", "num_speculative_tokens": 3, "draft_layers": 2}']),
     ("draft_tree", ['--speculative_config={"method": "draft", "num_speculative_tokens": 3, "draft_layers": 2, '
                     '"eagle_topk": 2, "num_draft_tokens": 7}']),
+    # 8-bit pools (their scales poisoned too): a draft model's tree on int8, the EAGLE layer on fp8
+    ("draft_tree-int8", ["--kv_cache_dtype=int8", '--speculative_config={"method": "draft", "num_speculative_tokens": '
+                         '3, "draft_layers": 2, "eagle_topk": 2, "num_draft_tokens": 7}']),
+    ("eagle-fp8", ["--kv_cache_dtype=fp8", '--speculative_config={"method": "eagle", "num_speculative_tokens": 3, '
+                   '"model": "%s"}' % os.path.join(HEADS, "eagle1")]),
 ])
 def test_poisoned_freed_pages_change_no_output(tiny_model, name, flags):
-  model = os.path.join(HEADS, "target") if name == "eagle" else None  # the heads' tiny Llama
+  model = os.path.join(HEADS, "target") if name.startswith("eagle") else None  # the heads' tiny Llama
   out = _run(tiny_model, POOL + ["--poison_freed_pages", *flags], n=6, max_new=48, model=model)
   assert out["proposer_bytes"] > 0  # the draft model's KV is part of every page
+  assert out["kv_cache_dtype"] == (name.split("-")[1] if "-" in name else "auto")
   assert out["status"]["num_preemptions"] > 0
   assert out["together"] == out["alone"]
   assert out["pool_back"][2] == 0
@@ -163,9 +169,11 @@ def test_seeded_sampled_requests_reproduce_across_preemption(tiny_model):
   assert out["pool_back"][2] == 0
 
 
-def test_a_shared_prefix_is_prefilled_once_per_tenant(tiny_model):
-  out = _run(tiny_model, POOL + ['--speculative_config={"method": "ngram", "num_speculative_tokens": 4}'],
-             prefix=True)
+@pytest.mark.parametrize("kv", ["auto", "int8"])  # int8: the hit's pages carry their scales
+def test_a_shared_prefix_is_prefilled_once_per_tenant(tiny_model, kv):
+  out = _run(tiny_model, POOL + ['--speculative_config={"method": "ngram", "num_speculative_tokens": 4}',
+                                 f"--kv_cache_dtype={kv}"], prefix=True)
+  assert out["kv_cache_dtype"] == kv
   (ref, (q0, h0), n), (_, (q1, h1), _), (hit, (q2, h2), _), (other, (q3, h3), _) = (
       out[k] for k in ("ref", "first", "hit", "other"))
   assert h1 == h0 == 0 and q2 - q1 == n  # the salt "x" kept the first two apart
