@@ -92,7 +92,8 @@ def main(argv):
   if F.cost_table:
     cfg.update(cost_batches=[int(b) for b in F.cost_batches], cost_ks=F.cost_ks,
                cost_trees=[int(n) for n in F.cost_trees], cost_tree_method=F.cost_tree_method,
-               cost_tree_depth=F.cost_tree_depth, cost_chains=list(F.cost_chains))
+               cost_tree_depth=F.cost_tree_depth, cost_chains=list(F.cost_chains),
+               cost_hlo_dir=F.cost_hlo_dir)
     from serve.aot_costs import breakdown_md, cost_table, plot_breakdown, plot_costs
     os.makedirs(os.path.dirname(os.path.abspath(F.cost_table)), exist_ok=True)
 
@@ -127,7 +128,8 @@ def main(argv):
 AOT_FLAGS = ("topology", "model_shape", "draft_model_shape", "mesh", "methods", "num_speculative_tokens",
              "eagle_topk", "num_draft_tokens", "max_num_seqs", "max_model_len", "dtype", "attention_impl",
              "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "output", "cost_table", "cost_batches",
-             "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth", "cost_chains")
+             "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth", "cost_chains",
+             "cost_hlo_dir")
 
 
 if __name__ == "__main__":

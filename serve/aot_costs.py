@@ -8,6 +8,7 @@ labelled as an estimate, not a measurement.
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax.numpy as jnp
@@ -43,7 +44,11 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
       with layers_unrolled():  # XLA's cost analysis counts a loop body once: the layer scan's too
         prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=int(b),
                                   max_model_len=S, dtype=dtype, impl=impl)
-        rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes, breakdown=True)
+        hlo = flags_cfg.get("cost_hlo_dir") or ""
+        if hlo:
+          os.makedirs(hlo, exist_ok=True)
+          hlo = os.path.join(hlo, f"b{b}_{_key(method, k, nodes)}.hlo.txt")
+        rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes, breakdown=True, hlo_path=hlo)
       gpu = tgt.platform == "gpu"  # deviceless XLA:GPU gives no optimal_seconds: the breakdown's roofline stands in
       if gpu and rec.get("breakdown") and aot_compile.ok(rec):
         rec["optimal_seconds"] = rec["breakdown"]["roofline_seconds"]
@@ -82,14 +87,16 @@ def _tree_bytes(tree, chip_shape) -> float:
 def floor(prog, chip_kind: str, passes: int = 0) -> dict:
   """A step's first-principles floor on one chip: the bytes it must read (the target's weights once, its KV cache
   at capacity, a drafter's weights once per drafting pass: `passes`) over the chip's bandwidth, its FLOPs (2 per
-  weight per scored position) over the peak; the larger. Per chip: each array's shard."""
+  weight per scored position) over the peak; the larger. Per chip: each array's shard. An embedding table that is
+  not also the LM head is only gathered from (a few rows), so it is not among the bytes that must be read."""
   from serve.aot_breakdown import chip_figures
   import numpy as np
   params, state = prog.args[0], prog.args[1]
   chip_shape = lambda a: (a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None
                           and hasattr(a.sharding, "shard_shape") else a.shape)
-  target = _tree_bytes(params["target"], chip_shape)
-  drafter = _tree_bytes(params["proposer"], chip_shape) if params["proposer"] else 0.0
+  gathered = lambda p: {k: v for k, v in p.items() if not (k == "embed" and ("lm_head" in p or "rows" in p))}
+  target = _tree_bytes(gathered(params["target"]), chip_shape)
+  drafter = _tree_bytes(gathered(params["proposer"]), chip_shape) if params["proposer"] else 0.0
   cache = _tree_bytes((state.cache.k, state.cache.v), chip_shape)
   B = state.tokens.shape[0]
   spec = prog.args[2]

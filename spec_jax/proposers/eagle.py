@@ -303,7 +303,7 @@ class EagleProposer:
                            vc, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask, pages=pages,
                            mesh=self.mesh)
       out = out_feature(params, self.config, x, self.published)
-      return logp(out), out
+      return logp(out[:, -self.tree.topk:]), out  # the head over the frontier alone: grow reads only its logp
 
     to_target = None if d2t is None else (lambda i: jnp.take(d2t, i))
     # The state keeps the cache just written (update rewrites from slot L - 2 on, that pair included): keeping the

@@ -64,8 +64,9 @@ def grow(first_logp: jax.Array, first_out, score: Callable, shape: DynamicTree,
   first_logp [B, V'] draft log-probs of the root's children; first_out: a pytree of [B, ...] arrays, what a
   depth-1 node's forward reads from its parent (EAGLE: the feature predicted at the root; else anything).
   score(tokens [B, T] target ids, parent_out (pytree of [B, T, ...]), depths [B, T] (1 = a root child),
-  mask bool [B, T, T]) -> (logp [B, T, V'], out (pytree of [B, T, ...])): one forward of the T fed nodes, each
-  attending to the committed context and to its ancestors among them. to_target maps draft-vocabulary ids to
+  mask bool [B, T, T]) -> (logp [B, T' <= T, V'], out (pytree of [B, T, ...])): one forward of the T fed nodes,
+  each attending to the committed context and to its ancestors among them; logp covers at least the last K (the
+  frontier, the only ones read: a head over the frontier alone saves its other rows' FLOPs). to_target maps draft-vocabulary ids to
   target ids (a reduced draft vocabulary), identity when None.
   -> TreeDraft [B, N] (node 0 the root, its token left 0 for the loop to fill).
   """
