@@ -106,21 +106,13 @@ def _activation(name):
   return jax.nn.silu
 
 
-def _project_heads(h, w):
-  """h [B, T, D] . w [D, H, d] -> [B, T, H, d], as one [D, H d] product. Written as the 3-D einsum, XLA:TPU lays
-  the weight out heads-major for the attention that follows and, the weight being loop-invariant, copies every
-  layer's Q weight into that layout once per decode-loop call (128 MiB a chip for Llama-3 8B on v5e-8)."""
-  if isinstance(w, QTensor):
-    return dot("btd,dhk->bthk", h, w)
-  D, H, d = w.shape
-  return dot("btd,dn->btn", h, w.reshape(D, H * d)).reshape(*h.shape[:-1], H, d)
-
-
 def layer_qkv(c: ModelConfig, x, p, positions, base, attn_input=None):
   """A layer's attention inputs: q [B, T, H, d], k and v [B, T, K, d], RoPE applied. `attn_input`: what the
   projections read instead of rms_norm(x, attn_norm) (published EAGLE heads: no input norm, or a wider input)."""
   h = rms_norm(x, p["attn_norm"], c.norm_eps) if attn_input is None else attn_input
-  q, k, v = (_project_heads(h, p[name]) for name in ("q", "k", "v"))
+  q = dot("btd,dhk->bthk", h, p["q"])
+  k = dot("btd,dhk->bthk", h, p["k"])
+  v = dot("btd,dhk->bthk", h, p["v"])
   if c.qkv_bias:
     q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
   if c.qk_norm:
