@@ -270,26 +270,27 @@ def walk(comps: dict, entry: str, chip: dict) -> list:
                 roofline=max(nbytes / chip["bandwidth"], flops / chip["peak"]),
                 cycles=ins.cycles / chip["clock"] if ins.cycles is not None and chip.get("clock") else None)
 
-  def run(comp: str, outer: str) -> list:
-    if (comp, outer) in memo:
-      return memo[comp, outer]
+  def run(comp: str, outer: str, looped: bool) -> list:
+    if (comp, outer, looped) in memo:
+      return memo[comp, outer, looped]
     out = []
     for ins in comps.get(comp, []):
       inner = scopes.role_of_path(ins.op_name) or outer
       if ins.opcode == "conditional":
-        runs = [run(b, inner) for b in ins.branches]
+        runs = [run(b, inner, looped) for b in ins.branches]
         out += max(runs, key=lambda r: sum(x["roofline"] for x in r)) if runs else []
       elif ins.opcode in ("while", "call"):
         for c in ins.calls:
-          out += run(c, inner)
+          out += run(c, inner, looped or ins.opcode == "while")
       else:
         r = own(ins, outer)
         if r is not None:
+          r["per_call"] = not looped  # outside every loop: once per program call (the decode loop's hoisted work)
           out.append(r)
-    memo[comp, outer] = out
+    memo[comp, outer, looped] = out
     return out
 
-  return run(entry, "")
+  return run(entry, "", False)
 
 
 def breakdown(text: str, chip_kind: str, optimal_seconds: float | None, top: int = 3) -> dict:
@@ -319,6 +320,10 @@ def breakdown(text: str, chip_kind: str, optimal_seconds: float | None, top: int
     roles[role]["top"] = [dict(name=r["ins"].name, seconds=r["roofline"] * scale, bytes=r["bytes"],
                                shape=r["ins"].shape.split("{")[0][:80], op_name=r["ins"].op_name[-100:])
                           for r in items[:top]]
+  per_call = [r for r in rows if r["per_call"]]
   return dict(roles=roles, scale=scale, instructions=len(rows), roofline_seconds=total,
+              # work outside the decode loop (loop-invariant copies XLA hoists: once per loop call, not per step)
+              per_call_seconds=sum(r["roofline"] for r in per_call) * scale,
+              per_call_bytes=sum(r["bytes"] for r in per_call),
               cycles_seconds=sum(r["cycles"] or 0.0 for r in rows),
               bytes=sum(r["bytes"] for r in rows), flops=sum(r["flops"] for r in rows))

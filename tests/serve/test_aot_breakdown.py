@@ -66,6 +66,8 @@ HLO = """HloModule m
 
 ENTRY %main (p: (bf16[4,64,64], f32[8,64])) -> (bf16[4,64,64], f32[8,64]) {
   %p = (bf16[4,64,64], f32[8,64]) parameter(0)
+  %wt0 = bf16[4,64,64]{2,1,0} get-tuple-element(%p), index=0
+  %hoisted = bf16[4,64,64]{1,2,0:T(8,128)(2,1)} copy(%wt0)
   ROOT %loop = (bf16[4,64,64], f32[8,64]) while(%p), condition=%cond_c, body=%body
 }
 """
@@ -75,7 +77,7 @@ def test_roles_bytes_and_branches_of_a_hand_written_step():
   """Each rule on its own instruction: a VMEM prefetch counts the weights once (to the role that reads them) and
   the fusion reading VMEM adds nothing for them; a sliced operand counts its slice; a kernel its declared cost; a
   conditional its costlier branch (the sort, which takes its caller's role); an in-place update its update; a
-  copy without a role is a layout change. Fails if any rule is dropped (e.g. counting VMEM operands, or every
+  copy without a role is a layout change, and one outside the loop is per loop call. Fails if any rule is dropped (e.g. counting VMEM operands, or every
   branch)."""
   out = bd.breakdown(HLO, V5E, optimal_seconds=None)
   roles = out["roles"]
@@ -89,7 +91,9 @@ def test_roles_bytes_and_branches_of_a_hand_written_step():
   # the sort branch (reads and writes [8, 1000] values and indices), not the reduce, and in the sampler's role
   assert roles["sampling/verify"]["count"] == 1 and roles["sampling/verify"]["top"][0]["name"] == "s"
   assert roles["page-table gathers"]["bytes"] == 2 * 4 * 16 * 64 * 2  # the update in, the update written
-  assert roles["copies/layout"]["bytes"] == 2 * weights and roles["copies/layout"]["top"][0]["name"] == "relayout"
+  assert roles["copies/layout"]["bytes"] == 4 * weights and roles["copies/layout"]["count"] == 2
+  # the copy outside the loop is once per loop call, the one inside per step
+  assert out["per_call_bytes"] == 2 * weights
   assert roles["rest"]["count"] == 0
   # no optimal_seconds: the seconds are the rooflines, at v5e's bandwidth where bytes dominate
   assert out["scale"] == 1.0
