@@ -191,7 +191,8 @@ def breakdown_md(table: dict) -> str:
       top = sorted((t for x in d["roles"].values() for t in x["top"]), key=lambda t: -t["seconds"])[:3]
       tops = "; ".join(f"`{t['name']}` {t['seconds'] * 1e3:.3f} ms {t['shape']}" for t in top)
       lines.append(f"| {'plain' if key == '0' else ('ngram k=' + key if key.isdigit() else key)} | {ms:.3f} | "
-                   f"{ms / (plain * 1e3):.2f}x | {d.get('per_call_seconds', 0) * 1e3:.3f} | "
+                   f"{ms / (plain * 1e3):.2f}x | "
+                   + (f"{d['per_call_seconds'] * 1e3:.3f}" if "per_call_seconds" in d else "n/a") + " | "
                    f"{d['floor']['seconds'] * 1e3:.3f} | "
                    f"{d['optimal_seconds'] / d['floor']['seconds']:.2f}x | {d['bytes'] / 1e9:.2f} | "
                    + " | ".join(cells) + f" | {tops} |")
