@@ -120,7 +120,7 @@ def test_a_compiled_step_is_attributed_by_its_scopes():
   """A tiny Llama's k = 2 n-gram step compiled for this CPU: the LM head's role moves at least the head's weights,
   the target layers' at least their weights, the sampler and the drafter have instructions: the scopes reach the
   compiled program's metadata (XLA:CPU's hoisted float32 converts of the weights carry none, so 'rest' is not
-  checked here). ~10 s."""
+  checked here). ~30 s on the shared 2-core host."""
   from serve import aot_programs as progs
   from tests.conftest import tiny_llama_config
   config = tiny_llama_config(vocab_size=4096, d_model=64, mlp_dim=128, num_heads=4, num_kv_heads=2, head_dim=16)
