@@ -92,14 +92,19 @@ def main(argv):
   if F.cost_table:
     cfg.update(cost_batches=[int(b) for b in F.cost_batches], cost_ks=F.cost_ks,
                cost_trees=[int(n) for n in F.cost_trees], cost_tree_method=F.cost_tree_method,
-               cost_tree_depth=F.cost_tree_depth)
-    from serve.aot_costs import cost_table, plot_costs
+               cost_tree_depth=F.cost_tree_depth, cost_chains=list(F.cost_chains),
+               cost_hlo_dir=F.cost_hlo_dir)
+    from serve.aot_costs import breakdown_md, cost_table, plot_breakdown, plot_costs
     os.makedirs(os.path.dirname(os.path.abspath(F.cost_table)), exist_ok=True)
 
     def write(table):
       with open(F.cost_table, "w", encoding="utf-8") as f:
         json.dump(table, f, indent=1, sort_keys=True)
-      plot_costs(table, os.path.splitext(F.cost_table)[0] + ".png")
+      stem = os.path.splitext(F.cost_table)[0]
+      plot_costs(table, stem + ".png")
+      with open(stem + "_breakdown.md", "w", encoding="utf-8") as f:
+        f.write(breakdown_md(table))
+      plot_breakdown(table, stem + "_breakdown.png")
 
     table = cost_table(cfg, log=lambda s: print(s, flush=True), on_update=write)
     write(table)
@@ -123,7 +128,8 @@ def main(argv):
 AOT_FLAGS = ("topology", "model_shape", "draft_model_shape", "mesh", "methods", "num_speculative_tokens",
              "eagle_topk", "num_draft_tokens", "max_num_seqs", "max_model_len", "dtype", "attention_impl",
              "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "output", "cost_table", "cost_batches",
-             "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth")
+             "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth", "cost_chains",
+             "cost_hlo_dir")
 
 
 if __name__ == "__main__":

@@ -195,9 +195,12 @@ def cache_sized(temps: list, layer: tuple, itemsize: int, rows: tuple = (), pool
   return out
 
 
-def compile_program(prog, device, capacity: int, cost: bool = True) -> dict:
+def compile_program(prog, device, capacity: int, cost: bool = True, breakdown: bool = False,
+                    hlo_path: str = "") -> dict:
   """Compile `prog` for `device` and analyse it. `cost=False` skips the second compile that a program needs for a
-  cost estimate when XLA:TPU's sliced prefetch leaves it without one (what a check of memory alone can spare)."""
+  cost estimate when XLA:TPU's sliced prefetch leaves it without one (what a check of memory alone can spare).
+  `breakdown`: the step's bytes and time by role (serve/aot_breakdown.py), from the compile the cost came from;
+  `hlo_path`: where to write that compile's optimized HLO text."""
   t0 = time.perf_counter()
   rec = {"name": prog.name, "note": prog.note, "pool_bytes": prog.pool_bytes, "pool_pages": prog.pool_pages}
   options = dict(GPU_OPTIONS) if device.platform == "gpu" else {}
@@ -220,7 +223,8 @@ def compile_program(prog, device, capacity: int, cost: bool = True) -> dict:
                                           prog.cache_pool) if prog.cache_layer else [])
   if cost and rec["compiled"] and (rec["optimal_seconds"] or 0) < 0 and "ConcatBitcast" in compiled.as_text():
     with jax.default_device(device):
-      cost = analyse(lowered.compile(compiler_options=UNSLICED), capacity)
+      compiled = lowered.compile(compiler_options=UNSLICED)
+      cost = analyse(compiled, capacity)
     rec.update({k: cost[k] for k in ("flops", "bytes_accessed", "optimal_seconds")},
                cost_source="recompiled without sliced prefetch (its ConcatBitcast calls have no cost)")
   if cost and rec["compiled"] and (rec["optimal_seconds"] or 0) < 0:
@@ -228,6 +232,12 @@ def compile_program(prog, device, capacity: int, cost: bool = True) -> dict:
     # compiler has no estimate, which is not a failure of the program.
     calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())) - {"tpu_custom_call"})
     rec.update(optimal_seconds=None, cost_source=f"none: XLA:TPU's cost model gives {calls or 'a call'} no cost")
+  if hlo_path and rec["compiled"]:
+    with open(hlo_path, "w", encoding="utf-8") as f:
+      f.write(compiled.as_text())
+  if breakdown and rec["compiled"]:
+    from serve import aot_breakdown
+    rec["breakdown"] = aot_breakdown.breakdown(compiled.as_text(), device.device_kind, rec["optimal_seconds"])
   rec["compile_seconds"] = round(time.perf_counter() - t0, 1)
   return rec
 

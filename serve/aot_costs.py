@@ -8,6 +8,7 @@ labelled as an estimate, not a measurement.
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax.numpy as jnp
@@ -33,32 +34,82 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   impl = flags_cfg["attention_impl"] or tgt.attention_impl
   chain_ks = sorted({0, *(int(k) for k in flags_cfg["cost_ks"])})
   kinds = [("ngram", k, 1, 0) for k in chain_ks]
+  kinds += [(m, max(chain_ks), 1, 0) for m in flags_cfg.get("cost_chains", ()) if m != "ngram" and max(chain_ks)]
   kinds += [(flags_cfg["cost_tree_method"], flags_cfg["cost_tree_depth"], flags_cfg["eagle_topk"], n)
             for n in flags_cfg["cost_trees"]]
-  seconds, failures = {}, []
+  seconds, failures, parts = {}, [], {}
   for b in flags_cfg["cost_batches"]:
     row = {}
     for method, k, topk, nodes in kinds:
       with layers_unrolled():  # XLA's cost analysis counts a loop body once: the layer scan's too
         prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=int(b),
                                   max_model_len=S, dtype=dtype, impl=impl)
-        rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes)
+        hlo = flags_cfg.get("cost_hlo_dir") or ""
+        if hlo:
+          os.makedirs(hlo, exist_ok=True)
+          hlo = os.path.join(hlo, f"b{b}_{_key(method, k, nodes)}.hlo.txt")
+        rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes, breakdown=True, hlo_path=hlo)
+      gpu = tgt.platform == "gpu"  # deviceless XLA:GPU gives no optimal_seconds: the breakdown's roofline stands in
+      if gpu and rec.get("breakdown") and aot_compile.ok(rec):
+        rec["optimal_seconds"] = rec["breakdown"]["roofline_seconds"]
       if not aot_compile.ok(rec) or not rec["optimal_seconds"] or rec["optimal_seconds"] <= 0:
         failures.append({"program": prog.name, **{k: rec.get(k) for k in ("error", "cache_copies", "fits",
                                                                              "optimal_seconds")}})
         log(f"batch {b} {prog.name}: no estimate ({rec.get('error') or rec.get('cache_copies')})")
         continue
-      key = str(k) if not nodes else f"{method}_tree{nodes}"
+      key = _key(method, k, nodes)
       row[key] = rec["optimal_seconds"]
       seconds[str(b)] = row
+      parts.setdefault(str(b), {})[key] = dict(
+          rec["breakdown"], floor=floor(prog, tgt.chip, passes=k if method not in ("ngram", "suffix", "none") else 0),
+          optimal_seconds=rec["optimal_seconds"], bytes_accessed=rec["bytes_accessed"], flops=rec["flops"])
       if on_update is not None:  # the table so far: a long run that is stopped keeps what it compiled
-        on_update(_assemble(flags_cfg, tgt, chain_ks, seconds, failures))
+        on_update(_assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts))
       log(f"batch {b} {key}: {rec['optimal_seconds'] * 1e3:.3f} ms ({rec['compile_seconds']} s to compile)")
     seconds[str(b)] = row
-  return _assemble(flags_cfg, tgt, chain_ks, seconds, failures)
+  return _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts)
 
 
-def _assemble(flags_cfg, tgt, chain_ks, seconds, failures) -> dict:
+def _key(method: str, k: int, nodes: int) -> str:
+  """A program's column: k for n-gram chains (the controller's cost files), method_k<k> for other chains,
+  method_tree<nodes> for trees."""
+  if nodes:
+    return f"{method}_tree{nodes}"
+  return str(k) if method == "ngram" or not k else f"{method}_k{k}"
+
+
+def _tree_bytes(tree, chip_shape) -> float:
+  import jax
+  import numpy as np
+  return float(sum(np.prod(chip_shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def floor(prog, chip_kind: str, passes: int = 0) -> dict:
+  """A step's first-principles floor on one chip: the bytes it must read (the target's weights once, its KV cache
+  at capacity, a drafter's weights once per drafting pass: `passes`) over the chip's bandwidth, its FLOPs (2 per
+  weight per scored position) over the peak; the larger. Per chip: each array's shard. An embedding table that is
+  not also the LM head is only gathered from (a few rows), so it is not among the bytes that must be read."""
+  from serve.aot_breakdown import chip_figures
+  import numpy as np
+  params, state = prog.args[0], prog.args[1]
+  chip_shape = lambda a: (a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None
+                          and hasattr(a.sharding, "shard_shape") else a.shape)
+  gathered = lambda p: {k: v for k, v in p.items() if not (k == "embed" and ("lm_head" in p or "rows" in p))}
+  target = _tree_bytes(gathered(params["target"]), chip_shape)
+  drafter = _tree_bytes(gathered(params["proposer"]), chip_shape) if params["proposer"] else 0.0
+  cache = _tree_bytes((state.cache.k, state.cache.v), chip_shape)
+  B = state.tokens.shape[0]
+  spec = prog.args[2]
+  positions = B * (1 + (spec.proposer.tree.nodes - 1 if spec.is_tree(spec.ks[0]) else spec.ks[0]))
+  fig = chip_figures(chip_kind)
+  nbytes = target + cache + drafter * passes
+  flops = 2 * (target / 2) * positions + 2 * (drafter / 2) * B * max(passes, 0)  # bfloat16: 2 bytes a weight
+  seconds = max(nbytes / fig["bandwidth"], flops / fig["peak"])
+  return dict(bytes=nbytes, flops=flops, seconds=seconds, target_bytes=target, cache_bytes=cache,
+              drafter_bytes=drafter, drafter_passes=passes, positions=int(positions))
+
+
+def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
   from serve.step_costs import entry_key
   from spec_jax import adaptive
   out = {"source": f"compiler estimate: XLA:{tgt.platform.upper()} optimal_seconds of one loop step, its layers "
@@ -66,7 +117,10 @@ def _assemble(flags_cfg, tgt, chain_ks, seconds, failures) -> dict:
          "topology": flags_cfg["topology"], "chip": tgt.chip, "mesh": flags_cfg["mesh"] or "one chip",
          "model_shape": flags_cfg["model_shape"], "context_tokens": int(flags_cfg["max_model_len"]), "dtype": flags_cfg["dtype"],
          "compiler": aot_compile.compiler_version(tgt.platform), "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
-         "failures": failures}
+         "failures": failures, "breakdown": parts or {},
+         "time_source": ("XLA:TPU optimal_seconds" if tgt.platform == "tpu" else
+                         "no optimal_seconds from deviceless XLA:GPU: the roofline of each instruction's bytes and "
+                         "FLOPs at the chip's published bandwidth and peak")}
   for b, row in seconds.items():
     for k_max in range(2, max(chain_ks) + 1, 2):
       ks = adaptive.option_set(k_max, True)
@@ -109,5 +163,69 @@ def plot_costs(table: dict, path: str) -> None:
                "compiler estimate", fontsize=9)
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def breakdown_md(table: dict) -> str:
+  """The breakdown as markdown: per batch, per program its time against its floor, then per role ms and MB."""
+  from serve.aot_breakdown import ROLES
+  lines = [f"# Where each step's time goes: {table['model_shape']} on {table['topology']} ({table['mesh']}), "
+           f"{table['context_tokens']} tokens", "",
+           f"{table['source']}; {table['compiler']}; {table['date']}. Time: {table.get('time_source', '')}. "
+           "Per role: the share of the step's time (its instructions' rooflines, scaled to the compiler's total) "
+           "and the HBM bytes its instructions move (serve/aot_breakdown.py). Floor: the bytes the step must read "
+           "(weights once, the KV cache at capacity, a drafter's weights once per pass) over the bandwidth, or "
+           "its FLOPs over the peak.", ""]
+  for b, progs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0])):
+    plain = table["seconds"].get(b, {}).get("0")
+    lines += [f"## batch {b}", "", "| program | ms | over plain | per loop call ms | floor ms | over floor | GB moved | " +
+              " | ".join(r for r in ROLES) + " | largest instructions |",
+              "|---|" + "---|" * (len(ROLES) + 6)]
+    for key, d in progs.items():
+      ms = d["optimal_seconds"] * 1e3
+      cells = []
+      for r in ROLES:
+        x = d["roles"][r]
+        cells.append(f"{x['seconds'] * 1e3:.3f} / {x['bytes'] / 1e6:.0f}" if x["count"] else "")
+      top = sorted((t for x in d["roles"].values() for t in x["top"]), key=lambda t: -t["seconds"])[:3]
+      tops = "; ".join(f"`{t['name']}` {t['seconds'] * 1e3:.3f} ms {t['shape']}" for t in top)
+      lines.append(f"| {'plain' if key == '0' else ('ngram k=' + key if key.isdigit() else key)} | {ms:.3f} | "
+                   f"{ms / (plain * 1e3):.2f}x | "
+                   + (f"{d['per_call_seconds'] * 1e3:.3f}" if "per_call_seconds" in d else "n/a") + " | "
+                   f"{d['floor']['seconds'] * 1e3:.3f} | "
+                   f"{d['optimal_seconds'] / d['floor']['seconds']:.2f}x | {d['bytes'] / 1e9:.2f} | "
+                   + " | ".join(cells) + f" | {tops} |")
+    lines += ["", "Role cells: ms / MB. Per loop call: the part of the estimate outside the decode loop (loop-invariant "
+              "work XLA hoists, such as a weight re-laid out for the loop: paid once per loop call, which runs many "
+              "steps when serving, but charged in full to this one-step program).", ""]
+  return "\n".join(lines) + "\n"
+
+
+def plot_breakdown(table: dict, path: str) -> None:
+  """Stacked bars: each program's step time by role, per batch, with its floor marked."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from serve.aot_breakdown import ROLES
+  bars = [(b, key, d) for b, progs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0]))
+          for key, d in progs.items()]
+  if not bars:
+    return
+  fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(bars) + 3), 5))
+  bottoms = [0.0] * len(bars)
+  colors = plt.get_cmap("tab20").colors
+  for i, role in enumerate(ROLES):
+    vals = [d["roles"][role]["seconds"] * 1e3 for _, _, d in bars]
+    if any(vals):
+      ax.bar(range(len(bars)), vals, bottom=bottoms, label=role, color=colors[i % len(colors)])
+      bottoms = [a + v for a, v in zip(bottoms, vals)]
+  ax.scatter(range(len(bars)), [d["floor"]["seconds"] * 1e3 for _, _, d in bars], marker="_", s=400, color="k",
+             label="floor", zorder=3)
+  ax.set_xticks(range(len(bars)), [f"b{b} {'plain' if k == '0' else k}" for b, k, _ in bars], rotation=45,
+                ha="right", fontsize=7)
+  ax.set_ylabel("ms per step")
+  ax.set_title(f"{table['model_shape']} on {table['topology']} ({table['mesh']}): step time by role", fontsize=9)
+  ax.legend(fontsize=6, ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax import adaptive, sharding, streams, tree
+from spec_jax import adaptive, scopes, sharding, streams, tree
 from spec_jax import logprobs as lps
 from spec_jax import controls as ctl
 from spec_jax.controls import Controls
@@ -167,7 +167,8 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   grammar = state.controls.grammar
   if k > 0:
     ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
-    draft, pstate = spec.proposer.propose(params["proposer"], pstate, ctx, k, draft_keys(keys, state.lengths, k))
+    with scopes.scope(scopes.DRAFTER):
+      draft, pstate = spec.proposer.propose(params["proposer"], pstate, ctx, k, draft_keys(keys, state.lengths, k))
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]
     draft_tokens, draft_probs = draft.tokens.astype(jnp.int32), draft.probs
     if grammar is not None:  # the tokens the grammar forces are drafts too (spec_jax/grammar/rows.py)
@@ -183,17 +184,21 @@ def spec_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   hidden = target_features(hidden, layers[0] if layers else None)
   # The controls at each position, with the drafts before it counted (plain decoding is the same with k = 0).
   raw = logits
-  logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
-                     state.prompt_lens, *ctl.chain_path(last, draft_tokens), spec.stop_ids)
-  if grammar is not None:  # each position masked by the grammar state after the drafts before it
-    feed_path = jnp.concatenate([last, draft_tokens], axis=1)
-    logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(
-        grammar, feed_path, grammar_rows.chain_parents(B, k + 1)))
-  out, n_acc = verify_chain(logits, draft_tokens, draft_probs, keys, state.sampling, positions=state.lengths)
+  with scopes.scope(scopes.CONTROLS):
+    logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
+                       state.prompt_lens, *ctl.chain_path(last, draft_tokens), spec.stop_ids)
+    if grammar is not None:  # each position masked by the grammar state after the drafts before it
+      feed_path = jnp.concatenate([last, draft_tokens], axis=1)
+      logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(
+          grammar, feed_path, grammar_rows.chain_parents(B, k + 1)))
+  with scopes.scope(scopes.SAMPLING):
+    out, n_acc = verify_chain(logits, draft_tokens, draft_probs, keys, state.sampling, positions=state.lengths)
   committed = _commit(state, spec, active, out, n_acc)
   state = _advance_grammar(state, out, committed[2])
   n_emit = committed[2]
-  state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit, state.lengths))
+  with scopes.scope(scopes.CONTROLS):
+    state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit,
+                                              state.lengths))
   cache = cache.replace(lengths=state.cache.lengths + n_emit)
   pos = jnp.arange(k, dtype=jnp.int32)[None, :]
   committed_drafts = jnp.minimum(n_acc, n_emit)  # a stop token or the limit can cut accepted drafts
@@ -217,11 +222,14 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
   keys = streams.rows(state.keys, B)
   last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]
   ctx = ProposeContext(state.tokens, state.lengths, state.sampling, state.last_hidden)
-  draft, pstate = spec.proposer.propose_tree(params["proposer"], state.pstate, ctx, draft_keys(keys, state.lengths, k))
+  with scopes.scope(scopes.DRAFTER):
+    draft, pstate = spec.proposer.propose_tree(params["proposer"], state.pstate, ctx,
+                                               draft_keys(keys, state.lengths, k))
   node = jnp.arange(N, dtype=jnp.int32)[None, :]
   parents = draft.parents.astype(jnp.int32)
-  mask = tree.ancestor_mask(parents)
-  depths = tree.mask_depths(mask)
+  with scopes.scope(scopes.TREE):
+    mask = tree.ancestor_mask(parents)
+    depths = tree.mask_depths(mask)
   # Node 0 is the root (the last committed token); a row keeps the nodes no deeper than its draft cap (a row that
   # may not draft keeps only its root).
   tree_tokens = jnp.where(node == 0, last[:, None],
@@ -236,18 +244,22 @@ def tree_step(params, state: DecodeState, spec: LoopSpec, option: int) -> Decode
                                                     write=False)
   hidden = target_features(hidden, layers[0] if layers else None)
   raw = logits
-  logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
-                     state.prompt_lens, tree_tokens, mask, depths, spec.stop_ids)
-  if grammar is not None:  # each node masked by the grammar state after its path
-    logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(grammar, tree_tokens, parents))
-  out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, keys, state.sampling, positions=state.lengths,
-                                  max_depth=k, max_children=shape.max_children)
+  with scopes.scope(scopes.CONTROLS):
+    logits = ctl.apply(logits, state.controls, state.sampling.temperature, state.tokens, state.lengths,
+                       state.prompt_lens, tree_tokens, mask, depths, spec.stop_ids)
+    if grammar is not None:  # each node masked by the grammar state after its path
+      logits = grammar_rows.mask(logits, grammar, grammar_rows.path_states(grammar, tree_tokens, parents))
+  with scopes.scope(scopes.SAMPLING):
+    out, n_acc, nodes = verify_tree(logits, tree_tokens, parents, None, keys, state.sampling,
+                                    positions=state.lengths, max_depth=k, max_children=shape.max_children)
   committed = _commit(state, spec, active, out, n_acc)
   state = _advance_grammar(state, out, committed[2])
   n_emit = committed[2]
-  state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit, state.lengths,
-                                            path=nodes))  # the logits of the committed path's nodes
-  cache = tree.write_accepted(state.cache, k_new, v_new, nodes, mesh=spec.mesh)
+  with scopes.scope(scopes.CONTROLS):  # the logits of the committed path's nodes
+    state = state.replace(logprobs=lps.record(state.logprobs, raw, logits, state.sampling, out, n_emit,
+                                              state.lengths, path=nodes))
+  with scopes.scope(scopes.TREE):
+    cache = tree.write_accepted(state.cache, k_new, v_new, nodes, mesh=spec.mesh)
   cache = cache.replace(lengths=state.cache.lengths + n_emit)
   # [B, k + 1, D] as a chain's; entries past the accepted path (node -1) repeat the root's (finite, never read)
   path_hidden = jnp.take_along_axis(hidden, jnp.maximum(nodes, 0)[:, :, None], axis=1)
@@ -287,7 +299,8 @@ def _step_done(params, state: DecodeState, spec: LoopSpec, option: int, committe
   last_hidden = jnp.where((n_emit > 0)[:, None], new_hidden, state.last_hidden)
   active = ~state.done
   adapt = adaptive.observe(state.adapt, option, k, active & (state.draft_cap > 0), n_acc)
-  pstate = spec.proposer.update(params["proposer"], pstate, VerifyResult(out, n_acc, n_emit, lengths, path_hidden))
+  with scopes.scope(scopes.DRAFTER):
+    pstate = spec.proposer.update(params["proposer"], pstate, VerifyResult(out, n_acc, n_emit, lengths, path_hidden))
   done_step = jnp.where(done & ~state.done, state.step + 1, state.done_step)
   return state.replace(tokens=tokens, lengths=lengths, cache=cache, pstate=pstate, done=done,
                        finish=finish, stats=stats, adapt=adapt, last_hidden=last_hidden, step=state.step + 1,

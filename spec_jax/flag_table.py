@@ -174,6 +174,10 @@ ROWS: dict[str, Row] = {
     "cost_trees": Row("list", "Tree sizes (nodes, root included).", ["8", "16", "32"]),
     "cost_tree_method": Row("string", "The tree proposer of the cost table.", "eagle"),
     "cost_tree_depth": Row("integer", "Its trees' depth.", 4),
+    "cost_hlo_dir": Row("string", "Write each cost-table program's optimized HLO text here ('' = none): the "
+                        "instructions behind the breakdown.", ""),
+    "cost_chains": Row("list", "Chain methods besides n-gram compiled at the largest of cost_ks (the breakdown's "
+                       "draft, medusa, eagle, eagle3, suffix).", []),
     # --- serve.loadtest
     "url": Row("string", "Target this running server for every arm instead of starting one per arm."),
     "analyze_only": Row("string", "Rebuild summary, verdict, tuned config and report from this run dir."),

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import kernels
+from spec_jax import kernels, scopes
 from spec_jax.quant import QTensor, qdot, take_rows
 from spec_jax.cache import KVCache, fake_quant
 from spec_jax.config import ModelConfig
@@ -157,9 +157,10 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
     k_cache = v_cache = jnp.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype)
     impl, layer = "xla", None
   k_seen, v_seen = fake_quant(k, kv_dtype), fake_quant(v, kv_dtype)
-  attn = kernels.attention(q, k_seen.astype(k_cache.dtype), v_seen.astype(v_cache.dtype), k_cache, v_cache, positions,
-                           lengths, scale=c.attn_scale, window=window, tree_mask=tree_mask, layer=layer, impl=impl,
-                           mesh=mesh, pages=pages)
+  with scopes.scope(scopes.ATTENTION):
+    attn = kernels.attention(q, k_seen.astype(k_cache.dtype), v_seen.astype(v_cache.dtype), k_cache, v_cache,
+                             positions, lengths, scale=c.attn_scale, window=window, tree_mask=tree_mask, layer=layer,
+                             impl=impl, mesh=mesh, pages=pages)
   return layer_finish(c, x, attn, p), k, v
 
 
@@ -269,7 +270,8 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
       _no_scales(cache, impl)
       kc, vc, at, pages = cache.k, cache.v, layer, cache.pages
     else:
-      (kc, vc), at, pages = ((None, None) if cache is None else cache.layer_view(layer, mesh)), None, None
+      with scopes.scope(scopes.PAGES):
+        (kc, vc), at, pages = ((None, None) if cache is None else cache.layer_view(layer, mesh)), None, None
     x, k_new, v_new = decoder_layer(c, x, p, kc, vc, at, window, base, positions, lengths, impl=impl,
                                     tree_mask=tree_mask, mesh=mesh, pages=pages,
                                     kv_dtype="auto" if cache is None else cache.kv_dtype)
@@ -278,13 +280,16 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
   # Nothing writes the pool inside the scan; all layers' new entries are written after it, in place, through
   # the page table.
   layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-  x, (new_kv, per_layer) = jax.lax.scan(body, x, (params["layers"], windows, bases, layer_ids),
-                                        unroll=True if _UNROLL_LAYERS.get() else 1)
+  with scopes.scope(scopes.TARGET_LAYERS):
+    x, (new_kv, per_layer) = jax.lax.scan(body, x, (params["layers"], windows, bases, layer_ids),
+                                          unroll=True if _UNROLL_LAYERS.get() else 1)
   new_cache = None
   if cache is not None:
-    new_cache = cache.write(new_kv[0], new_kv[1], mesh) if write else new_kv
-  hidden = rms_norm(x, params["final_norm"], c.norm_eps)
-  logits = lm_head(params, hidden) if compute_logits else None
+    with scopes.scope(scopes.PAGES):
+      new_cache = cache.write(new_kv[0], new_kv[1], mesh) if write else new_kv
+  with scopes.scope(scopes.LM_HEAD):
+    hidden = rms_norm(x, params["final_norm"], c.norm_eps)
+    logits = lm_head(params, hidden) if compute_logits else None
   if collect:
     return logits, hidden, new_cache, per_layer[np.asarray(return_layers)]
   return logits, hidden, new_cache

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
+from spec_jax import scopes
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models.transformer import forward
@@ -99,6 +100,7 @@ class DraftModelProposer:
     logits, _, cache = run(params, feed, pos, cache.replace(lengths=start))
     cache = cache.replace(lengths=ctx.lengths)
 
+    @scopes.scoped(scopes.SAMPLING)
     def draw(carry, key):
       logits = carry[0]
       if reduced:

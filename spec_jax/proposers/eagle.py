@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax import kernels
+from spec_jax import kernels, scopes
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models import transformer as tfm
@@ -191,7 +191,8 @@ def head_logits(params: dict, cfg: ModelConfig, feat, published: Optional[Publis
   """A fed-back feature -> float32 draft logits over the draft vocabulary (params["rows"])."""
   if published is not None and ((published.kind == "eagle3" and not published.norm_output) or published.layernorms):
     feat = tfm.rms_norm(feat, params["out_norm"], cfg.norm_eps)
-  return vocab.project(feat, params["rows"])
+  with scopes.scope(scopes.LM_HEAD):
+    return vocab.project(feat, params["rows"])
 
 
 def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache: KVCache, impl: str = "xla",
@@ -273,7 +274,8 @@ class EagleProposer:
 
     def draw(carry, key):
       logits = head_logits(params, self.config, carry[0], self.published)
-      return vocab.draw(key, logits, ctx.sampling, d2t, self.vocab_size)
+      with scopes.scope(scopes.SAMPLING):
+        return vocab.draw(key, logits, ctx.sampling, d2t, self.vocab_size)
 
     def advance(carry, tok):
       feat, cache = carry
@@ -294,7 +296,9 @@ class EagleProposer:
     feat, cache = eagle_forward(params, self.config, ctx.last_hidden[:, None], tok0, cache.lengths[:, None], cache,
                                 impl=self.impl, mesh=self.mesh, published=self.published)
     cache = cache.replace(lengths=ctx.lengths - 1)
-    logp = lambda f: jax.nn.log_softmax(head_logits(params, self.config, f, self.published), axis=-1)
+    def logp(f):
+      with scopes.scope(scopes.LM_HEAD):
+        return jax.nn.log_softmax(head_logits(params, self.config, f, self.published), axis=-1)
     kc, vc, pages = cache_read(cache, self.impl, self.mesh)  # read once for every expansion
 
     def score(tokens, parent_feat, depths, mask):
@@ -302,7 +306,7 @@ class EagleProposer:
                            vc, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask, pages=pages,
                            mesh=self.mesh, kv_dtype=cache.kv_dtype)
       out = out_feature(params, self.config, x, self.published)
-      return logp(out), out
+      return logp(out[:, -self.tree.topk:]), out  # the head over the frontier alone: grow reads only its logp
 
     to_target = None if d2t is None else (lambda i: jnp.take(d2t, i))
     # The state keeps the cache just written (update rewrites from slot L - 2 on, that pair included): keeping the

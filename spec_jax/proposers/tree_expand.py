@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from spec_jax import tree as tree_lib
+from spec_jax import scopes, tree as tree_lib
 from spec_jax.proposers.base import TreeDraft
 
 LOGP_FLOOR = -30.0  # per step: a probability below e^-30 is treated as e^-30 (keeps scores finite)
@@ -64,8 +64,9 @@ def grow(first_logp: jax.Array, first_out, score: Callable, shape: DynamicTree,
   first_logp [B, V'] draft log-probs of the root's children; first_out: a pytree of [B, ...] arrays, what a
   depth-1 node's forward reads from its parent (EAGLE: the feature predicted at the root; else anything).
   score(tokens [B, T] target ids, parent_out (pytree of [B, T, ...]), depths [B, T] (1 = a root child),
-  mask bool [B, T, T]) -> (logp [B, T, V'], out (pytree of [B, T, ...])): one forward of the T fed nodes, each
-  attending to the committed context and to its ancestors among them. to_target maps draft-vocabulary ids to
+  mask bool [B, T, T]) -> (logp [B, T' <= T, V'], out (pytree of [B, T, ...])): one forward of the T fed nodes,
+  each attending to the committed context and to its ancestors among them; logp covers at least the last K (the
+  frontier, the only ones read: a head over the frontier alone saves its other rows' FLOPs). to_target maps draft-vocabulary ids to
   target ids (a reduced draft vocabulary), identity when None.
   -> TreeDraft [B, N] (node 0 the root, its token left 0 for the loop to fill).
   """
@@ -74,7 +75,8 @@ def grow(first_logp: jax.Array, first_out, score: Callable, shape: DynamicTree,
   ids = to_target or (lambda x: x)
   clip = lambda lp: jnp.maximum(lp.astype(jnp.float32), LOGP_FLOOR)
 
-  s, t = jax.lax.top_k(clip(first_logp), K)  # [B, K]
+  with scopes.scope(scopes.SAMPLING):  # over the draft vocabulary: the drafter's head's work
+    s, t = jax.lax.top_k(clip(first_logp), K)  # [B, K]
   f_tok, f_score, f_out = [ids(t).astype(jnp.int32)], [s], [jax.tree.map(lambda x: _repeat(x, K), first_out)]
   f_cand = [jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))]  # global candidate index
   f_fed_parent = [jnp.full((B, K), -1, jnp.int32)]  # parent's index among the fed nodes
@@ -84,10 +86,12 @@ def grow(first_logp: jax.Array, first_out, score: Callable, shape: DynamicTree,
     fed_tok = jnp.concatenate(f_tok, axis=1)  # [B, dK]
     fed_out = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *f_out)
     depths = jnp.repeat(jnp.arange(1, d + 1, dtype=jnp.int32), K)[None, :].repeat(B, 0)
-    mask = tree_lib.ancestor_mask(jnp.concatenate(f_fed_parent, axis=1))
+    with scopes.scope(scopes.TREE):
+      mask = tree_lib.ancestor_mask(jnp.concatenate(f_fed_parent, axis=1))
     logp, out = score(fed_tok, fed_out, depths, mask)
     logp, out = clip(logp[:, -K:]), jax.tree.map(lambda x: x[:, -K:], out)  # the frontier's own
-    cs, ct = jax.lax.top_k(logp, K)  # [B, K (parent), K (child)]
+    with scopes.scope(scopes.SAMPLING):
+      cs, ct = jax.lax.top_k(logp, K)  # [B, K (parent), K (child)]
     child_score = (f_score[-1][:, :, None] + cs - DEPTH_PENALTY).reshape(B, K * K)
     child_tok = ids(ct).astype(jnp.int32).reshape(B, K * K)
     c_tok.append(child_tok)
@@ -102,7 +106,14 @@ def grow(first_logp: jax.Array, first_out, score: Callable, shape: DynamicTree,
     f_fed_parent.append((d - 1) * K + par)
     n_cand += K * K
 
+  return _select(c_tok, c_parent, c_score, n_cand, N)
+
+
+@scopes.scoped(scopes.TREE)
+def _select(c_tok, c_parent, c_score, n_cand: int, N: int) -> TreeDraft:
+  """The N - 1 best candidates (closed under parents: a child scores below its parent) as a tree."""
   tok, parent, sc = (jnp.concatenate(x, axis=1) for x in (c_tok, c_parent, c_score))
+  B = sc.shape[0]
   _, sel = jax.lax.top_k(sc, N - 1)
   sel = jnp.sort(sel, axis=1)  # candidates are laid out by depth: parents come first
   node_of = jnp.zeros((B, n_cand), jnp.int32).at[jnp.arange(B)[:, None], sel].set(

@@ -1,0 +1,329 @@
+"""Where a compiled loop step's time goes: its instructions by role, from the optimized HLO text.
+
+XLA's cost analysis gives a program's totals only. The optimized HLO names what each top-level instruction (a
+fusion, a copy, a kernel call, a collective) reads and writes (its operands' and result's shapes), and XLA:TPU writes
+its own estimate of each one's cycles into the instruction's backend config (`estimated_cycles`). This module walks
+the program as XLA's cost analysis does (a while loop's body once, a conditional's costliest branch, a fusion as one
+instruction) and sums bytes, FLOPs and time per role. A role comes from the `jax.named_scope` names the model and
+the loop carry (spec_jax/scopes.py) in each instruction's `op_name` metadata, else from the instruction's kind
+(copies, collectives, kernel calls).
+
+Time per instruction: XLA:TPU's estimated cycles at the chip's clock where it gives them; elsewhere (Pallas kernel
+calls, collectives, XLA:GPU) the roofline of the instruction's own bytes and FLOPs at the chip's published
+bandwidth and peak. The sum is scaled to the compiler's `optimal_seconds` where there is one, so the roles split
+the compiler's total (the scale is reported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+from spec_jax import scopes
+
+# Published per-chip figures: HBM bandwidth (bytes/s), dense bf16 peak (FLOP/s), TensorCore clock (Hz).
+CHIPS = {
+    "TPU v5 lite": dict(bandwidth=819e9, peak=197e12, clock=1.5e9),
+    "TPU v5": dict(bandwidth=2765e9, peak=459e12, clock=1.75e9),
+    "TPU v5p": dict(bandwidth=2765e9, peak=459e12, clock=1.75e9),
+    "TPU v6 lite": dict(bandwidth=1640e9, peak=918e12, clock=1.75e9),
+    "TPU v4": dict(bandwidth=1228e9, peak=275e12, clock=1.05e9),
+    # NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16.
+    "NVIDIA H200": dict(bandwidth=4.8e12, peak=989e12, clock=0.0),
+}
+
+def chip_figures(kind: str) -> dict:
+  """The published figures of a chip by its device_kind (an H200's XLA:GPU kind may carry a suffix)."""
+  if kind in CHIPS:
+    return CHIPS[kind]
+  for name, fig in CHIPS.items():
+    if name.startswith("NVIDIA") and name in kind:
+      return fig
+  raise ValueError(f"no published figures for {kind!r}; known: {sorted(CHIPS)}")
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5, "token": 0}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|token)\[([\d,]*)\]")
+_COMP_START = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"(?:calls|to_apply|condition|body|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)",[^}]*"bytes_accessed":"(\d+)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                "all-reduce-start", "all-gather-start", "collective-permute-start", "all-reduce-done",
+                "all-gather-done", "collective-permute-done")
+_FREE = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+         "replica-id", "opt-barrier")
+ROLES = scopes.ROLES
+
+
+_ARRAY_LAYOUT = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|token)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def shape_bytes(text: str) -> float:
+  """HBM bytes of an HLO shape (an array or a tuple of them; tiling ignored). An array in another memory space
+  (`S(n)` in its layout: XLA:TPU's VMEM, SMEM) is not HBM traffic: a weight prefetched into VMEM is counted once,
+  by the copy that brings it there."""
+  return sum(_DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+             for t, dims, layout in _ARRAY_LAYOUT.findall(text) if not re.search(r"S\([1-9]\)", layout or ""))
+
+
+def _dims(text: str) -> list:
+  m = _ARRAY.search(text)
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  opcode: str
+  shape: str
+  operands: list
+  line: str
+  op_name: str
+  cycles: int | None
+  calls: list
+  branches: list
+
+
+def parse(text: str) -> tuple[dict, str]:
+  """-> ({computation: [Instr]}, the entry's name)."""
+  comps, entry, cur = {}, None, None
+  for line in text.splitlines():
+    m = _COMP_START.match(line)
+    if m and not line.startswith(" "):
+      cur = m.group(2)
+      comps[cur] = []
+      if m.group(1):
+        entry = cur
+      continue
+    if cur is None:
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, shape, opcode, rest = m.groups()
+    args = rest.split("), ", 1)[0] if "), " in rest else rest.rstrip(")")
+    cyc = _CYCLES.search(line)
+    op = _OP_NAME.search(line)
+    br = _BRANCHES.search(line)
+    comps[cur].append(Instr(name, opcode, shape, re.findall(r"%([\w.\-]+)", args), line,
+                            op.group(1) if op else "", int(cyc.group(1)) if cyc else None,
+                            _CALLS.findall(line), [b.strip().lstrip("%") for b in br.group(1).split(",")] if br
+                            else []))
+  return comps, entry
+
+
+def _flops(comps: dict, comp: str, shapes: dict) -> float:
+  """2 x output elements x contracted size of every dot and convolution inside a fused computation."""
+  total = 0.0
+  for ins in comps.get(comp, []):
+    if ins.opcode == "dot":
+      lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+      cdims = _DOT_DIMS.search(ins.line)
+      k = math.prod(lhs[int(d)] for d in cdims.group(1).split(",") if d) if cdims and lhs else 1
+      total += 2.0 * math.prod(_dims(ins.shape)) * k
+    elif ins.opcode == "convolution":
+      lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+      rhs = _dims(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+      out = math.prod(_dims(ins.shape))
+      # the contracted size: the kernel's elements over its output features (its last dimension in XLA:TPU's
+      # dim_labels for these dots); a bound, not an exact count, where the labels say otherwise
+      m = re.search(r"dim_labels=\w+_(\w+)->", ins.line)
+      if m and rhs:
+        labels = m.group(1)
+        o = labels.index("o") if "o" in labels else len(rhs) - 1
+        k = math.prod(rhs) // max(rhs[o], 1)
+      else:
+        k = lhs[-1] if lhs else 1
+      total += 2.0 * out * k
+    for c in ins.calls:
+      total += _flops(comps, c, shapes)
+  return total
+
+
+_SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def traffic(comps: dict, ins: Instr, shapes: dict) -> float:
+  """HBM bytes one top-level instruction moves: its result and its operands, where an operand that is only sliced
+  or gathered from (a layer's weights out of the stacked [L, ...] parameter, rows of a table) counts the slices,
+  and a buffer updated in place (dynamic-update-slice) counts the update, not the whole buffer."""
+  if ins.opcode in _SLICING:
+    return 2 * shape_bytes(ins.shape)
+  if ins.opcode == "dynamic-update-slice":
+    return 2 * shape_bytes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
+  operand = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
+  if ins.opcode == "copy-start":  # (destination, source alias, context): the source is read once
+    return sum(operand)
+  out = shape_bytes(ins.shape)
+  if ins.opcode == "fusion" and ins.calls:
+    for idx in range(len(operand)):
+      operand[idx] = min(operand[idx], _param_read(comps, ins.calls[0], idx, operand[idx]))
+    update = _in_place_update(comps, ins.calls[0])
+    if update is not None:  # the root updates operand `i` in place: the update is what is written
+      operand[update[0]] = 0.0
+      out = min(out, update[1])
+  return out + sum(operand)
+
+
+def _params(comps: dict, comp: str) -> dict:
+  out = {}
+  for x in comps.get(comp, []):
+    if x.opcode == "parameter":
+      out[int(re.search(r"parameter\((\d+)\)", x.line).group(1))] = x
+  return out
+
+
+def _param_read(comps: dict, comp: str, idx: int, full: float) -> float:
+  """Bytes a fused computation reads of its parameter idx: the slices where every use slices or gathers from it
+  (through nested fusions too), else all of it."""
+  param = _params(comps, comp).get(idx)
+  if param is None:
+    return full
+  total = 0.0
+  for x in comps.get(comp, []):
+    for i, o in enumerate(x.operands):
+      if o != param.name:
+        continue
+      if x.opcode in _SLICING and i == 0:
+        total += shape_bytes(x.shape.split("{")[0])  # the slice as read from HBM (its own layout may be VMEM)
+      elif x.opcode == "fusion" and x.calls:
+        total += _param_read(comps, x.calls[0], i, full)
+      else:
+        return full
+  return min(total, full)
+
+
+def _in_place_update(comps: dict, comp: str):
+  """(operand index, bytes of the update) when a fused computation's root is a dynamic-update-slice of a
+  parameter (XLA updates that buffer in place), else None."""
+  body = comps.get(comp, [])
+  root = next((x for x in body if x.line.lstrip().startswith("ROOT ")), None)
+  if root is None or root.opcode != "dynamic-update-slice" or len(root.operands) < 2:
+    return None
+  by_name = {x.name: x for x in body}
+  base = by_name.get(root.operands[0])
+  if base is None or base.opcode != "parameter":
+    return None
+  idx = int(re.search(r"parameter\((\d+)\)", base.line).group(1))
+  upd = by_name.get(root.operands[1])
+  return idx, shape_bytes(upd.shape.split("{")[0]) if upd is not None else 0.0
+
+
+def role_of(ins: Instr) -> str:
+  """The role of one top-level instruction: the innermost role scope in its op_name, else its kind."""
+  role = scopes.role_of_path(ins.op_name)
+  if ins.opcode in _COLLECTIVES or ins.opcode.startswith(("all-", "collective-", "reduce-scatter")):
+    return "collectives"
+  if role:
+    return role
+  if ins.opcode in ("copy", "copy-start", "copy-done", "transpose"):
+    return "copies/layout"
+  return "rest"
+
+
+def walk(comps: dict, entry: str, chip: dict) -> list:
+  """The instructions one run of the program executes, as the cost analysis counts them: while bodies once, of a
+  conditional's branches the costliest (by roofline). -> [dict(ins, role, bytes, flops, roofline, cycles)]; an
+  instruction without role metadata takes its caller's (a sort XLA built inside a sampler's branch)."""
+  shapes = {ins.name: ins.shape for c in comps.values() for ins in c}
+  users = defaultdict(list)
+  for c in comps.values():
+    for ins in c:
+      for o in ins.operands:
+        users[o].append(ins)
+  memo = {}
+
+  def role(ins: Instr, outer: str) -> str:
+    if ins.opcode == "copy-start":  # a prefetch (into VMEM) or an async copy: the role of what reads it
+      for done in users.get(ins.name, []):
+        for u in users.get(done.name, []):
+          r = scopes.role_of_path(u.op_name)
+          if r:
+            return r
+    r = role_of(ins)
+    return outer if r in ("rest", "copies/layout") and outer and not scopes.role_of_path(ins.op_name) and (
+        r == "rest" or not ins.op_name) and outer != "rest" else r
+
+  def own(ins: Instr, outer: str):
+    if ins.opcode in _FREE or ins.opcode.endswith("-done"):
+      return None
+    target = _TARGET.search(ins.line) if ins.opcode == "custom-call" else None
+    if target and target.group(1) in ("AllocateBuffer", "AssumeGatherIndicesInBound"):
+      return None
+    nbytes = traffic(comps, ins, shapes)
+    flops = _flops(comps, ins.calls[0], shapes) if ins.opcode == "fusion" and ins.calls else 0.0
+    if ins.opcode in ("dot", "convolution"):
+      flops = _flops({"_": [ins]}, "_", shapes)
+    declared = _KERNEL_COST.search(ins.line) if ins.opcode == "custom-call" else None
+    if declared:  # a Pallas kernel's own cost declaration (what XLA's cost analysis charges it)
+      flops, nbytes = float(declared.group(1)), float(declared.group(2))
+    return dict(ins=ins, role=role(ins, outer), bytes=nbytes, flops=flops,
+                roofline=max(nbytes / chip["bandwidth"], flops / chip["peak"]),
+                cycles=ins.cycles / chip["clock"] if ins.cycles is not None and chip.get("clock") else None)
+
+  def run(comp: str, outer: str, looped: bool) -> list:
+    if (comp, outer, looped) in memo:
+      return memo[comp, outer, looped]
+    out = []
+    for ins in comps.get(comp, []):
+      inner = scopes.role_of_path(ins.op_name) or outer
+      if ins.opcode == "conditional":
+        runs = [run(b, inner, looped) for b in ins.branches]
+        out += max(runs, key=lambda r: sum(x["roofline"] for x in r)) if runs else []
+      elif ins.opcode in ("while", "call"):
+        for c in ins.calls:
+          out += run(c, inner, looped or ins.opcode == "while")
+      else:
+        r = own(ins, outer)
+        if r is not None:
+          r["per_call"] = not looped  # outside every loop: once per program call (the decode loop's hoisted work)
+          out.append(r)
+    memo[comp, outer, looped] = out
+    return out
+
+  return run(entry, "", False)
+
+
+def breakdown(text: str, chip_kind: str, optimal_seconds: float | None, top: int = 3) -> dict:
+  """Per role: bytes, FLOPs, the roofline of its instructions (each one's bytes over the bandwidth or FLOPs over
+  the peak, the larger), XLA:TPU's estimated cycles as seconds (where it gives them; they include each
+  instruction's fixed overhead), its share of `optimal_seconds` (the roofline split scaled to the compiler's total)
+  and the `top` largest instructions by roofline."""
+  chip = chip_figures(chip_kind)
+  comps, entry = parse(text)
+  rows = walk(comps, entry, chip)
+  total = sum(r["roofline"] for r in rows)
+  scale = optimal_seconds / total if optimal_seconds and total > 0 else 1.0
+  roles = {r: dict(bytes=0.0, flops=0.0, roofline_seconds=0.0, cycles_seconds=0.0, seconds=0.0, count=0, top=[])
+           for r in ROLES}
+  per = defaultdict(list)
+  for r in rows:
+    d = roles[r["role"]]
+    d["bytes"] += r["bytes"]
+    d["flops"] += r["flops"]
+    d["roofline_seconds"] += r["roofline"]
+    d["cycles_seconds"] += r["cycles"] or 0.0
+    d["seconds"] += r["roofline"] * scale
+    d["count"] += 1
+    per[r["role"]].append(r)
+  for role, items in per.items():
+    items.sort(key=lambda r: -r["roofline"])
+    roles[role]["top"] = [dict(name=r["ins"].name, seconds=r["roofline"] * scale, bytes=r["bytes"],
+                               shape=r["ins"].shape.split("{")[0][:80], op_name=r["ins"].op_name[-100:])
+                          for r in items[:top]]
+  per_call = [r for r in rows if r["per_call"]]
+  return dict(roles=roles, scale=scale, instructions=len(rows), roofline_seconds=total,
+              # work outside the decode loop (loop-invariant copies XLA hoists: once per loop call, not per step)
+              per_call_seconds=sum(r["roofline"] for r in per_call) * scale,
+              per_call_bytes=sum(r["bytes"] for r in per_call),
+              cycles_seconds=sum(r["cycles"] or 0.0 for r in rows),
+              bytes=sum(r["bytes"] for r in rows), flops=sum(r["flops"] for r in rows))
