@@ -15,12 +15,11 @@ import inspect
 import json
 import logging
 import secrets
-import time
 from typing import Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -31,136 +30,15 @@ from serve.engine import EngineStopped, QueueFull
 from serve.logprobs_format import Formatter, ask_of, prompt_entries
 from serve.output_stream import Output
 from serve.tool_stream import ToolCallStream, choice_chunks
+from serve.event_stream import EventStream, abort_unfinished
 from serve.protocol import (APIError, ChatRequest, CompletionRequest, SpeculationSwitch, chat_body, chat_chunk,
-                            completion_body, completion_chunk, new_id, usage_chunk)
+                            completion_body, completion_chunk, model_card, new_id, progress_usage,
+                            prompt_fields_on_top, server_version, usage_chunk,
+                            validation_error)
+from serve.request_prompt import chat_echo, chat_prompt, default_max_tokens, truncated
 
 log = logging.getLogger("spec_jax.server")
 MAX_CHOICES = 128  # prompts x n in one request: each choice is a request in the engine's queue
-
-
-def validation_error(e: RequestValidationError, content_type: Optional[str] = None) -> APIError:
-  """FastAPI's first validation error as a 400 that names the field (`param`), as OpenAI's API does; a body sent
-  with a Content-Type that is not JSON (curl's -d without -H sends a form) is a 400 that says so."""
-  err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-  if tuple(err.get("loc", ())) == ("body",) and content_type and not is_json(content_type):
-    return APIError(400, f"the body must be JSON, sent with the header 'Content-Type: application/json' (this "
-                    f"request's Content-Type is {content_type!r})")
-  if err.get("type") == "json_invalid":
-    return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
-  field = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-  got = f" (got {str(err['input'])[:80]!r})" if "input" in err and field else ""
-  return APIError(400, f"{field or 'body'}: {err['msg']}{got}", param=field or None)
-
-
-def is_json(content_type: str) -> bool:
-  kind = content_type.split(";")[0].strip().lower()
-  return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
-
-
-def truncated(ids: list, body, engine) -> list:
-  """vLLM's truncate_prompt_tokens: the last N prompt tokens (truncation_side "right": the first N); -1 keeps what
-  the context holds with room for one token."""
-  n = body.truncate_prompt_tokens
-  if n is None:
-    return ids
-  if n == 0:
-    raise APIError(400, "truncate_prompt_tokens: a number of tokens >= 1, or -1 (the context's)",
-                   "truncate_prompt_tokens")
-  if n == -1:
-    n = max(engine.max_new_for(0) - 1, 1)
-  return ids[:n] if body.truncation_side == "right" else ids[-n:]
-
-
-def chat_prompt(tokenizer, turns: list, body) -> str:
-  """The chat template's text: a new model turn opened unless add_generation_prompt is false; with
-  continue_final_message the last (assistant) turn left open, cut after its content, as vLLM renders it."""
-  opened = body.add_generation_prompt is not False
-  if body.continue_final_message:
-    if opened:
-      raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
-    if turns[-1]["role"] not in ("assistant", "model"):
-      raise APIError(400, "continue_final_message continues an assistant turn: the last message is "
-                     f"{turns[-1]['role']!r}", "continue_final_message")
-  text = tokenizer.apply_chat_template(turns, add_generation_prompt=opened)
-  if body.continue_final_message:
-    content = turns[-1]["content"].strip()
-    end = text.rfind(content)
-    if not content or end < 0:
-      raise APIError(400, "continue_final_message: the last message's content is empty", "continue_final_message")
-    text = text[:end + len(content)]
-  return text
-
-
-def chat_echo(body) -> str:
-  """vLLM's chat echo: the last message's content when it is an assistant turn (the answer continues it)."""
-  last = body.messages[-1]
-  if not body.echo or last.role not in ("assistant", "model"):
-    return ""
-  return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content or ())
-
-
-def prompt_fields_on_top(body: dict) -> None:
-  """A chat answer has one prompt: its prompt_token_ids and prompt_logprobs sit at the response's top level, where
-  vLLM puts them (a completion's stay in each choice, one per prompt, as there)."""
-  for key in ("prompt_token_ids", "prompt_logprobs"):
-    values = [c.pop(key) for c in body["choices"] if key in c]
-    if values:
-      body[key] = values[0]
-
-
-def progress_usage(c) -> dict:
-  """A streamed choice's usage so far (vLLM's continuous_usage_stats)."""
-  return {"prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.ids),
-          "total_tokens": len(c.prompt_ids) + len(c.ids)}
-
-
-def abort_unfinished(engine, choices: list) -> None:
-  for c in choices:
-    if not c.req.finished:
-      engine.abort(c.req)  # the client went away (or the server is stopping): free the slot
-
-
-class EventStream(StreamingResponse):
-  """An SSE response that calls `on_close` however it ends. A client that walks away cancels the response while it
-  may be inside `send`, outside the body generator: the generator is then left suspended and its `finally` runs
-  only when the garbage collector finds it (seconds later), so the request's slot and pages are freed here, at
-  once (the engine frees them at its next iteration)."""
-
-  def __init__(self, body, on_close):
-    super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                     "X-Accel-Buffering": "no"})
-    self.on_close = on_close
-
-  async def __call__(self, scope, receive, send):
-    try:
-      await super().__call__(scope, receive, send)
-    finally:
-      self.on_close()
-      await self.body_iterator.aclose()
-
-
-def model_card(name: str, cfg: dict, capacity: int) -> dict:
-  """A /v1/models entry with vLLM's extra fields: root (the checkpoint served), parent (null: not a LoRA adapter)
-  and max_model_len."""
-  return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "spec_jax",
-          "root": cfg.get("model") or name, "parent": None, "max_model_len": capacity}
-
-
-def server_version() -> str:
-  """GET /version (vLLM's route): the installed spec_jax's version."""
-  from importlib import metadata
-  try:
-    return metadata.version("spec_jax")
-  except metadata.PackageNotFoundError:  # run from a checkout that is not installed
-    return "0+unknown"
-
-
-def default_max_tokens(engine, cfg: dict, prompt_len: int) -> int:
-  """A request without max_tokens generates up to the end of the context, as OpenAI and vLLM do (or up to the
-  pool's room for it); --default_max_tokens N > 0 caps that at N."""
-  fits = engine.max_new_for(prompt_len)
-  cap = cfg.get("default_max_tokens") or 0
-  return min(cap, fits) if cap > 0 else fits
 
 
 def create_app(engine, tokenizer, cfg: dict) -> FastAPI:

@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       model_validator)
 
@@ -333,3 +334,53 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: Optional[str], token_i
 def usage_chunk(rid: str, model: str, obj: str, usage) -> dict:
   return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
           "usage": usage_dict(usage)}
+
+
+def prompt_fields_on_top(body: dict) -> None:
+  """A chat answer has one prompt: its prompt_token_ids and prompt_logprobs sit at the response's top level, where
+  vLLM puts them (a completion's stay in each choice, one per prompt, as there)."""
+  for key in ("prompt_token_ids", "prompt_logprobs"):
+    values = [c.pop(key) for c in body["choices"] if key in c]
+    if values:
+      body[key] = values[0]
+
+
+def progress_usage(c) -> dict:
+  """A streamed choice's usage so far (vLLM's continuous_usage_stats)."""
+  return {"prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.ids),
+          "total_tokens": len(c.prompt_ids) + len(c.ids)}
+
+
+def model_card(name: str, cfg: dict, capacity: int) -> dict:
+  """A /v1/models entry with vLLM's extra fields: root (the checkpoint served), parent (null: not a LoRA adapter)
+  and max_model_len."""
+  return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "spec_jax",
+          "root": cfg.get("model") or name, "parent": None, "max_model_len": capacity}
+
+
+def server_version() -> str:
+  """GET /version (vLLM's route): the installed spec_jax's version."""
+  from importlib import metadata
+  try:
+    return metadata.version("spec_jax")
+  except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+    return "0+unknown"
+
+
+def validation_error(e: RequestValidationError, content_type: Optional[str] = None) -> APIError:
+  """FastAPI's first validation error as a 400 that names the field (`param`), as OpenAI's API does; a body sent
+  with a Content-Type that is not JSON (curl's -d without -H sends a form) is a 400 that says so."""
+  err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+  if tuple(err.get("loc", ())) == ("body",) and content_type and not is_json(content_type):
+    return APIError(400, f"the body must be JSON, sent with the header 'Content-Type: application/json' (this "
+                    f"request's Content-Type is {content_type!r})")
+  if err.get("type") == "json_invalid":
+    return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
+  field = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+  got = f" (got {str(err['input'])[:80]!r})" if "input" in err and field else ""
+  return APIError(400, f"{field or 'body'}: {err['msg']}{got}", param=field or None)
+
+
+def is_json(content_type: str) -> bool:
+  kind = content_type.split(";")[0].strip().lower()
+  return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))

@@ -1,0 +1,56 @@
+"""A request body's prompt and output budget, as vLLM reads them: truncate_prompt_tokens, the chat template's
+add_generation_prompt / continue_final_message, chat echo, and max_tokens when the body has none."""
+
+from __future__ import annotations
+
+from serve.protocol import APIError
+
+
+def truncated(ids: list, body, engine) -> list:
+  """vLLM's truncate_prompt_tokens: the last N prompt tokens (truncation_side "right": the first N); -1 keeps what
+  the context holds with room for one token."""
+  n = body.truncate_prompt_tokens
+  if n is None:
+    return ids
+  if n == 0:
+    raise APIError(400, "truncate_prompt_tokens: a number of tokens >= 1, or -1 (the context's)",
+                   "truncate_prompt_tokens")
+  if n == -1:
+    n = max(engine.max_new_for(0) - 1, 1)
+  return ids[:n] if body.truncation_side == "right" else ids[-n:]
+
+
+def chat_prompt(tokenizer, turns: list, body) -> str:
+  """The chat template's text: a new model turn opened unless add_generation_prompt is false; with
+  continue_final_message the last (assistant) turn left open, cut after its content, as vLLM renders it."""
+  opened = body.add_generation_prompt is not False
+  if body.continue_final_message:
+    if opened:
+      raise APIError(400, "continue_final_message needs add_generation_prompt: false", "continue_final_message")
+    if turns[-1]["role"] not in ("assistant", "model"):
+      raise APIError(400, "continue_final_message continues an assistant turn: the last message is "
+                     f"{turns[-1]['role']!r}", "continue_final_message")
+  text = tokenizer.apply_chat_template(turns, add_generation_prompt=opened)
+  if body.continue_final_message:
+    content = turns[-1]["content"].strip()
+    end = text.rfind(content)
+    if not content or end < 0:
+      raise APIError(400, "continue_final_message: the last message's content is empty", "continue_final_message")
+    text = text[:end + len(content)]
+  return text
+
+
+def chat_echo(body) -> str:
+  """vLLM's chat echo: the last message's content when it is an assistant turn (the answer continues it)."""
+  last = body.messages[-1]
+  if not body.echo or last.role not in ("assistant", "model"):
+    return ""
+  return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content or ())
+
+
+def default_max_tokens(engine, cfg: dict, prompt_len: int) -> int:
+  """A request without max_tokens generates up to the end of the context, as OpenAI and vLLM do (or up to the
+  pool's room for it); --default_max_tokens N > 0 caps that at N."""
+  fits = engine.max_new_for(prompt_len)
+  cap = cfg.get("default_max_tokens") or 0
+  return min(cap, fits) if cap > 0 else fits
