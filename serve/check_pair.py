@@ -10,7 +10,11 @@
    an error with --strict. With an error the pair is not run (exit 1).
 2. The run: the pair on a prompt sample (--prompts, Spec-Bench by default; --limit) at each --check_temperatures
    (greedy and T 0.7), the draft length fixed at k (adaptive off): per-position acceptance, acceptance rate, tau
-   (the mean acceptance length: tokens per verify step, the bonus token included).
+   (the mean acceptance length: tokens per verify step, the bonus token included). With an 8-bit
+   --kv_cache_dtype the pair runs twice per temperature, with that cache and with `auto` (the activation dtype),
+   and the table shows both taus and the change: acceptance is measured, not assumed (a reader that mis-scales the
+   cache shows here as a tau drop, not as an error). tau_auto is the baseline the KV-dtype guardrail
+   (serve/guardrails.py kv_tau_baseline) compares the live tau against.
 3. The draft's cost: one propose() and one speculative step timed on a prefilled batch, and one plain decode step
    of the target alone (best of --cost_reps each). The draft's cost per drafted token is propose / k as a fraction
    of the plain step; the estimated speedup is tau * plain step / speculative step (decode only, at this batch).
@@ -107,33 +111,47 @@ def draft_cost(setup, prompt_ids, max_new_tokens: int, seed: int, reps: int) -> 
 
 
 def run_pair(cfg: dict, setup, prompts, prompt_ids, temperatures) -> list[dict]:
-  """The pair at each temperature, draft length fixed at k: acceptance per position, rate and tau."""
+  """The pair at each temperature, draft length fixed at k, with the setup's KV cache: acceptance per position,
+  rate and tau. An 8-bit cache adds tau_auto / acceptance_rate_auto (the same run with the cache in the activation
+  dtype) and tau_change = tau / tau_auto - 1."""
   from serve.runner import Arm, run_arms
   arm = Arm(setup.proposer.name, setup.proposer, setup.proposer_params)
+
+  def once(t, kv):
+    return run_arms([arm], setup.params, setup.config, setup.tokenizer, prompts, prompt_ids,
+                    batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
+                    sampling_args=dict(temperature=t, top_k=cfg["top_k"], top_p=cfg["top_p"]), adaptive_k=False,
+                    seed=cfg["seed"], impl=setup.impl, stop_ids=setup.stop_ids, progress=cfg.get("progress", False),
+                    mesh=setup.mesh, kv_cache_dtype=kv)[0].summary
+
   rows = []
   for t in temperatures:
-    res = run_arms([arm], setup.params, setup.config, setup.tokenizer, prompts, prompt_ids,
-                   batch_size=cfg["batch_size"], max_new_tokens=cfg["max_new_tokens"],
-                   sampling_args=dict(temperature=t, top_k=cfg["top_k"], top_p=cfg["top_p"]), adaptive_k=False,
-                   seed=cfg["seed"], impl=setup.impl, stop_ids=setup.stop_ids, progress=cfg.get("progress", False),
-                   mesh=setup.mesh)[0]
-    s = res.summary
-    rows.append({"temperature": t, "prompts": len(prompts), "output_tokens": s["output_tokens"],
-                 "tau": s.get("mean_acceptance_length", 0.0), "acceptance_rate": s.get("acceptance_rate", 0.0),
-                 "per_position_acceptance": s.get("per_position_acceptance", []),
-                 "verify_steps": s.get("verify_steps", 0), "drafted_tokens": s.get("drafted_tokens", 0)})
+    s = once(t, setup.kv_cache_dtype)
+    row = {"temperature": t, "prompts": len(prompts), "output_tokens": s["output_tokens"],
+           "kv_cache_dtype": setup.kv_cache_dtype,
+           "tau": s.get("mean_acceptance_length", 0.0), "acceptance_rate": s.get("acceptance_rate", 0.0),
+           "per_position_acceptance": s.get("per_position_acceptance", []),
+           "verify_steps": s.get("verify_steps", 0), "drafted_tokens": s.get("drafted_tokens", 0)}
+    if setup.kv_cache_dtype != "auto":
+      a = once(t, "auto")
+      row.update(tau_auto=a.get("mean_acceptance_length", 0.0), acceptance_rate_auto=a.get("acceptance_rate", 0.0))
+      row["tau_change"] = row["tau"] / row["tau_auto"] - 1.0 if row["tau_auto"] else 0.0
+    rows.append(row)
   return rows
 
 
 def verdict_table(rows: list[dict], cost: dict | None) -> str:
-  head = ["T", "prompts", "tau", "acc rate", "acc by position", "draft cost/token", "est. speedup", "verdict"]
+  kv = bool(rows) and "tau_auto" in rows[0]  # an 8-bit cache: tau beside tau with `auto`
+  head = ["T", "prompts", "tau"] + (["tau auto", "tau change"] if kv else []) + [
+      "acc rate", "acc by position", "draft cost/token", "est. speedup", "verdict"]
   table = [head]
   for r in rows:
     c = cost.get("draft_cost_per_token") if cost else None
     speed = (r["tau"] * cost["plain_step_s"] / cost["spec_step_s"]) if cost and cost["spec_step_s"] else None
     r["est_speedup"] = speed
     r["verdict"] = ("pays" if speed > 1.0 else "does not pay") if speed is not None else "-"
-    table.append([f"{r['temperature']:g}", str(r["prompts"]), f"{r['tau']:.2f}", f"{r['acceptance_rate']:.2f}",
+    table.append([f"{r['temperature']:g}", str(r["prompts"]), f"{r['tau']:.2f}"]
+                 + ([f"{r['tau_auto']:.2f}", f"{r['tau_change']:+.1%}"] if kv else []) + [f"{r['acceptance_rate']:.2f}",
                   " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-",
                   f"{c:.3f}" if c is not None else "-", f"{speed:.2f}x" if speed is not None else "-", r["verdict"]])
   widths = [max(len(row[i]) for row in table) for i in range(len(head))]

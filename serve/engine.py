@@ -80,7 +80,8 @@ class Engine:
     self.metrics.slots_total.set(max_num_seqs)
     now = time.monotonic()
     self.segments = Segments(spec_config, switchback, self.metrics, now)  # policy, canary, switchback, live A/B
-    self.switch = SpeculationSwitch(guardrails, spec_config, spec.k_max, self.metrics, self.segments.names, now)
+    self.switch = SpeculationSwitch(guardrails, spec_config, spec.k_max, self.metrics, self.segments.names, now,
+                                    kv_cache_dtype=spec.kv_cache_dtype)
     self._applied_caps: Optional[np.ndarray] = None
     self._lock = threading.Condition()
     self._waiting: collections.deque = collections.deque()
@@ -364,12 +365,12 @@ class Engine:
     uses = np.asarray(arr.option_uses, np.int64)
     self.metrics.observe_steps(self.spec.ks, uses - self._last_uses)
     self._last_uses = uses
-    by_segment: dict = {}  # segment -> [drafted, accepted, itl] for its guardrails
+    by_segment: dict = {}  # segment -> [drafted, accepted, itl, drafts] for its guardrails
     for slot, req in holders.items():
       if req.finished or req.aborted:
         continue
       itl: list = []
-      first = req.first_at is None
+      first, drafts0 = req.first_at is None, req.drafts
       try:
         d, a, n, steps = req.advance(arr, slot, now, itl, self.metrics)
       except Exception as e:
@@ -379,19 +380,20 @@ class Engine:
       ttft = req.first_at - req.arrival if first and req.first_at is not None else None
       self.segments.credit(req, dispatched, now, tokens=n, itl=itl, steps=steps, drafted=d, accepted=a, ttft=ttft)
       self.iteration_tokens += n
-      acc = by_segment.setdefault(req.segment, [0, 0, []])
+      acc = by_segment.setdefault(req.segment, [0, 0, [], 0])
       acc[0] += d
       acc[1] += a
       acc[2].extend(itl)
+      acc[3] += req.drafts - drafts0  # verify steps that drafted (tau, the KV-dtype guardrail)
       if self.kv is not None:
         self.kv.observe(arr, slot, req)
     if self.kv is not None:
       self.kv.metrics_update()
     arm = dispatched[1]
     with self._lock:
-      for seg, (d, a, itl) in by_segment.items():
+      for seg, (d, a, itl, drafts) in by_segment.items():
         g = self.switch.guards.get(seg)
         # k = 0 samples of an "off" window are not the segment speculating (its own baseline windows are)
         if g is not None and (arm == live_ab.ON or g.mode == "baseline_window"):
-          g.observe(now, d, a, itl)
+          g.observe(now, d, a, itl, drafts)
     return time.perf_counter() - t1

@@ -11,6 +11,13 @@ Three trips, each optional (a key that is absent disables it):
   `baseline_every_s`), because a number measured at another load or on another day does not compare.
 - live A/B (`"live_ab": true`, with the server's `--switchback` windows, serve/live_ab.py): the segment's live
   verdict says roll back.
+- KV dtype (`kv_tau_baseline`, with an 8-bit `--kv_cache_dtype`): the segment's live tau (1 + accepted / drafts,
+  drafts = verify steps that drafted, over the last `acceptance_window_s`) stays below
+  (1 - `kv_tau_margin`) x its baseline for `acceptance_for_s` seconds. The baseline is the tau the same pair
+  reached on the same segment with the cache in the activation dtype (`auto`): a number for every segment or
+  {segment: tau}, read off `serve.check_pair` (tau_auto at the traffic's temperature) or off GET
+  /admin/speculation's live `tau` of a server run under `auto`. Under `auto` this trip is inert (there was no
+  change of KV dtype) and the status only shows the live tau to record.
 The guardrails act per segment of the speculative config's policy (one state machine each; without a policy, one
 segment, "default"): a segment that trips is switched off alone, and its k = 0 baseline windows hold only its rows.
 After a trip speculation stays off for `cooldown_s`, then a probe turns it on for `probe_s` and judges the same
@@ -26,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from typing import Optional
 
 import numpy as np
@@ -50,6 +58,8 @@ class GuardrailConfig:
   cooldown_s: float = 60.0
   probe_s: float = 5.0
   live_ab: bool = False
+  kv_tau_baseline: float | dict | None = None  # tau under --kv_cache_dtype auto: a number or {segment: tau}
+  kv_tau_margin: float = 0.05  # trip when the 8-bit cache's tau < (1 - margin) x that baseline
 
   @classmethod
   def parse(cls, text: str | None) -> "GuardrailConfig | None":
@@ -62,7 +72,10 @@ class GuardrailConfig:
     if unknown:
       raise ValueError(f"--guardrails: unknown keys {sorted(unknown)}; known: {sorted(fields)}")
     for key, v in obj.items():
-      if v is None and key in ("acceptance_floor", "itl_p95_ratio"):
+      if v is None and key in ("acceptance_floor", "itl_p95_ratio", "kv_tau_baseline"):
+        continue
+      if key == "kv_tau_baseline":
+        _check_taus(v)
         continue
       if key == "live_ab":
         if not isinstance(v, bool):
@@ -71,9 +84,26 @@ class GuardrailConfig:
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
         raise ValueError(f"--guardrails: {key} must be a number >= 0, got {v!r}")
     cfg = cls(**obj)
-    if cfg.acceptance_floor is None and cfg.itl_p95_ratio is None and not cfg.live_ab:
-      raise ValueError("--guardrails: set acceptance_floor, itl_p95_ratio and/or live_ab")
+    if not cfg.kv_tau_margin < 1:
+      raise ValueError(f"--guardrails: kv_tau_margin must be in [0, 1), got {cfg.kv_tau_margin!r}")
+    if (cfg.acceptance_floor is None and cfg.itl_p95_ratio is None and not cfg.live_ab
+        and cfg.kv_tau_baseline is None):
+      raise ValueError("--guardrails: set acceptance_floor, itl_p95_ratio, live_ab and/or kv_tau_baseline")
     return cfg
+
+  def tau_baseline(self, segment: str) -> float | None:
+    """The segment's tau under `auto` (None: no KV-dtype trip for it)."""
+    b = self.kv_tau_baseline
+    return b.get(segment) if isinstance(b, dict) else b
+
+
+def _check_taus(v) -> None:
+  """A tau is >= 1 (the bonus token): a number, or {segment: number}."""
+  items = v.items() if isinstance(v, dict) else [("", v)]
+  for seg, t in items:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not np.isfinite(t) or t < 1:
+      raise ValueError(f"--guardrails: kv_tau_baseline{'[' + repr(seg) + ']' if seg else ''} must be a tau >= 1 "
+                       f"(1 + accepted / drafts, measured under --kv_cache_dtype auto), got {t!r}")
 
 
 def p95(xs) -> float:
@@ -83,8 +113,11 @@ def p95(xs) -> float:
 class Guardrails:
   """State machine on -> (trip) off -> (cool-down) probe -> on | off; on -> baseline window -> on."""
 
-  def __init__(self, cfg: GuardrailConfig, now: float):
+  def __init__(self, cfg: GuardrailConfig, now: float, tau_baseline: float | None = None):
+    """tau_baseline: the segment's tau under --kv_cache_dtype auto, given only when the cache is 8-bit now (the
+    KV-dtype trip watches it); None disables that trip."""
     self.cfg = cfg
+    self.tau_baseline = tau_baseline
     self.reset(now)
     self.baseline_p95: float | None = None
 
@@ -93,22 +126,24 @@ class Guardrails:
     self.mode = ON
     self.since = now
     self.next_baseline = now  # measure a baseline as soon as there is traffic
-    self._acc = collections.deque()  # (t, drafted, accepted) while speculation is on
+    self._acc = collections.deque()  # (t, drafted, accepted, drafts) while speculation is on
     self._itl = collections.deque()  # (t, itl) while speculation is on
     self._base_itl: list = []
     self._below_since: float | None = None
+    self._tau_below_since: float | None = None
 
   @property
   def speculation_on(self) -> bool:
     return self.mode in (ON, PROBE)
 
-  def observe(self, now: float, drafted: int, accepted: int, itl: list) -> None:
-    """One engine iteration's hand-overs: drafted/accepted token deltas and per-token ITL samples."""
+  def observe(self, now: float, drafted: int, accepted: int, itl: list, drafts: int = 0) -> None:
+    """One engine iteration's hand-overs: drafted/accepted token deltas, per-token ITL samples, and the verify
+    steps that drafted (`drafts`, for tau)."""
     if self.mode == BASELINE:
       self._base_itl.extend(itl)
     elif self.mode in (ON, PROBE):
       if drafted:
-        self._acc.append((now, drafted, accepted))
+        self._acc.append((now, drafted, accepted, drafts))
       self._itl.extend((now, x) for x in itl)
     horizon = now - max(self.cfg.acceptance_window_s, self.cfg.itl_window_s, self.cfg.probe_s)
     while self._acc and self._acc[0][0] < horizon:
@@ -116,20 +151,32 @@ class Guardrails:
     while self._itl and self._itl[0][0] < horizon:
       self._itl.popleft()
 
+  def tau(self, now: float, window: float | None = None) -> float | None:
+    """1 + accepted / drafts over the last `window` seconds (acceptance_window_s); None under min_drafted."""
+    recent = [x for x in self._acc if x[0] >= now - (self.cfg.acceptance_window_s if window is None else window)]
+    drafted, drafts = sum(x[1] for x in recent), sum(x[3] for x in recent)
+    if drafted < self.cfg.min_drafted or not drafts:
+      return None
+    return 1.0 + sum(x[2] for x in recent) / drafts
+
   def _failing(self, now: float, acc_window: float, itl_window: float):
-    """-> (acceptance too low or None when unknown, ITL too high or None when unknown)."""
+    """-> (acceptance too low, tau too far below the `auto` baseline, ITL too high); each None when unknown."""
     c = self.cfg
-    low = high = None
+    low = tau_low = high = None
     if c.acceptance_floor is not None:
       d = sum(x[1] for x in self._acc if x[0] >= now - acc_window)
       a = sum(x[2] for x in self._acc if x[0] >= now - acc_window)
       if d >= c.min_drafted:
         low = a / d < c.acceptance_floor
+    if self.tau_baseline is not None:
+      tau = self.tau(now, acc_window)
+      if tau is not None:
+        tau_low = tau < (1.0 - c.kv_tau_margin) * self.tau_baseline
     if c.itl_p95_ratio is not None and self.baseline_p95 is not None:
       xs = [x for t, x in self._itl if t >= now - itl_window]
       if len(xs) >= c.min_itl_samples:
         high = p95(xs) > c.itl_p95_ratio * self.baseline_p95
-    return low, high
+    return low, tau_low, high
 
   def decide(self, now: float, live: Optional[dict] = None):
     """-> (enabled, reason) when speculation should switch (or a probe passed), else None. live: the segment's
@@ -138,13 +185,19 @@ class Guardrails:
     if self.mode == ON and c.live_ab and live is not None and live["verdict"] == "roll back":
       return self._go(OFF, now, False, f"live_ab_{live['metric']}")
     if self.mode == ON:
-      low, high = self._failing(now, c.acceptance_window_s, c.itl_window_s)
+      low, tau_low, high = self._failing(now, c.acceptance_window_s, c.itl_window_s)
       if low:
         self._below_since = now if self._below_since is None else self._below_since
         if now - self._below_since >= c.acceptance_for_s:
           return self._go(OFF, now, False, "acceptance_floor")
       elif low is not None:
         self._below_since = None
+      if tau_low:
+        self._tau_below_since = now if self._tau_below_since is None else self._tau_below_since
+        if now - self._tau_below_since >= c.acceptance_for_s:
+          return self._go(OFF, now, False, "kv_dtype_tau")
+      elif tau_low is not None:
+        self._tau_below_since = None
       if high:
         return self._go(OFF, now, False, "itl_p95")
       traffic = any(t >= now - c.itl_window_s for t, _ in self._itl)
@@ -167,12 +220,13 @@ class Guardrails:
         return self._go(PROBE, now, True, "probe")
     elif self.mode == PROBE:
       if now - self.since >= c.probe_s:
-        low, high = self._failing(now, now - self.since, now - self.since)
-        if low or high:
-          return self._go(OFF, now, False, "probe_failed_acceptance" if low else "probe_failed_itl_p95")
-        if low is None and high is None and now - self.since < 10 * c.probe_s:
+        low, tau_low, high = self._failing(now, now - self.since, now - self.since)
+        if low or tau_low or high:
+          why = "acceptance" if low else "kv_dtype_tau" if tau_low else "itl_p95"
+          return self._go(OFF, now, False, f"probe_failed_{why}")
+        if low is None and tau_low is None and high is None and now - self.since < 10 * c.probe_s:
           return None  # nothing measured yet (no traffic): keep probing
-        self._below_since = None
+        self._below_since = self._tau_below_since = None
         self.next_baseline = max(self.next_baseline, now)
         self.mode, self.since = ON, now
         return (True, "probe_passed")
@@ -190,9 +244,17 @@ class SpeculationSwitch:
   thread both call in)."""
 
   def __init__(self, guard_cfg: "GuardrailConfig | None", spec_config, k_max: int, metrics, segments=("default",),
-               now: float = 0.0):
+               now: float = 0.0, kv_cache_dtype: str = "auto"):
+    """kv_cache_dtype: the server's --kv_cache_dtype; an 8-bit one arms each segment's KV-dtype trip against its
+    kv_tau_baseline (a baseline naming a segment the policy lacks is an error)."""
     self.spec_config, self.k_max, self.metrics = spec_config, k_max, metrics
-    self.guards = {s: Guardrails(guard_cfg, now) for s in segments} if guard_cfg is not None else {}
+    self.kv_cache_dtype = kv_cache_dtype
+    base = guard_cfg.kv_tau_baseline if guard_cfg is not None else None
+    if isinstance(base, dict) and set(base) - set(segments):
+      raise ValueError(f"--guardrails: kv_tau_baseline names segments {sorted(set(base) - set(segments))} the "
+                       f"policy does not have ({list(segments)})")
+    watch = lambda s: guard_cfg.tau_baseline(s) if kv_cache_dtype != "auto" else None
+    self.guards = ({s: Guardrails(guard_cfg, now, watch(s)) for s in segments} if guard_cfg is not None else {})
     self.admin_on = True
     for s in segments:
       metrics.segment_enabled.labels(segment=s).set(1.0)
@@ -223,10 +285,10 @@ class SpeculationSwitch:
       return min(self.spec_config.k_at(busy), self.k_max)
     return self.k_max
 
-  def observe(self, segment: str, now: float, drafted: int, accepted: int, itl: list) -> None:
+  def observe(self, segment: str, now: float, drafted: int, accepted: int, itl: list, drafts: int = 0) -> None:
     g = self.guards.get(segment)
     if g is not None:
-      g.observe(now, drafted, accepted, itl)
+      g.observe(now, drafted, accepted, itl, drafts)
 
   def tick(self, now: float, live=None) -> list:
     """Let each segment's guardrails decide (live: segment -> its live verdict, or None); log and count a switch.
@@ -246,6 +308,8 @@ class SpeculationSwitch:
       base = g.baseline_p95
       log.info("guardrails[%s]: speculation %s (%s)%s", seg, "on" if enabled else "off", reason,
                f": {verdict['detail']}" if reason.startswith("live_ab") else
+               f": tau under {self.kv_cache_dtype} fell more than {g.cfg.kv_tau_margin:.0%} below "
+               f"{g.tau_baseline:.2f} (auto)" if reason.endswith("kv_dtype_tau") else
                f", baseline p95 ITL {base * 1e3:.1f} ms" if base else "")
       self.metrics.speculation_switches.labels(segment=seg, enabled=str(enabled).lower(), reason=reason).inc()
       self.metrics.segment_enabled.labels(segment=seg).set(1.0 if g.speculation_on else 0.0)
@@ -254,8 +318,11 @@ class SpeculationSwitch:
       events.append((seg, enabled, reason))
     return events
 
-  def status(self, busy: int) -> dict:
-    guards = {s: {"mode": g.mode, "baseline_itl_p95_s": g.baseline_p95} for s, g in self.guards.items()}
-    return {"admin_enabled": self.admin_on, "enabled": self.allowed() and self.k_at(busy) > 0
+  def status(self, busy: int, now: float | None = None) -> dict:
+    """tau: each segment's live tau over its acceptance window (what to record as kv_tau_baseline under auto)."""
+    now = time.monotonic() if now is None else now
+    guards = {s: {"mode": g.mode, "baseline_itl_p95_s": g.baseline_p95, "tau": g.tau(now),
+                  "kv_tau_baseline": g.tau_baseline} for s, g in self.guards.items()}
+    return {"admin_enabled": self.admin_on, "kv_cache_dtype": self.kv_cache_dtype, "enabled": self.allowed() and self.k_at(busy) > 0
             and any(self.segment_on(s) for s in (self.guards or {"default": 0})),
             "guardrails": guards or None}

@@ -28,16 +28,18 @@ def load_run(out_dir: str):
 
 
 def fixed_settings(run: dict, results: dict) -> dict:
-  """The arms' server command lines must differ only in --port and --speculative_config."""
+  """The arms' server command lines must differ only in --port, --speculative_config and an arm's own
+  --kv_cache_dtype (listed apart: kv_cache_dtypes)."""
   lines = {}
   for name, res in results.items():
     argv = (res.get("server") or {}).get("argv")
     if argv:
-      lines[name] = [a for a in argv if not a.startswith(("--port=", "--speculative_config="))]
+      lines[name] = [a for a in argv if not a.startswith(("--port=", "--speculative_config=", "--kv_cache_dtype="))]
   targeted = sorted(n for n, r in results.items() if not (r.get("server") or {}).get("launched"))
   ref = next(iter(lines.values()), None)
   diffs = sorted({a for v in lines.values() for a in set(v) ^ set(ref or [])})
   return {"flags": ref, "identical": not diffs, "differences": diffs, "targeted_arms": targeted,
+          "kv_cache_dtypes": {n: r.get("kv_cache_dtype", "auto") for n, r in results.items()},
           "traffic": {k: run["config"].get(k) for k in ("prompts", "prompt_limit", "output_lengths", "samplings",
                                                          "requests_per_point", "requests_per_client",
                                                          "max_seconds_per_point", "slots", "seed")}}

@@ -42,6 +42,9 @@ def arm_list(cfg: dict) -> list[dict]:
   for a in order:
     a.setdefault("baseline", False)
     a["speculative_config"] = dict(a.get("speculative_config") or {})
+    if a.get("kv_cache_dtype"):
+      from spec_jax.cache import kv_storage_dtype
+      kv_storage_dtype(a["kv_cache_dtype"])  # an unknown value is an error before any server starts
   return order
 
 
@@ -53,7 +56,7 @@ def arm_server(arm: dict, cfg: dict, out_dir: str):
     yield url.rstrip("/"), arm.get("pid"), {"url": url, "launched": False}
     return
   srv_cfg = dict(cfg["server"])
-  flags = dict(srv_cfg.get("flags") or {})
+  flags = arm_flags(arm, cfg)
   spec = arm.get("speculative_config_path") or arm["speculative_config"]
   log = os.path.join(out_dir, f"server_{arm['name'].replace('#', '_')}.log")
   proc = ServerProcess(flags, spec if isinstance(spec, dict) else None, log,
@@ -84,6 +87,21 @@ def server_reports(url: str, api_key: str = "") -> dict:
     except (httpx.HTTPError, ValueError):
       pass
   return out
+
+
+def arm_flags(arm: dict, cfg: dict) -> dict:
+  """The server flags of an arm: the shared ones, and its own --kv_cache_dtype if it sets one (tau beside the same
+  speculative config under auto, report_kv.dtype_section)."""
+  flags = dict((cfg.get("server") or {}).get("flags") or {})
+  if arm.get("kv_cache_dtype"):
+    flags["kv_cache_dtype"] = arm["kv_cache_dtype"]
+  return flags
+
+
+def arm_kv_dtype(arm: dict, cfg: dict, reported: dict) -> str:
+  """The KV cache dtype an arm's server ran: what it reported (GET /admin/speculation), else what it was told."""
+  told = arm.get("kv_cache_dtype") or ((cfg.get("server") or {}).get("flags") or {}).get("kv_cache_dtype")
+  return (reported.get("speculation") or {}).get("kv_cache_dtype") or told or "auto"
 
 
 def usage_check(records: list, summary: dict) -> dict:
@@ -117,6 +135,7 @@ def run_arm(arm: dict, cfg: dict, points: list, prompts: list, out_dir: str, rec
     timeout = float(cfg["request_timeout"])
     api_key = cfg.get("api_key", "")
     info["reported"] = server_reports(url, api_key)
+    res["kv_cache_dtype"] = arm_kv_dtype(arm, cfg, info["reported"])
     n_warm = int(cfg.get("warmup_requests", 0))
     if n_warm:
       t = time.perf_counter()

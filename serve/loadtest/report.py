@@ -124,6 +124,7 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
                    f"{slots['mean']:.1f}/{slots['max']:.0f}" if slots else "–"])
     L += _table(hdr, rows) + [""]
   L += report_kv.section(results, points)
+  L += report_kv.dtype_section(results, points)
   if files:
     L += ["## Plots", ""] + [f"![{f[:-4]}]({f})" for f in files] + [""]
   # How it was measured.
@@ -133,8 +134,12 @@ def write(out_dir: str, run: dict, results: dict, summary: dict, records: list, 
   else:
     check = "Checked: " + ("**identical**" if fs["identical"] else "**DIFFERENT**: " + ", ".join(fs["differences"]))
   L += ["## Fixed settings", "",
-        "Every launched arm ran the same server command line; only `--speculative_config` (and the port) differ. "
+        "Every launched arm ran the same server command line; only `--speculative_config` (and the port) differ, "
+        "and `--kv_cache_dtype` where an arm sets its own. "
         f"{check}.", ""]
+  kvs = fs.get("kv_cache_dtypes") or {}
+  if any(v != "auto" for v in kvs.values()):
+    L += ["KV cache dtype per arm: " + ", ".join(f"{a} `{v}`" for a, v in kvs.items()) + ".", ""]
   if fs["flags"]:
     L += ["```", " ".join(fs["flags"]), "```", ""]
   rows = []

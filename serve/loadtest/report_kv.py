@@ -1,9 +1,12 @@
 """The load matrix's KV section (issue 35): per arm and load point, the KV pool's usage (sampled gauge), the
 preemptions and the prefix-cache hits (/metrics deltas), and a plot of KV usage against concurrency, the baseline
-beside each speculative arm: does the proposer crowd the KV cache? Servers without a paged pool show dashes."""
+beside each speculative arm: does the proposer crowd the KV cache? Servers without a paged pool show dashes.
+With arms on an 8-bit KV cache (an arm's `kv_cache_dtype`, issue 46), tau and the acceptance rate of each such arm
+beside the arm with the same speculative config under `auto`, per load point."""
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -76,3 +79,40 @@ def plot(out_dir: str, results: dict, points: dict) -> list[str]:
   fig.savefig(os.path.join(out_dir, "kv_usage.png"), dpi=90)
   plt.close(fig)
   return ["kv_usage.png"]
+
+
+def _spec_key(res: dict) -> str:
+  return json.dumps(res.get("speculative_config") or {}, sort_keys=True)
+
+
+def auto_partner(results: dict, name: str):
+  """The arm with `name`'s speculative config and the cache in the activation dtype (None: the matrix has none)."""
+  key = _spec_key(results[name])
+  return next((n for n, r in results.items() if r.get("kv_cache_dtype", "auto") == "auto"
+               and not r.get("baseline") and _spec_key(r) == key), None)
+
+
+def dtype_section(results: dict, points: dict) -> list[str]:
+  """Markdown lines: a row per (8-bit arm, load point): tau and acceptance rate beside its `auto` partner's."""
+  eight = [n for n, r in results.items() if r.get("kv_cache_dtype", "auto") != "auto" and not r.get("baseline")]
+  if not eight:
+    return []
+  L = ["## Acceptance with an 8-bit KV cache", "",
+       "tau = 1 + accepted / drafts and the acceptance rate (accepted / drafted tokens), `/metrics` deltas, of each "
+       "arm on an 8-bit cache beside the arm with the same speculative config on `auto`; change = tau / tau auto "
+       "- 1 (issue 46's target: within 2 % for fp8_e4m3 and int8).", "",
+       "| load | arm (dtype) | auto arm | tau | tau auto | change | acc rate | acc rate auto |",
+       "|---|---|---|---|---|---|---|---|"]
+  for k, p in points.items():
+    for name in eight:
+      partner = auto_partner(results, name)
+      sp = ((results[name]["points"].get(k) or {}).get("metrics") or {}).get("speculation") or {}
+      ap = (((results[partner]["points"].get(k) or {}).get("metrics") or {}).get("speculation") or {}
+            if partner else {})
+      t, ta = sp.get("mean_acceptance_length"), ap.get("mean_acceptance_length")
+      f = lambda v, fmt=".2f": "–" if v is None else format(v, fmt)
+      L.append(f"| {p['label']} [{p['sampling']}] | {name} ({results[name]['kv_cache_dtype']}) | "
+               f"{partner or 'none with this config'} | {f(t)} | {f(ta)} | "
+               f"{f(t / ta - 1.0, '+.1%') if t is not None and ta else '–'} | {f(sp.get('acceptance_rate'))} | "
+               f"{f(ap.get('acceptance_rate'))} |")
+  return L + [""]

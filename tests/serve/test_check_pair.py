@@ -158,3 +158,28 @@ def test_the_command_line_exits_1_on_an_incompatible_pair_under_strict(target, t
   assert "WARNING  verifier" in p.stdout and "static verdict: incompatible (strict)" in p.stdout
   report = json.loads(out.read_text())
   assert report["verdict"] == "incompatible" and report["strict"]
+
+
+def test_an_8bit_cache_reports_tau_beside_auto(target, monkeypatch):
+  """--kv_cache_dtype int8: each temperature runs the pair with the int8 cache and with `auto` (the real runner,
+  recorded on the way), and the rows and the table put the two taus side by side (the run part alone: the cost
+  timing is the same with any cache)."""
+  from serve import runner
+  calls, real = [], runner.run_arms
+
+  def recorded(*a, **kw):
+    out = real(*a, **kw)
+    calls.append((kw["kv_cache_dtype"], out[0].summary["mean_acceptance_length"]))
+    return out
+
+  monkeypatch.setattr(runner, "run_arms", recorded)
+  cfg = _cfg(target, SpecConfig("eagle3", 3, model=os.path.join(HERE, "speculators_eagle3")), kv_cache_dtype="int8",
+             max_new_tokens=6)
+  setup = setup_lib.load(cfg)
+  prompts, ids, _ = check_pair.sample_prompts(None, setup.tokenizer, 1, 64)
+  (row,) = check_pair.run_pair(cfg, setup, prompts, ids, [0.0])
+  assert [c[0] for c in calls] == ["int8", "auto"]
+  assert row["kv_cache_dtype"] == "int8" and (row["tau"], row["tau_auto"]) == (calls[0][1], calls[1][1])
+  assert row["tau_change"] == pytest.approx(row["tau"] / row["tau_auto"] - 1)
+  table = check_pair.verdict_table([row], None)
+  assert "tau auto" in table and f"{row['tau_change']:+.1%}" in table
