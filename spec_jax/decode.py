@@ -355,13 +355,10 @@ def decode_loop(params, state: DecodeState, spec: LoopSpec, max_steps=NO_LIMIT) 
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, impl: str) -> None:
-  """An unknown --kv_cache_dtype, or an 8-bit cache with a Pallas kernel (they read the pool without its scales
-  yet), is an error."""
-  from spec_jax import kernels
+  """An unknown --kv_cache_dtype is an error (every attention impl reads an 8-bit cache with its scales)."""
   from spec_jax.cache import kv_storage_dtype
-  if kv_storage_dtype(kv_cache_dtype) is not None and kernels.resolve_impl(impl).startswith("pallas"):
-    raise ValueError(f"--kv_cache_dtype {kv_cache_dtype} needs --attention_impl xla: the Pallas kernels "
-                     f"({kernels.resolve_impl(impl)}) do not read an 8-bit cache's scales yet")
+  del impl
+  kv_storage_dtype(kv_cache_dtype)
 
 
 def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool = True, stop_ids: Sequence[int] = (),

@@ -22,14 +22,12 @@ TOL = {"int8": 0.5 / 127 + 1e-6, "fp8": 2.0 ** -4, "fp8_e4m3": 2.0 ** -4, "fp8_e
 GEMMA = tiny_gemma_config()
 
 
-def test_unknown_kv_cache_dtype_and_a_pallas_kernel_are_refused():
+def test_unknown_kv_cache_dtype_is_refused():
   with pytest.raises(ValueError, match="kv_cache_dtype 'fp4'"):
     KVCache.init(GEMMA, 1, 8, kv_dtype="fp4")
   with pytest.raises(ValueError, match="kv_cache_dtype"):
     make_spec(GEMMA, kv_cache_dtype="float8")
-  with pytest.raises(ValueError, match="Pallas"):
-    make_spec(GEMMA, kv_cache_dtype="int8", impl="pallas_gpu")
-  make_spec(GEMMA, kv_cache_dtype="auto", impl="pallas_gpu")  # the default stays open to every kernel
+  make_spec(GEMMA, kv_cache_dtype="int8", impl="pallas_gpu")  # the kernels read the scales (test_kv_cache_kernels)
   assert kv_storage_dtype("fp8") == kv_storage_dtype("fp8_e4m3") == jnp.float8_e4m3fn
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
+
 from spec_jax.kernels.common import target_platform
 from spec_jax.kernels.reference import attention_xla, visibility
 
@@ -63,8 +65,24 @@ def check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
     raise ValueError("window must be an int, a traced int32 scalar or None, not a bool")
 
 
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> None:
+  """An 8-bit cache comes with its scales (no reader may take them as 1.0), shaped like the cache without D."""
+  eight = lambda a: a.dtype.itemsize == 1
+  if (k_scale is None) != (v_scale is None):
+    raise ValueError("k_scale and v_scale come together")
+  if k_scale is None:
+    if eight(k_cache) or eight(v_cache):
+      raise ValueError(f"an 8-bit cache ({k_cache.dtype}) needs its k_scale and v_scale: read without them, its "
+                       f"values would be taken at scale 1.0")
+    return
+  if k_scale.shape != k_cache.shape[:-1] or v_scale.shape != v_cache.shape[:-1]:
+    raise ValueError(f"k_scale/v_scale {k_scale.shape}, {v_scale.shape} must be the cache's shape without head_dim, "
+                     f"{k_cache.shape[:-1]}")
+
+
 def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale, window=None, tree_mask=None,
-              layer=None, impl: str = "auto", interpret: bool = False, mesh=None, pages=None):
+              layer=None, impl: str = "auto", interpret: bool = False, mesh=None, pages=None, k_scale=None,
+              v_scale=None):
   """q[B,T,Hq,D] of the T new tokens, their keys and values k_new/v_new[B,T,Hkv,D], against the committed
   cache -> [B,T,Hq,D].
 
@@ -75,15 +93,22 @@ def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale,
   positions are the root's + depth). `window` is None, an int, or a traced int32 scalar (per scanned layer); a
   value <= 0 means none. With a `mesh`, a Pallas kernel runs per shard (`shard_map`): Mosaic and Triton calls
   cannot be partitioned automatically. `pages` int32[B, P]: k_cache/v_cache are page pools [L, N, Hkv, block, D]
-  read through this table (kernels that `reads_pages` only).
+  read through this table (kernels that `reads_pages` only). k_scale/v_scale: an 8-bit cache's float32 scales
+  (spec_jax/cache.py: one per token and KV head, the cache's shape without D); every kernel dequantizes with them,
+  and the new tokens come in the activation dtype.
   """
   check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer, pages)
+  check_kv_scales(k_cache, v_cache, k_scale, v_scale)
   if pages is not None and not reads_pages(impl, k_cache.shape[-2]):
     raise ValueError(f"attention impl {impl!r} reads gathered caches, not a page table")
   impl = resolve_impl(impl)
   if impl.endswith(INTERPRET):
     impl, interpret = impl.removesuffix(INTERPRET), True
   if impl == "xla":
+    if k_scale is not None:  # one layer's cache, dequantized (what KVCache.layer_view hands the XLA path)
+      from spec_jax.kernels.reference import layer_of
+      deq = lambda c, sc: (layer_of(c, layer).astype(jnp.float32) * layer_of(sc, layer)[..., None]).astype(q.dtype)
+      k_cache, v_cache, layer = deq(k_cache, k_scale), deq(v_cache, v_scale), None
     return attention_xla(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, scale=scale, window=window,
                          tree_mask=tree_mask, layer=layer)
   if impl == "pallas_gpu":
@@ -94,8 +119,10 @@ def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale,
   if mesh is not None:
     from spec_jax.kernels.sharded import per_shard
     return per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask,
-                     layer, pages)
+                     layer, pages, k_scale, v_scale)
   extra = {} if pages is None else {"pages": pages}
+  if k_scale is not None:
+    extra.update(k_scale=k_scale, v_scale=v_scale)
   return kernel(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window=window, tree_mask=tree_mask,
                 layer=layer, **extra)
 

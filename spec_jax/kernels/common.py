@@ -122,17 +122,18 @@ def new_visible(tn, pos, new_pos, aux, win, tree: bool):
   return (jnp.right_shift(word, tn & 31) & 1 != 0) & (tn < 32 * len(aux))
 
 
-def cost_estimate(q, k_new, layer_cache_shape, cache_dtype):
+def cost_estimate(q, k_new, layer_cache_shape, cache_dtype, scales: bool = False):
   """(flops, transcendentals, bytes accessed) of one call, as if every slot up to the capacity were read: the
   compiler's estimate of a program holding the kernel is then a bound for a full cache (BENCHMARKS.md says so
-  where the AOT report's numbers are used)."""
+  where the AOT report's numbers are used). scales: an 8-bit cache's float32 scale per slot and KV head, read
+  too."""
   B, T, Hq, D = q.shape
   _, Hkv, S, _ = layer_cache_shape
   keys = S + T
   flops = 4 * B * Hq * T * keys * D
   transcendentals = B * Hq * T * keys
   itemsize = jnp.dtype(cache_dtype).itemsize
-  bytes_accessed = (2 * B * Hkv * S * D * itemsize + 2 * k_new.size * k_new.dtype.itemsize
+  bytes_accessed = (2 * B * Hkv * S * (D * itemsize + (4 if scales else 0)) + 2 * k_new.size * k_new.dtype.itemsize
                     + 2 * q.size * q.dtype.itemsize)
   return int(flops), int(transcendentals), int(bytes_accessed)
 

@@ -28,8 +28,10 @@ from spec_jax.kernels.common import (NEG_INF, block_bounds, committed_visible, c
 
 
 def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos_ref, q_ref, k_ref,
-            v_ref, kn_ref, vn_ref, *out_refs, scale: float, S: int, T: int, G: int, D: int, block_k: int,
-            num_row_blocks: int, num_splits: int, tree: bool, precision, paged: bool):
+            v_ref, *refs, scale: float, S: int, T: int, G: int, D: int, block_k: int,
+            num_row_blocks: int, num_splits: int, tree: bool, precision, paged: bool, quant: bool):
+  ks_ref, vs_ref = refs[:2] if quant else (None, None)
+  kn_ref, vn_ref, *out_refs = refs[2:] if quant else refs
   b = pl.program_id(0)
   h = pl.program_id(1)
   cell = b * num_row_blocks + pl.program_id(2)
@@ -56,7 +58,7 @@ def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, au
   offs = jnp.arange(block_k, dtype=jnp.int32)
   d_ok = (jnp.arange(Dp, dtype=jnp.int32) < D)[None, :]
 
-  def update(carry, s, mask, v):
+  def update(carry, s, mask, v, v_scale=None):
     acc, m, l = carry
     s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -64,6 +66,8 @@ def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, au
     # Masked slots get exactly 0 even while m_new is still NEG_INF (nothing visible yet).
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
     l = alpha * l + jnp.sum(p, axis=1)
+    if v_scale is not None:  # an 8-bit block: p @ (v * scale) = (p * scale) @ v
+      p = p * v_scale[None, :]
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_new, l
@@ -80,9 +84,17 @@ def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, au
       at = (layer, pages_ref[b * (S // block_k) + blk], h, pl.ds(0, block_k), pl.ds(0, Dp))
     else:
       at = (layer, b, h, pl.ds(blk * block_k, block_k), pl.ds(0, Dp))
-    k = plgpu.load(k_ref.at[at], mask=ok, other=0)
-    v = plgpu.load(v_ref.at[at], mask=ok, other=0)
-    return update(carry, scores(k), committed_visible(j[None, :], pos, length, win), v)
+    zero = 0.0 if quant and jnp.issubdtype(k_ref.dtype, jnp.floating) else 0  # Triton splats an fp8 0 from a float
+    k = plgpu.load(k_ref.at[at], mask=ok, other=zero)
+    v = plgpu.load(v_ref.at[at], mask=ok, other=zero)
+    if not quant:
+      return update(carry, scores(k), committed_visible(j[None, :], pos, length, win), v)
+    # An 8-bit block: its values are exact in the activation dtype; a slot's scale multiplies its score and its
+    # probability, never assumed 1. Stale slots load a scale of 0 (a poisoned page's NaN is never read).
+    ks = plgpu.load(ks_ref.at[at[:4]], mask=j < length, other=0)
+    vs = plgpu.load(vs_ref.at[at[:4]], mask=j < length, other=0)
+    s = scores(k.astype(q.dtype)) * ks[None, :]
+    return update(carry, s, committed_visible(j[None, :], pos, length, win), v.astype(q.dtype), vs)
 
   init = (jnp.zeros((R, Dp), jnp.float32), jnp.full((R,), NEG_INF, jnp.float32),
           jnp.zeros((R,), jnp.float32))
@@ -138,18 +150,21 @@ def _default_splits(programs: int, num_blocks: int) -> int:
 def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale, window=None,
                          tree_mask=None, layer=None, interpret=False, block_k: int = 64, max_rows: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-                         pages=None):
+                         pages=None, k_scale=None, v_scale=None):
   """Same contract as spec_jax.kernels.attention (see reference.attention_xla).
 
   pages int32[B, P]: k_cache/v_cache are page pools [L, N, Hkv, block, D] (spec_jax/cache.py; block a power of
   two >= 16, a Triton tile): each loop step reads one page, found through the table.
   block_k: KV slots per loop step. max_rows: the most query rows (tokens x heads per kv head) one program
   holds; more (prefill) are cut into row blocks. num_splits: programs per row along the KV axis (None: enough
-  to fill the GPU).
+  to fill the GPU). k_scale/v_scale: an 8-bit cache's float32 scales, the cache's shape without D (one per slot
+  and KV head), loaded beside each block.
   """
   require_backend("attention_pallas_gpu", "gpu", interpret)
+  quant = k_scale is not None
   if layer is None:  # one layer's cache: a stack of one (a free reshape)
     k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    k_scale, v_scale = (k_scale[None], v_scale[None]) if quant else (None, None)
   B, T, Hq, D = q.shape
   _, _, Hkv, S, _ = k_cache.shape
   flat_pages = jnp.zeros((1,), jnp.int32)
@@ -183,11 +198,12 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   lo, hi = block_bounds(pos, lengths, S, block_rows, block_k, win)
   q_rows = to_rows(q, Hkv, R, Dp)
   npos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, Tp - T)))
-  kn, vn = new_tokens(k_new.astype(k_cache.dtype), Tp, Dp), new_tokens(v_new.astype(v_cache.dtype), Tp, Dp)
+  new_dtype = q.dtype if quant else k_cache.dtype  # an 8-bit cache's new tokens stay in the activation dtype
+  kn, vn = new_tokens(k_new.astype(new_dtype), Tp, Dp), new_tokens(v_new.astype(new_dtype), Tp, Dp)
 
   kernel = functools.partial(_kernel, scale=float(scale), S=S, T=T, G=G, D=D, block_k=block_k,
                              num_row_blocks=num_row_blocks, num_splits=num_splits, tree=tree,
-                             paged=pages is not None,
+                             paged=pages is not None, quant=quant,
                              # explicit: not jax_default_matmul_precision's (see pallas_tpu)
                              precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
   whole = lambda shape: pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -203,6 +219,7 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
       pl.BlockSpec((None, None, block_rows, Dp), lambda b, h, r, s: (b, h, r, 0)),
       whole(k_cache.shape),  # the whole stacked cache (or pool): the kernel indexes layer, row (page), head
       whole(v_cache.shape),
+  ] + ([whole(k_scale.shape), whole(v_scale.shape)] if quant else []) + [
       pl.BlockSpec((None, None, Tp, Dp), lambda b, h, r, s: (b, h, 0, 0)),
       pl.BlockSpec((None, None, Tp, Dp), lambda b, h, r, s: (b, h, 0, 0)),
   ]
@@ -217,7 +234,7 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
     out_shape = jax.ShapeDtypeStruct((B, Hkv, R, Dp), q.dtype)
     out_specs = pl.BlockSpec((None, None, block_rows, Dp), lambda b, h, r, s: (b, h, r, 0))
 
-  flops, transcendentals, bytes_accessed = cost_estimate(q, k_new, (B, Hkv, S, D), k_cache.dtype)
+  flops, transcendentals, bytes_accessed = cost_estimate(q, k_new, (B, Hkv, S, D), k_cache.dtype, quant)
   out = pl.pallas_call(
       kernel,
       grid=(B, Hkv, num_row_blocks, num_splits),
@@ -230,7 +247,7 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
       name="spec_attention_gpu",
   )(jnp.asarray(layer, jnp.int32).reshape(1), flat_pages, lengths.astype(jnp.int32), lo, hi, win.reshape(1), pos,
     aux, npos,
-    q_rows, k_cache, v_cache, kn, vn)
+    q_rows, k_cache, v_cache, *((k_scale, v_scale) if quant else ()), kn, vn)
 
   if num_splits > 1:
     acc, m, l = out

@@ -27,10 +27,10 @@ def head_split(num_heads: int, num_kv_heads: int, model: int) -> tuple:
 
 
 def per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer,
-              pages=None):
+              pages=None, k_scale=None, v_scale=None):
   """kernel(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window=, tree_mask=, layer=[, pages=]) per
   shard. With `pages` (global ids, each row's in its data shard's share of the pool), each shard reads its own
-  share with its rows' ids made local."""
+  share with its rows' ids made local. k_scale/v_scale (an 8-bit cache's) are split like the cache they scale."""
   B, _, Hq, _ = q.shape
   Hkv = k_cache.shape[-3]
   rows = "data" if B % mesh.shape["data"] == 0 else None
@@ -38,10 +38,11 @@ def per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, leng
   stacked = (None,) if layer is not None else ()
   traced = {"window": window if isinstance(window, jax.Array) else None,
             "tree_mask": tree_mask, "layer": None if layer is None else jnp.asarray(layer, jnp.int32),
-            "pages": pages}
+            "pages": pages, "k_scale": k_scale, "v_scale": v_scale}
   static_window = None if traced["window"] is not None else window
   names = [n for n, v in traced.items() if v is not None]
-  extra_specs = {"window": P(), "layer": P(), "pages": P(rows, None),
+  scales = P(*stacked, rows, kvh, None)
+  extra_specs = {"window": P(), "layer": P(), "pages": P(rows, None), "k_scale": scales, "v_scale": scales,
                  "tree_mask": P(rows, None, None) if tree_mask is not None and tree_mask.ndim == 3 else P()}
 
   def one(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *extra):
@@ -51,6 +52,8 @@ def per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, leng
       share = k_cache.shape[-4]  # this shard's pages (the pool's axis after the layers)
       index = jax.lax.axis_index("data") if rows else 0
       paged = {"pages": kw["pages"] - index * share}
+    if "k_scale" in kw:
+      paged.update(k_scale=kw["k_scale"], v_scale=kw["v_scale"])
     return kernel(q, k_new, v_new, k_cache, v_cache, q_positions, lengths,
                   window=kw.get("window", static_window), tree_mask=kw.get("tree_mask"), layer=kw.get("layer"),
                   **paged)

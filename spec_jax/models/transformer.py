@@ -135,7 +135,8 @@ def layer_finish(c: ModelConfig, x, attn, p):
 
 
 def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, base, positions, lengths, *,
-                  impl: str = "xla", tree_mask=None, mesh=None, attn_input=None, pages=None, kv_dtype: str = "auto"):
+                  impl: str = "xla", tree_mask=None, mesh=None, attn_input=None, pages=None, kv_dtype: str = "auto",
+                  kv_scales=None):
   """One decoder layer over x [B, T, D] at positions [B, T] -> (x, k_new, v_new [B, T, K, d]).
 
   It reads the committed slots (< lengths[b]) of k_cache/v_cache [B, K, S, d] (a row's logical cache,
@@ -147,6 +148,7 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
   what the Q/K/V projections read instead of the normed x (layer_qkv); the residual stays x.
   `kv_dtype`: the cache's --kv_cache_dtype; an 8-bit cache's readers see the new K/V quantized (cache.fake_quant)
   as every later forward reads them back, so chains, trees and plain decoding compute the same target.
+  `kv_scales` (k_scale, v_scale): the 8-bit pools' scales, for a kernel that reads the pools (`pages`) itself.
   """
   c = config
   B, T = positions.shape
@@ -157,10 +159,12 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
     k_cache = v_cache = jnp.zeros((B, k.shape[2], 0, k.shape[3]), k.dtype)
     impl, layer = "xla", None
   k_seen, v_seen = fake_quant(k, kv_dtype), fake_quant(v, kv_dtype)
+  ks, vs = kv_scales if kv_scales is not None else (None, None)
+  new_dtype = k_seen.dtype if kv_scales is not None else k_cache.dtype  # never cast the new tokens to 8 bits
   with scopes.scope(scopes.ATTENTION):
-    attn = kernels.attention(q, k_seen.astype(k_cache.dtype), v_seen.astype(v_cache.dtype), k_cache, v_cache,
+    attn = kernels.attention(q, k_seen.astype(new_dtype), v_seen.astype(new_dtype), k_cache, v_cache,
                              positions, lengths, scale=c.attn_scale, window=window, tree_mask=tree_mask, layer=layer,
-                             impl=impl, mesh=mesh, pages=pages)
+                             impl=impl, mesh=mesh, pages=pages, k_scale=ks, v_scale=vs)
   return layer_finish(c, x, attn, p), k, v
 
 
@@ -224,12 +228,9 @@ def lm_head(params, hidden):
   return out[:rows].reshape(*lead, out.shape[-1])
 
 
-def _no_scales(cache: KVCache, impl: str) -> None:
-  """A kernel that reads the pool itself cannot take an 8-bit one yet (no scale operand): refuse, never read the
-  raw 8-bit values as if their scale were 1."""
-  if cache.quantized:
-    raise ValueError(f"attention impl {impl} reads the page pool without its scales: an 8-bit KV cache "
-                     f"({cache.kv_dtype}) needs the XLA attention")
+def pool_scales(cache: KVCache):
+  """What a kernel that reads the pool itself gets beside it: an 8-bit pool's (k_scale, v_scale), else None."""
+  return (cache.k_scale, cache.v_scale) if cache.quantized else None
 
 
 def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, *, config: ModelConfig,
@@ -266,15 +267,15 @@ def forward(params: dict, tokens, positions=None, cache: KVCache | None = None, 
     p, window, base, layer = xs
     # A kernel that reads pages gets the pools and the table; the others read each row's pages gathered into a
     # logical [B, Hkv, S, D] cache (zero past each length).
+    scales = None
     if cache is not None and kernels.reads_pages(impl, cache.block_size):
-      _no_scales(cache, impl)
-      kc, vc, at, pages = cache.k, cache.v, layer, cache.pages
+      kc, vc, at, pages, scales = cache.k, cache.v, layer, cache.pages, pool_scales(cache)
     else:
       with scopes.scope(scopes.PAGES):
         (kc, vc), at, pages = ((None, None) if cache is None else cache.layer_view(layer, mesh)), None, None
     x, k_new, v_new = decoder_layer(c, x, p, kc, vc, at, window, base, positions, lengths, impl=impl,
                                     tree_mask=tree_mask, mesh=mesh, pages=pages,
-                                    kv_dtype="auto" if cache is None else cache.kv_dtype)
+                                    kv_dtype="auto" if cache is None else cache.kv_dtype, kv_scales=scales)
     return x, ((k_new, v_new) if cache is not None else None, x if collect else None)
 
   # Nothing writes the pool inside the scan; all layers' new entries are written after it, in place, through

@@ -133,24 +133,24 @@ def _embed(params: dict, cfg: ModelConfig, toks, dtype):
 
 
 def cache_read(cache: KVCache, impl: str, mesh=None):
-  """What the head's attention reads: (pool k, pool v, page table) for a kernel that reads pages, else each row's
-  pages gathered ([B, Hkv, S, D] each, no table)."""
+  """What the head's attention reads: (pool k, pool v, page table, an 8-bit pool's (k_scale, v_scale) or None) for
+  a kernel that reads pages, else each row's pages gathered and dequantized ([B, Hkv, S, D] each, no table)."""
   if kernels.reads_pages(impl, cache.block_size):
-    tfm._no_scales(cache, impl)
-    return cache.k, cache.v, cache.pages
-  return (*cache.layer_view(jnp.int32(0), mesh), None)
+    return cache.k, cache.v, cache.pages, tfm.pool_scales(cache)
+  return (*cache.layer_view(jnp.int32(0), mesh), None, None)
 
 
 def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, v_cache, lengths, *,
                published: Optional[Published] = None, impl: str = "xla", tree_mask=None, mesh=None, pages=None,
-               kv_dtype: str = "auto"):
+               kv_dtype: str = "auto", kv_scales=None):
   """The head's layer over (feature, token) pairs -> (the layer's output x [B, T, D], k_new, v_new). With
-  `pages`, k_cache/v_cache are the head's page pools (cache_read); kv_dtype: the head cache's."""
+  `pages`, k_cache/v_cache are the head's page pools (cache_read), kv_scales their scales if 8-bit; kv_dtype: the
+  head cache's."""
   run = functools.partial(tfm.decoder_layer, cfg, p=params["layer"], k_cache=k_cache, v_cache=v_cache,
                           layer=None if pages is None else jnp.int32(0), pages=pages, window=jnp.int32(0),
                           base=jnp.float32(cfg.rope_base),
                           positions=positions, lengths=lengths, impl=impl, tree_mask=tree_mask, mesh=mesh,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, kv_scales=kv_scales)
   x, attn_in = layer_inputs(params, cfg, feats, toks, published)
   return run(x, attn_input=attn_in)
 
@@ -203,9 +203,10 @@ def eagle_forward(params: dict, cfg: ModelConfig, feats, toks, positions, cache:
 
   params needs "embed" (the target's frozen token embedding, or a published head's own) beside the EAGLE weights.
   """
-  kc, vc, pages = cache_read(cache, impl, mesh)
+  kc, vc, pages, scales = cache_read(cache, impl, mesh)
   x, k_new, v_new = layer_step(params, cfg, feats, toks, positions, kc, vc, cache.lengths,
-                               published=published, impl=impl, mesh=mesh, pages=pages, kv_dtype=cache.kv_dtype)
+                               published=published, impl=impl, mesh=mesh, pages=pages, kv_dtype=cache.kv_dtype,
+                               kv_scales=scales)
   # The rows are written after the layer has read the cache: with nothing ordering the attention call and the
   # row loop, XLA:GPU's copy insertion copied the whole cache around the loop (7 copies a step on an H200).
   x, pools = jax.lax.optimization_barrier((x, cache.pools()))
@@ -299,12 +300,12 @@ class EagleProposer:
     def logp(f):
       with scopes.scope(scopes.LM_HEAD):
         return jax.nn.log_softmax(head_logits(params, self.config, f, self.published), axis=-1)
-    kc, vc, pages = cache_read(cache, self.impl, self.mesh)  # read once for every expansion
+    kc, vc, pages, scales = cache_read(cache, self.impl, self.mesh)  # read once for every expansion
 
     def score(tokens, parent_feat, depths, mask):
       x, _, _ = layer_step(params, self.config, parent_feat, tokens, (ctx.lengths - 2)[:, None] + depths, kc,
                            vc, cache.lengths, published=self.published, impl=self.impl, tree_mask=mask, pages=pages,
-                           mesh=self.mesh, kv_dtype=cache.kv_dtype)
+                           mesh=self.mesh, kv_dtype=cache.kv_dtype, kv_scales=scales)
       out = out_feature(params, self.config, x, self.published)
       return logp(out[:, -self.tree.topk:]), out  # the head over the frontier alone: grow reads only its logp
 
