@@ -50,7 +50,8 @@ def run(flags_cfg: dict, log=print, on_record=None) -> tuple[dict, list]:
   programs = progs.serving_programs(
       config, place, methods=flags_cfg["methods"], k=flags_cfg["num_speculative_tokens"], topk=flags_cfg["eagle_topk"],
       nodes=flags_cfg["num_draft_tokens"], max_num_seqs=flags_cfg["max_num_seqs"], max_model_len=S, dtype=dtype,
-      impl=impl, insert_buckets=[b for b in buckets if b < S], draft_config=draft_config)
+      impl=impl, insert_buckets=[b for b in buckets if b < S], draft_config=draft_config,
+      kv_cache_dtype=flags_cfg.get("kv_cache_dtype") or "auto")
   if flags_cfg["train_kinds"]:
     programs += progs.train_programs(config, place, kinds=flags_cfg["train_kinds"], batch=flags_cfg["train_batch"],
                                      seq_len=flags_cfg["train_seq_len"])
@@ -59,7 +60,8 @@ def run(flags_cfg: dict, log=print, on_record=None) -> tuple[dict, list]:
                   hosts=len({d.process_index for d in devices}), capacity_bytes=capacity, mesh=flags_cfg["mesh"],
                   model_shape=flags_cfg["model_shape"], max_num_seqs=flags_cfg["max_num_seqs"], max_model_len=S,
                   k=flags_cfg["num_speculative_tokens"], topk=flags_cfg["eagle_topk"], nodes=flags_cfg["num_draft_tokens"],
-                  dtype=flags_cfg["dtype"], attention_impl=impl, platform=tgt.platform, jax=jax.__version__,
+                  dtype=flags_cfg["dtype"], kv_cache_dtype=flags_cfg.get("kv_cache_dtype") or "auto",
+                  attention_impl=impl, platform=tgt.platform, jax=jax.__version__,
                   compiler=compiler, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   programs_planned=len(programs))
   records = []
@@ -83,7 +85,8 @@ def main(argv):
   cfg = dict(topology=F.topology, model_shape=F.model_shape, draft_model_shape=F.draft_model_shape, mesh=F.mesh,
              methods=F.methods, num_speculative_tokens=F.num_speculative_tokens, eagle_topk=F.eagle_topk,
              num_draft_tokens=F.num_draft_tokens, max_num_seqs=F.max_num_seqs, max_model_len=F.max_model_len,
-             dtype=F.dtype, attention_impl=F.attention_impl, insert_buckets=F.insert_buckets,
+             dtype=F.dtype, kv_cache_dtype=F.kv_cache_dtype, attention_impl=F.attention_impl,
+             insert_buckets=F.insert_buckets,
              train_kinds=F.train_kinds, train_batch=F.train_batch, train_seq_len=F.train_seq_len)
   from serve.aot_programs import METHODS
   unknown = sorted(set(cfg["methods"]) - set(METHODS))
@@ -126,7 +129,8 @@ def main(argv):
 
 
 AOT_FLAGS = ("topology", "model_shape", "draft_model_shape", "mesh", "methods", "num_speculative_tokens",
-             "eagle_topk", "num_draft_tokens", "max_num_seqs", "max_model_len", "dtype", "attention_impl",
+             "eagle_topk", "num_draft_tokens", "max_num_seqs", "max_model_len", "dtype", "kv_cache_dtype",
+             "attention_impl",
              "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "output", "cost_table", "cost_batches",
              "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth", "cost_chains",
              "cost_hlo_dir")

@@ -51,8 +51,11 @@ class Program:
   pool_pages: int = 0
 
 
-def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -> dict:
-  """The cache-copy check's shapes: per chip under the mesh's layout (a chip's own cache copied is a copy too)."""
+def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None, kv_cache_dtype: str = "auto") -> dict:
+  """The cache-copy check's shapes: per chip under the mesh's layout (a chip's own cache copied is a copy too).
+  An 8-bit cache's pool holds 1-byte values (a dequantized copy then shows at twice a pool layer's bytes)."""
+  from spec_jax.cache import kv_storage_dtype
+  store = kv_storage_dtype(kv_cache_dtype)
   rows, heads = slots, config.num_kv_heads
   if mesh is not None:
     spec = sharding.cache_spec((config.num_layers, slots, heads, capacity, config.head_dim), mesh)
@@ -61,7 +64,8 @@ def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None) -
   pages = contiguous_pages(slots, -(-capacity // DEFAULT_BLOCK_SIZE), sharding.axis_size(mesh, "data"))
   pages //= sharding.axis_size(mesh, "data")
   return dict(cache_layer=(rows, heads, capacity, config.head_dim), cache_rows=tuple(sorted({rows, slots})),
-              cache_itemsize=jnp.dtype(dtype).itemsize, cache_pool=(pages, heads, DEFAULT_BLOCK_SIZE, config.head_dim))
+              cache_itemsize=jnp.dtype(dtype if store is None else store).itemsize,
+              cache_pool=(pages, heads, DEFAULT_BLOCK_SIZE, config.head_dim))
 
 
 def pool_of(state, mesh=None) -> dict:
@@ -197,11 +201,13 @@ def empty_state(params, spec, batch: int, capacity: int):
 
 def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, topk: int, nodes: int,
                      max_num_seqs: int, max_model_len: int, dtype, impl: str, insert_buckets=(),
-                     prefill_rows: int = 0, draft_config=None, adaptive: bool = True) -> list:
+                     prefill_rows: int = 0, draft_config=None, adaptive: bool = True,
+                     kv_cache_dtype: str = "auto") -> list:
   """Every program the server and serve.generate run, per method: the decode loop (chain, and tree where the
   method drafts trees), slot insert at each prompt bucket, release, snapshot, and the batch start's prefill chunk.
   The loops hold k = 0 among their options, as the server's do (the switches act without recompiling);
-  adaptive=False compiles the drafting option alone (one branch: a quicker compile of the same step)."""
+  adaptive=False compiles the drafting option alone (one branch: a quicker compile of the same step).
+  kv_cache_dtype: every KV cache's (--kv_cache_dtype; an 8-bit pool and its scales)."""
   from spec_jax import adaptive as adaptive_lib, slots
   from spec_jax.decode import LoopSpec, decode_loop
   from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill_chunk
@@ -214,13 +220,13 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
                                        impl=impl, draft_config=draft_config)
       ks = adaptive_lib.option_set(proposer.k if method != "none" else 0, adaptive, proposer.tree)
       spec = LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=tuple(config.eos_ids), impl=impl,
-                      mesh=place.mesh)
+                      mesh=place.mesh, kv_cache_dtype=kv_cache_dtype)
       params = place.params({"target": target, "proposer": pparams})
       B = sharding.pad_rows(max_num_seqs, place.mesh)
       with place.context():
         state = place.state(empty_state(params, spec, B, max_model_len))
       label = method + (f" tree{proposer.tree.nodes}" if proposer.tree is not None else "")
-      cache_info = cache_of(config, B, max_model_len, dtype, place.mesh)
+      cache_info = cache_of(config, B, max_model_len, dtype, place.mesh, kv_cache_dtype)
       steps = place.replicated(SDS((), jnp.int32))
       out.append(Program(f"decode_loop[{label}]", decode_loop, (params, state, spec, steps),
                          note=f"{B} slots x {max_model_len} tokens, options k in {list(ks)}",

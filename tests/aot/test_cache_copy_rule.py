@@ -41,3 +41,16 @@ def test_a_copy_of_the_page_pool_is_found():
            _t("bf16[4097,8,16,128]", full)]
   assert [t["shape"] for t in cache_sized(temps, layer, 2, pool=pool)] == ["bf16[32,4097,8,16,128]",
                                                                           "bf16[4097,8,16,128]"]
+
+
+def test_a_dequantized_or_scale_copy_of_an_8bit_pool_is_found():
+  """An 8-bit pool (itemsize 1): a bfloat16 copy of a layer of it (dequantized) is a copy, and so is a copy of its
+  float32 scales [.., pages, kv heads, block]; one page's dequantized values and one page's scales are not."""
+  layer, pool = (16, 8, 4096, 128), (4097, 8, 16, 128)
+  temps = [_t("bf16[4097,8,16,128]", 4097 * 8 * 16 * 128 * 2), _t("f32[32,4097,8,16]", 32 * 4097 * 8 * 16 * 4),
+           _t("f32[4097,8,16]", 4097 * 8 * 16 * 4), _t("bf16[1,8,16,128]", 8 * 16 * 128 * 2),
+           _t("f32[1,8,16]", 8 * 16 * 4)]
+  assert [t["shape"] for t in cache_sized(temps, layer, 1, pool=pool)] == [
+      "bf16[4097,8,16,128]", "f32[32,4097,8,16]", "f32[4097,8,16]"]
+  # A bfloat16 pool has no scales: an [.., pages, heads, 16] float32 buffer is not taken for a copy of them.
+  assert [t["shape"] for t in cache_sized(temps[1:3], layer, 2, pool=pool)] == []
