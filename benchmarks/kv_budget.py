@@ -6,6 +6,9 @@
 budget: the same pool (4 x 1024 tokens = 256 pages of 16) as fixed slots (--max_num_seqs=4, every request can
 always get its pages) and as a shared pool behind 32 rows (--max_num_seqs=32 --num_kv_blocks=257), speculation
 off and on (n-gram k 4), at concurrency 1, 8 and 32.
+kv8: one budget in bytes (--kv_cache_memory_bytes: what 256 bfloat16 pages of Gemma 3 270M take, 75.5 MB) behind
+64 rows, the cache in bfloat16 (auto), int8 and fp8 (issue 46: ~1.97x the pages), plain and n-gram k 4, at
+concurrency 32 and 64: the requests running at once and tokens/s before (auto) and after (8-bit).
 pressure: 32 rows on a pool too small for them (96 pages of 16), n-gram k 4, concurrency 32: speculation yields
 pages first (fewer steps, then k = 0 for the segment that gains least) against preempting at once
 (--nokv_speculation_yields).
@@ -37,6 +40,7 @@ from serve.loadtest.traffic import build_requests, load_prompts  # noqa: E402
 BASE = {"config": "configs/gemma3_270m.py", "dtype": "bfloat16", "max_model_len": 1024, "max_queue": 256,
         "warmup_prompt_lens": "1,17,33,65,129,257,513"}  # every prompt bucket compiled before the first point
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+KV8_BUDGET = 256 * 16 * 18_432  # bytes of 256 pages of 16 tokens, Gemma 3 270M's bf16 K/V (18,432 B a token)
 SUITES = {
     "budget": ([("slots4_off", {"max_num_seqs": 4}, {}), ("pages32_off", {"max_num_seqs": 32, "num_kv_blocks": 257}, {}),
                 ("slots4_ngram", {"max_num_seqs": 4}, NGRAM),
@@ -44,6 +48,8 @@ SUITES = {
     "pressure": ([("yield", {"max_num_seqs": 32, "num_kv_blocks": 97}, NGRAM),
                   ("preempt_at_once", {"max_num_seqs": 32, "num_kv_blocks": 97, "kv_speculation_yields": False},
                    NGRAM)], (32,)),
+    "kv8": ([(f"{kv}_{m}", {"max_num_seqs": 64, "kv_cache_memory_bytes": KV8_BUDGET, "kv_cache_dtype": kv}, spec)
+             for m, spec in (("off", {}), ("ngram", NGRAM)) for kv in ("auto", "int8", "fp8")], (32, 64)),
 }
 
 

@@ -17,6 +17,9 @@ averaged over layers and prompts, for K and V. Bytes: what the scales add per va
 Logits: the prompt scored through the decode path (kernels, paging, the new tokens' quantized view) in chunks of
 16 tokens, each chunk reading the earlier ones from the cache: KL(p_auto || p_8bit) per position (mean, p99) and
 top-1 agreement, for each --kv_cache_dtype.
+
+Greedy (--greedy_tokens N, 0 skips it): N new tokens of plain greedy decoding per prompt with each dtype against
+`auto`: the prompts whose N tokens are identical, and the mean length of the common prefix.
 """
 
 from __future__ import annotations
@@ -129,10 +132,26 @@ def errors(x, y):
   return rel, float(np.max(np.abs(x - y) / amax))
 
 
+def greedy_agreement(params, config, ids_all, n: int) -> dict:
+  """Plain greedy decoding of n tokens per prompt with each 8-bit cache against auto."""
+  from spec_jax.batch import generate
+  ref = generate(params, config, ids_all, max_new_tokens=n, stop_ids=()).token_ids
+  out = {}
+  print(f"greedy, {n} new tokens: prompts identical to auto, mean common prefix")
+  for d in DTYPES:
+    got = generate(params, config, ids_all, max_new_tokens=n, stop_ids=(), kv_cache_dtype=d).token_ids
+    prefix = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), min(len(r), len(g))) for r, g in zip(ref, got)]
+    out[d] = {"identical": sum(r == g for r, g in zip(ref, got)), "prompts": len(ref),
+              "mean_common_prefix": float(np.mean(prefix))}
+    print(f"  {d:9} {out[d]['identical']}/{len(ref)}  {out[d]['mean_common_prefix']:.1f}")
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--prompts", type=int, default=4)
   ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--greedy_tokens", type=int, default=64)
   ap.add_argument("--json_out", default="")
   args = ap.parse_args()
   config, params, tok = load_model(None, args.dtype)
@@ -171,6 +190,8 @@ def main():
     out["logits"][d] = {"kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
                         "top1": float(top1.mean())}
     print(f"  {d:9} {kl.mean():.5f} {np.percentile(kl, 99):.5f} {top1.mean():.4f}")
+  if args.greedy_tokens:
+    out["greedy"] = greedy_agreement(params, config, ids_all, args.greedy_tokens)
   if args.json_out:
     with open(args.json_out, "w") as f:
       json.dump(out, f, indent=1, default=float)
