@@ -43,7 +43,8 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
     for method, k, topk, nodes in kinds:
       with layers_unrolled():  # XLA's cost analysis counts a loop body once: the layer scan's too
         prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=int(b),
-                                  max_model_len=S, dtype=dtype, impl=impl)
+                                  max_model_len=S, dtype=dtype, impl=impl,
+                                  kv_cache_dtype=flags_cfg.get("kv_cache_dtype") or "auto")
         hlo = flags_cfg.get("cost_hlo_dir") or ""
         if hlo:
           os.makedirs(hlo, exist_ok=True)

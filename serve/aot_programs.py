@@ -306,7 +306,7 @@ def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, 
 
 
 def step_program(config: ModelConfig, place: Placement, *, method: str, k: int, topk: int, nodes: int, batch: int,
-                 max_model_len: int, dtype, impl: str) -> Program:
+                 max_model_len: int, dtype, impl: str, kv_cache_dtype: str = "auto") -> Program:
   """The decode loop with one option, drafting k tokens (k = 0: plain decoding), its state donated as the server's
   is. A while loop's estimate is one trip of its body: one step, the verify-cost table's entry."""
   from spec_jax.decode import LoopSpec, decode_loop
@@ -314,7 +314,7 @@ def step_program(config: ModelConfig, place: Placement, *, method: str, k: int, 
   proposer, pparams = proposer_for(method if k else "none", config, target, k=max(k, 1), topk=topk, nodes=nodes,
                                    impl=impl)
   spec = LoopSpec(config=config, proposer=proposer, ks=(k,), stop_ids=tuple(config.eos_ids), impl=impl,
-                  mesh=place.mesh)
+                  mesh=place.mesh, kv_cache_dtype=kv_cache_dtype)
   params = place.params({"target": target, "proposer": pparams})
   B = sharding.pad_rows(batch, place.mesh)
   with place.context():
@@ -322,4 +322,5 @@ def step_program(config: ModelConfig, place: Placement, *, method: str, k: int, 
   label = "plain" if not k else (f"{method} tree{proposer.tree.nodes}" if proposer.tree is not None else
                                  f"{method} k={k}")
   return Program(f"step[{label}, batch {batch}]", decode_loop,
-                 (params, state, spec, place.replicated(SDS((), jnp.int32))), **cache_of(config, B, max_model_len, dtype, place.mesh))
+                 (params, state, spec, place.replicated(SDS((), jnp.int32))),
+                 **cache_of(config, B, max_model_len, dtype, place.mesh, kv_cache_dtype))
