@@ -1,119 +1,109 @@
-"""The engine's queue at each iteration (serve/engine.py, engine thread): free the slots (and KV pages) of
-requests that ended, drop ended waiting ones, insert waiting requests into free slots while the KV pool gives them
-pages (first come, first served: the head waits for pages, nobody overtakes it), and preempt a running request
-back to the head of the queue (serve/kv_scheduler.py decides which and when)."""
+"""The engine's queue decisions at each iteration, as values: which requests end (aborted by their client, past
+their deadline) and which slots that frees, which waiting requests stay, what becomes of the head of the queue once
+the KV pool has answered (it waits for pages, is inserted, or fails), and where preempted requests go back in the
+queue. Nothing here changes the engine: serve/engine.py reads its queue and slot table into these functions and
+applies what they return (serve/kv_scheduler.py decides which request to preempt and when).
+
+First come, first served: the head of the queue waits for pages and nobody overtakes it; a preempted request goes
+back to the head, before the ones that never ran."""
 
 from __future__ import annotations
 
 import collections
-import logging
+import dataclasses
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
-import numpy as np
-
-from serve.engine_request import EngineRequest
-from serve.output_stream import TextStream
-
-log = logging.getLogger("spec_jax.engine")
+WAIT = "wait"  # the head of the queue waits for KV pages (serve/kv_scheduler.py); nobody overtakes it
 
 
-def reap(e, now: float) -> None:
-  """Free slots of finished, aborted and timed-out requests; drop aborted and timed-out waiting ones."""
-  for slot, req in list(e.table.holders.items()):
-    if not req.finished:
-      if req.aborted:
-        req.finish("abort", now, e.metrics)
-      elif req.deadline is not None and now > req.deadline:
-        req.fail(504, "timeout", f"request timed out after {e.request_timeout_s:g} s", e.metrics)
+@dataclasses.dataclass(frozen=True)
+class End:
+  """End `req` now: finish it as "abort" (status None: its client is gone), else fail it with (status, kind,
+  message), the HTTP error its client gets."""
+
+  req: Any
+  status: Optional[int] = None
+  kind: str = ""
+  message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reap:
+  """ends: the requests to end now; free: the slots to free (their holders finished or end now); keep: the waiting
+  queue after it, in order."""
+
+  ends: tuple = ()
+  free: tuple = ()
+  keep: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Insert:
+  """Insert the queue's head `req` with device request `dev` into `slot` (the KV pool's placement; None: the
+  first free slot), after NaN into pages `poison` (test-only; None: none). resumed: it was preempted before, so
+  its stream and counters go on."""
+
+  req: Any
+  dev: Any
+  slot: Optional[int]
+  resumed: bool
+  poison: Any = None
+
+
+def ending(req, now: float, timeout_s: float, queued: bool) -> Optional[End]:
+  """How `req` ends now (aborted, timed out), or None: it goes on (or has ended already)."""
+  if req.finished:
+    return None
+  if req.aborted:
+    return End(req)
+  if req.deadline is not None and now > req.deadline:
+    where = " in the queue" if queued else ""
+    return End(req, 504, "timeout", f"request timed out{where} after {timeout_s:g} s")
+  return None
+
+
+def reap_running(holders: Mapping[int, Any], now: float, timeout_s: float) -> Reap:
+  """The slots' holders (slot -> request) -> the ones to end and the slots to free."""
+  ends, free = [], []
+  for slot, req in holders.items():
+    end = ending(req, now, timeout_s, queued=False)
+    if end is not None:
+      ends.append(end)
+    if end is not None or req.finished:
+      free.append(slot)
+  return Reap(ends=tuple(ends), free=tuple(free))
+
+
+def reap_waiting(waiting: Iterable, now: float, timeout_s: float) -> Reap:
+  """The waiting queue -> the ones to end and the queue without them (nor the finished ones: preempted, then
+  finished by the call that was still in flight)."""
+  ends, keep = [], []
+  for req in waiting:
     if req.finished:
-      e.segments.credit(req, e.segments.now(), now)  # an end no hand-over saw (abort, timeout)
-      e.table.release(slot)
-      e.tenants.release(req.tenant_id)
-      if e.kv is not None:
-        e.kv.release(req)
-        e.kv.metrics_update()  # kv_cache_usage_perc drops now, not at the next loop call (there may be none)
-  with e._lock:
-    keep = collections.deque()
-    for req in e._waiting:
-      if req.finished:  # preempted, then finished by the call that was still in flight
-        continue
-      if req.aborted:
-        req.finish("abort", now, e.metrics)
-      elif req.deadline is not None and now > req.deadline:
-        req.fail(504, "timeout", f"request timed out in the queue after {e.request_timeout_s:g} s", e.metrics)
-      else:
-        keep.append(req)
-    e._waiting = keep
-
-
-def admit(e, now: float) -> int:
-  """Insert waiting requests into free slots -> how many were inserted."""
-  n = 0
-  while e.table.free:
-    with e._lock:
-      if not e._waiting:
-        return n
-      req = e._waiting[0]
-      if req.finished:
-        e._waiting.popleft()
-        continue
-    resumed = req.stream is not None  # preempted before: its stream and counters go on
-    try:
-      dev = e.kv.admit(req) if e.kv is not None else req.device_req
-    except Exception as err:  # failed after taking its pages (a bug): fail it below, pages back
-      dev = err
-    if dev is None:  # no pages yet: the head of the queue waits for them
-      return n
-    with e._lock:
-      e._waiting.popleft()
-    if resumed:
-      req.resumed()  # its new row's counters start from zero
-    else:
-      req.stream = TextStream(req.output, e.tokenizer.stream(skip_special=True), req.stop)
-      req.accepted_at = np.zeros(max(e.spec.k_max, 1), np.int64)
-    try:
-      if isinstance(dev, Exception):
-        raise dev
-      req.device_req = dev
-      if not resumed:
-        e.segments.classify(req, len(e.table.holders) + 1, e.spec.k_max)
-      assign_tenant(e, req)
-      req.slot = e.table.insert(req, req.device_req, slot=req.kv_slot if e.kv is not None else None)
-      if e.kv is not None:
-        e.kv.admitted(req)
-    except Exception as err:
-      if e.kv is not None:
-        e.kv.release(req)
-      e.tenants.release(req.tenant_id)
-      log.exception("insert failed for %s", req.id)
-      req.fail(500, "engine", f"insert failed: {err}", e.metrics)
-      if e.table.lost():  # the donated state is gone: start again from a fresh one
-        e._device_failure(err)
       continue
-    e._applied_caps = None  # the insert wrote the row's own cap: set them all again before the dispatch
-    n += 1
-    if not resumed:
-      req.admitted_at = now
-      e.metrics.queue_time.observe(now - req.arrival)
-      e.metrics.prompt_tokens.inc(len(req.prompt_ids))
-      e.iteration_tokens += len(req.prompt_ids)
-  return n
+    end = ending(req, now, timeout_s, queued=True)
+    if end is None:
+      keep.append(req)
+    else:
+      ends.append(end)
+  return Reap(ends=tuple(ends), keep=tuple(keep))
 
 
-def preempt(e, req: EngineRequest) -> None:
-  """Free the request's slot and put it back at the head of the queue (its pages: serve/kv_scheduler.py); the
-  tokens of a call still in flight still reach it, and it resumes after them."""
-  e.table.release(req.slot)
-  e.tenants.release(req.tenant_id)
-  req.tenant_id = -1
-  with e._lock:
-    e._waiting.appendleft(req)
+def place(req, placed) -> Any:
+  """What becomes of the queue's head `req` once the KV pool answered `placed`: WAIT (None: no pages yet), an
+  End (an Exception: the pool failed after taking pages, a bug) or an Insert (a kv_scheduler.Placement)."""
+  if placed is None:
+    return WAIT
+  if isinstance(placed, Exception):
+    return insert_failed(req, placed)
+  return Insert(req, placed.dev, placed.slot, resumed=req.stream is not None, poison=placed.poison)
 
 
-def assign_tenant(e, req: EngineRequest) -> None:
-  """The request's tenant id in its device request; an id taken from another tenant loses its history first."""
-  tid, evicted = e.tenants.acquire(req.tenant)
-  forget = getattr(e.spec.proposer, "forget_tenant", None)
-  if evicted is not None and forget is not None:
-    e.table.state = forget(e.table.state, evicted)
-  req.tenant_id = tid
-  req.device_req = req.device_req.replace(tenant=np.int32(tid))
+def insert_failed(req, err: Exception) -> End:
+  return End(req, 500, "engine", f"insert failed: {err}")
+
+
+def requeue(waiting: Sequence, preempted: Sequence) -> collections.deque:
+  """The queue with the requests preempted (in the order the pool took them: the latest admitted first) back at
+  its head: the earliest admitted of them first, so that they resume in their admission order."""
+  return collections.deque([*reversed(preempted), *waiting])

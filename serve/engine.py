@@ -10,6 +10,8 @@ JetStream's orchestrator shape over `spec_jax.slots`. Each iteration of the engi
    strings, merged into the request's `Output`.
 The HTTP layer talks to the engine only through `submit`, `abort` and each request's `Output`: a slow client cannot
 stall the device loop. A snapshot remembers who held each slot, so a refilled slot never gets its old tokens.
+The engine owns its state: serve/admission.py (the queue) and serve/kv_scheduler.py (the KV pool) return their
+decisions as values, and only this file applies them (tests/serve/test_engine_owns_state.py).
 
 Speculation per request: at admission a request gets its segment and draft cap (serve/segments.py). Before each
 dispatch every row's cap is set: 0 where the admin switch, the segment's guardrails or a switchback "off" window
@@ -36,7 +38,7 @@ from serve.guardrails import SpeculationSwitch
 from serve.segments import Segments
 from serve.metrics import Metrics
 from serve.engine_request import EngineRequest
-from serve.output_stream import Output
+from serve.output_stream import Output, TextStream
 from serve.tenants import TenantTable
 from spec_jax import slots
 from spec_jax.cache import DEFAULT_BLOCK_SIZE
@@ -44,7 +46,6 @@ from spec_jax.controls import Controls
 from spec_jax.slot_table import SlotTable
 
 log = logging.getLogger("spec_jax.engine")
-TENANT_IDS = 256  # tenants whose history the suffix proposer keeps apart at once (serve/tenants.py)
 
 
 class QueueFull(Exception):
@@ -71,7 +72,7 @@ class Engine:
     self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed,
                            grammar_capacity=grammar_capacity, block_size=self.block_size,
                            num_pages=pool["num_pages"] if pool else None)
-    self.tenants = TenantTable(TENANT_IDS, max_num_seqs)
+    self.tenants = TenantTable(num_slots=max_num_seqs)
     self.params, self.tokenizer = params, tokenizer
     self.B, self.capacity, self.max_queue, self.steps = max_num_seqs, capacity, max_queue, steps_per_sync
     self.request_timeout_s = request_timeout_s
@@ -95,7 +96,9 @@ class Engine:
     self._ids = itertools.count()
     self._thread: Optional[threading.Thread] = None
     self.iterations = 0
-    self.kv = kv_scheduler.KVScheduler(self, **pool) if pool else None
+    self.kv = kv_scheduler.KVScheduler(spec_of=lambda: self.spec, capacity=capacity,
+                                       rows=self.table.state.tokens.shape[0], metrics=self.metrics,
+                                       **pool) if pool else None
     if self.kv is not None:
       log.info(self.kv.describe())
 
@@ -286,8 +289,8 @@ class Engine:
     self.segments.restart(seg for seg, _, _ in events)  # switched off or probing: measured afresh
     if self._cut is not None:
       self._fail_all()
-    admission.reap(self, now)
-    admitted = admission.admit(self, now)
+    self._reap(now)
+    admitted = self._admit(now)
     snap = None
     if self.table.holders:
       dispatched = self.segments.now()
@@ -297,7 +300,7 @@ class Engine:
       steps = 1 if admitted else self.steps
       try:
         if self.kv is not None:  # pages for the call; fewer steps, caps or rows when the pool is short
-          steps = self.kv.reserve(steps, caps)
+          steps, caps = self._reserve(steps, caps)
         self._set_caps(caps)
         drafting = bool(self._applied_on) and any(r.speculate for r in self.table.holders.values())
         snap = (*self.table.run(steps, self.probe.timed_loop if self.probe.due(now, drafting) else None),
@@ -315,6 +318,125 @@ class Engine:
       self.iteration_tokens = 0
     self.probe.sample_memory(now)
     self.metrics.observe_occupancy(*self.counts())
+
+  # The queue and the KV pool decide (serve/admission.py, serve/kv_scheduler.py); only these apply what they return.
+
+  def _reap(self, now: float) -> None:
+    """Free slots of finished, aborted and timed-out requests; drop aborted and timed-out waiting ones."""
+    reap = admission.reap_running(self.table.holders, now, self.request_timeout_s)
+    for end in reap.ends:
+      self._end(end, now)
+    for slot in reap.free:
+      req = self.table.holders[slot]
+      self.segments.credit(req, self.segments.now(), now)  # an end no hand-over saw (abort, timeout)
+      self.table.release(slot)
+      self.tenants.release(req.tenant_id)
+      if self.kv is not None:
+        self.kv.release(req)
+        self.kv.metrics_update()  # kv_cache_usage_perc drops now, not at the next loop call (there may be none)
+    with self._lock:
+      reap = admission.reap_waiting(self._waiting, now, self.request_timeout_s)
+      for end in reap.ends:
+        self._end(end, now)
+      self._waiting = collections.deque(reap.keep)
+
+  def _end(self, end: admission.End, now: float) -> None:
+    if end.status is None:
+      end.req.finish("abort", now, self.metrics)
+    else:
+      end.req.fail(end.status, end.kind, end.message, self.metrics)
+
+  def _admit(self, now: float) -> int:
+    """Insert waiting requests into free slots, first come first served -> how many were inserted."""
+    n = 0
+    while self.table.free:
+      with self._lock:
+        while self._waiting and self._waiting[0].finished:  # preempted, then finished by the call in flight
+          self._waiting.popleft()
+        if not self._waiting:
+          return n
+        req = self._waiting[0]
+      step = admission.place(req, self._place(req))
+      if step is admission.WAIT:
+        return n
+      with self._lock:
+        self._waiting.popleft()
+      n += self._insert(step, now)
+    return n
+
+  def _place(self, req: EngineRequest):
+    """The KV pool's answer for the queue's head (a Placement, None: no pages yet, or the pool's exception)."""
+    if self.kv is None:
+      return kv_scheduler.Placement(req.device_req)
+    try:
+      return self.kv.admit(req, self.table.free_slots(), self.table.holders)
+    except Exception as err:  # failed after taking its pages (a bug): the request fails, its pages go back
+      log.exception("KV admission failed for %s", req.id)
+      return err
+
+  def _insert(self, step, now: float) -> bool:
+    """Apply admission's decision for the queue's head, already off the queue -> whether it took a slot."""
+    req = step.req
+    if isinstance(step, admission.End):
+      if self.kv is not None:
+        self.kv.release(req)
+      self._end(step, now)
+      return False
+    if step.resumed:
+      req.resumed()  # its new row's counters start from zero
+    else:
+      req.stream = TextStream(req.output, self.tokenizer.stream(skip_special=True), req.stop)
+      req.accepted_at = np.zeros(max(self.spec.k_max, 1), np.int64)
+    try:
+      if step.poison is not None:
+        self.table.fill_pages(step.poison)
+      if not step.resumed:
+        self.segments.classify(req, len(self.table.holders) + 1, self.spec.k_max)
+      req.device_req = self._with_tenant(req, step.dev)
+      req.slot = self.table.insert(req, req.device_req, slot=step.slot)
+      if self.kv is not None:
+        self.kv.admitted(req)
+    except Exception as err:
+      if self.kv is not None:
+        self.kv.release(req)
+      self.tenants.release(req.tenant_id)
+      log.exception("insert failed for %s", req.id)
+      self._end(admission.insert_failed(req, err), now)
+      if self.table.lost():  # the donated state is gone: start again from a fresh one
+        self._device_failure(err)
+      return False
+    self._applied_caps = None  # the insert wrote the row's own cap: set them all again before the dispatch
+    if not step.resumed:
+      req.admitted_at = now
+      self.metrics.queue_time.observe(now - req.arrival)
+      self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+      self.iteration_tokens += len(req.prompt_ids)
+    return True
+
+  def _with_tenant(self, req: EngineRequest, dev):
+    """The device request with its tenant's id (a request field a proposer may keep per row); an id taken from
+    another tenant has that tenant's history dropped first."""
+    tid, evicted = self.tenants.acquire(req.tenant)
+    if evicted is not None:
+      self.table.forget_tenant(evicted)
+    req.tenant_id = tid
+    return dev.replace(tenant=np.int32(tid))
+
+  def _reserve(self, steps: int, caps: np.ndarray) -> tuple:
+    """The KV pool's pages for the next call -> (steps, caps) it may run; preempted requests go back to the head
+    of the queue, their tokens of a call still in flight still reach them, and they resume after them."""
+    r = self.kv.reserve(steps, caps, self.table.holders)
+    for req in r.preempted:
+      self.table.release(req.slot)
+      self.tenants.release(req.tenant_id)
+      req.tenant_id = -1
+    if r.preempted:
+      with self._lock:
+        self._waiting = admission.requeue(self._waiting, r.preempted)
+    if r.poison is not None:
+      self.table.fill_pages(r.poison)
+    self.table.set_page_tables(r.table)
+    return r.steps, r.caps
 
   def _speculation_caps(self, arm: str) -> np.ndarray:
     """Every row's draft cap for the next dispatch, which runs in switchback arm `arm`."""

@@ -16,7 +16,12 @@ order, so a new owner's writes (and the test-only NaN poison) come after it.
 When the pool is short before a call: first fewer steps (1), then draft cap 0 for the running rows of the segment
 whose drafts are accepted least, then preemption of the most recently admitted request (vLLM V1's rule): its pages
 are freed, it goes back to the front of the queue, and it resumes later by recompute from its prompt plus what it
-has already streamed.
+has already streamed (`shortage` decides each move).
+
+The scheduler owns the block manager and the requests' page bookkeeping; it never changes the engine. It reads the
+slot table's view (free slots, holders) and the loop's spec as arguments, and returns decisions as values: a
+`Placement` for an admission and a `Reservation` for a loop call (the steps and caps it may run, the requests it
+preempted, the page table, the pages to poison), which serve/engine.py applies.
 
 On a mesh with a `data` axis the pool is one block manager per data shard (serve/sharded_pool.py): a request is
 placed on the shard of a free slot with the longest prefix hit, then the most pages to spare, and a shard that is
@@ -25,13 +30,14 @@ short cuts speculation and preempts among its own rows only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve import admission
 from serve.block_manager import BlockManager, PrefixHit, make_salt
 from serve.sharded_pool import ShardedPool
 from spec_jax import sharding, slots
@@ -90,16 +96,87 @@ def plan(params, spec, flags, *, rows: int, max_num_seqs: int, capacity: int, gr
               proposer_bytes_per_page=proposer)
 
 
-class KVScheduler:
-  """The block manager, driven by the engine thread. `engine` gives the slot table, holders, spec and metrics."""
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """An admission's pages: insert device request `dev` into `slot` (a free slot of the data shard the pages are
+  on; None: any), after NaN into pages `poison` (test-only; None: none)."""
 
-  def __init__(self, engine, *, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
-               poison_freed_pages: bool = False, bytes_per_page: int = 0, proposer_bytes_per_page: int = 0,
-               speculation_yields: bool = True):
-    self.e = engine
-    self.shards = sharding.axis_size(engine.spec.mesh, "data")
-    self.rows = int(engine.table.state.tokens.shape[0])  # the state's rows: `shards` equal runs
-    self.bm = ShardedPool(num_pages, block_size, engine.capacity, shards=self.shards,
+  dev: Any
+  slot: Optional[int] = None
+  poison: Optional[np.ndarray] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+  """The pages of a loop call: run `steps` steps with draft caps `caps`, after freeing the slots of `preempted`
+  (their pages are back; they go to the head of the queue, in this order: the latest admitted first), NaN into
+  pages `poison` (test-only; None: none) and the page table `table` int32[rows, pages_per_seq] set."""
+
+  steps: int
+  caps: np.ndarray
+  preempted: tuple
+  table: np.ndarray
+  poison: Optional[np.ndarray] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FewerSteps:
+  steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CutSpeculation:
+  """Draft cap 0 for these slots (the running rows of the short shard's segment that gains least)."""
+
+  slots: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Preempt:
+  req: Any
+
+
+def shortage(steps: int, need, available, rows, caps, shard_of: Callable, yields: bool):
+  """The next move when the pool may be short before a call -> None (every shard has the pages), FewerSteps,
+  CutSpeculation or Preempt. need, available: pages per data shard; rows: (slot, request) running, in admission
+  order; caps: their draft caps; yields: speculation gives way (fewer steps, no drafts) before a preemption."""
+  short = [sh for sh in range(len(need)) if need[sh] > available[sh]]
+  if not short:
+    return None
+  if steps > 1 and yields:
+    return FewerSteps(1)
+  mine = [(slot, r) for slot, r in rows if shard_of(slot) == short[0]]
+  cut = cut_speculation(mine, caps) if yields else ()
+  if cut:
+    return CutSpeculation(cut)
+  return Preempt(BlockManager.victim([r for _, r in mine]))
+
+
+def cut_speculation(rows, caps) -> tuple:
+  """The slots of `rows` ((slot, request)) in the drafting segment that gains least (its rows' accepted /
+  drafted), or () when no row drafts."""
+  gain: dict = {}
+  for slot, r in rows:
+    if caps[slot] > 0:
+      d, a = gain.get(r.segment, (0, 0))
+      gain[r.segment] = (d + r.drafted, a + r.accepted)
+  if not gain:
+    return ()
+  worst = min(gain, key=lambda seg: gain[seg][1] / max(gain[seg][0], 1))
+  return tuple(slot for slot, r in rows if r.segment == worst)
+
+
+class KVScheduler:
+  """The block manager, driven by the engine thread. spec_of: the loop's spec as the engine holds it now; rows:
+  the decode state's rows; metrics: where the pool's gauges and counters go."""
+
+  def __init__(self, *, spec_of: Callable, capacity: int, rows: int, metrics, num_pages: int, block_size: int,
+               enable_prefix_caching: bool = True, poison_freed_pages: bool = False, bytes_per_page: int = 0,
+               proposer_bytes_per_page: int = 0, speculation_yields: bool = True):
+    self.spec_of, self.capacity, self.metrics = spec_of, capacity, metrics
+    self.shards = sharding.axis_size(spec_of().mesh, "data")
+    self.rows = int(rows)  # the state's rows: `shards` equal runs
+    self.bm = ShardedPool(num_pages, block_size, capacity, shards=self.shards,
                           enable_prefix_caching=enable_prefix_caching)
     self.block_size, self.poison = block_size, poison_freed_pages
     self.bytes_per_page, self.proposer_bytes_per_page = bytes_per_page, proposer_bytes_per_page
@@ -112,7 +189,7 @@ class KVScheduler:
     self.peak_rows = 0  # the most rows one call ran (the tests read it)
     self._counted = (0, 0)  # the manager's prefix counters already added to the metrics
     self._seq = 0  # admissions so far: the preemption order
-    m = engine.metrics
+    m = metrics
     m.kv_pages.set(self.bm.usable)
     m.cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(num_pages),
                           enable_prefix_caching=str(bool(enable_prefix_caching))).set(1)
@@ -125,7 +202,7 @@ class KVScheduler:
     shards = f" in {self.shards} data shards' shares" if self.shards > 1 else ""
     return (f"KV pool: {n} pages of {self.block_size} tokens = {n * self.block_size} tokens{shards}, "
             f"{n * self.bytes_per_page / 2**20:.1f} MiB ({self.proposer_bytes_per_page}/{self.bytes_per_page} bytes "
-            f"a page are the proposer's); holds {full} request(s) of {self.e.capacity} tokens; prefix caching "
+            f"a page are the proposer's); holds {full} request(s) of {self.capacity} tokens; prefix caching "
             f"{'on' if self.bm.enable_prefix_caching else 'off'}")
 
   def reset(self) -> None:
@@ -137,17 +214,17 @@ class KVScheduler:
 
   def end(self, req) -> int:
     """The most tokens of pages the request can ever use."""
-    return min(len(req.prompt_ids) + req.max_new + self.e.spec.lookahead + 1, self.e.capacity)
+    return min(len(req.prompt_ids) + req.max_new + self.spec_of().lookahead + 1, self.capacity)
 
   def tokens_per_call(self, steps: int, cap: int) -> int:
-    spec = self.e.spec
+    spec = self.spec_of()
     if spec.proposer.tree is not None and cap > 0:
       return (steps - 1) * (spec.k_max + 1) + spec.lookahead + 1
     return steps * (cap + 1)
 
   def check_fits(self, prompt_len: int, max_new: int) -> None:
     """ValueError naming max_tokens when the request could not fit even in an empty pool (the server's 400)."""
-    need = min(prompt_len + max_new + self.e.spec.lookahead + 1, self.e.capacity)
+    need = min(prompt_len + max_new + self.spec_of().lookahead + 1, self.capacity)
     if not self.bm.fits_ever(need):
       e = ValueError(f"the prompt ({prompt_len} tokens) plus max_tokens={max_new} needs {self.bm.pages_for(need)} "
                      f"KV pages of {self.block_size} tokens; "
@@ -158,25 +235,26 @@ class KVScheduler:
 
   def max_new_ever(self, prompt_len: int) -> int:
     """The most tokens a request of prompt_len could ask for and still fit in an empty pool (its shard's share)."""
-    return (self.bm.per_shard - 1) * self.block_size - prompt_len - self.e.spec.lookahead - 1
+    return (self.bm.per_shard - 1) * self.block_size - prompt_len - self.spec_of().lookahead - 1
 
   # ---- admission
-  def admit(self, req):
-    """Pages for the request's prompt (plus its streamed tokens on a resume) and one call -> its device request
-    for the insert (req.kv_slot: the free slot of the shard it was placed on), or None when the pool cannot give
-    them (it waits, first in line)."""
+  def admit(self, req, free_slots, holders) -> Optional[Placement]:
+    """Pages for the request's prompt (plus its streamed tokens on a resume) and one call, on the data shard of one
+    of `free_slots` (the slot table's; holders: its running requests by slot) -> its Placement (req.kv_slot: the
+    slot), or None when the pool cannot give them (it waits, first in line)."""
+    spec = self.spec_of()
     tokens = list(req.prompt_ids) + list(req.out_ids)
     prefill = len(tokens) - (1 if req.out_ids else 0)  # a resume feeds its last streamed token next
     salt = make_salt(req.tenant, req.cache_salt)
-    first = min(self.end(req), len(tokens) + self.tokens_per_call(1, self.e.spec.k_max))
+    first = min(self.end(req), len(tokens) + self.tokens_per_call(1, spec.k_max))
     best = None
-    for slot in self._one_free_slot_per_shard():
+    for slot in self._one_free_slot_per_shard(free_slots):
       shard = self.shard_of_slot(slot)
       hit = self.bm.lookup(tokens[:prefill], salt, shard)  # leaves at least one position to prefill
-      keep = slots.usable_prefix(self.e.spec, hit[1], self.block_size) // self.block_size
+      keep = slots.usable_prefix(spec, hit[1], self.block_size) // self.block_size
       # Leave the shard's running rows pages for one step without drafts: an admission should not force a
       # preemption.
-      spare = self.bm.available(shard) - self._headroom(shard) - (self.bm.pages_for(first) - keep)
+      spare = self.bm.available(shard) - self._headroom(shard, holders) - (self.bm.pages_for(first) - keep)
       score = (spare >= 0, keep, spare)
       if best is None or score > best[0]:
         best = (score, slot, shard, PrefixHit(hit[0][:keep], keep * self.block_size, hit.hashes[:keep],
@@ -188,7 +266,7 @@ class KVScheduler:
     if not self.bm.allocate(key, first, shard=shard, salt=salt, prefix=hit):
       return None
     req.kv_slot = slot
-    self._poison()
+    poison = self._freed()
     pages = self.bm.table(key)
     req.kv_key, req.kv_len, req.inflight = key, prefill, []
     if not req.out_ids:  # the first admission: what the prompt found cached (a resume's hit is not the client's)
@@ -198,19 +276,20 @@ class KVScheduler:
     req.admit_seq = self._seq
     self.metrics_update()
     if not req.out_ids and not hit[1]:
-      return req.device_req.replace(pages=jnp.asarray(pages))
-    return req.remake(req.prompt_ids, max_new=req.max_new, pages=pages, output_ids=list(req.out_ids), cached=hit[1])
+      return Placement(req.device_req.replace(pages=jnp.asarray(pages)), slot, poison)
+    return Placement(req.remake(req.prompt_ids, max_new=req.max_new, pages=pages, output_ids=list(req.out_ids),
+                                cached=hit[1]), slot, poison)
 
-  def _one_free_slot_per_shard(self) -> list:
+  def _one_free_slot_per_shard(self, free_slots) -> list:
     by_shard = {}
-    for slot in self.e.table.free_slots():
+    for slot in free_slots:
       by_shard.setdefault(self.shard_of_slot(slot), slot)
     return list(by_shard.values())
 
-  def _headroom(self, shard: int) -> int:
+  def _headroom(self, shard: int, holders) -> int:
     """Pages the shard's running rows need for their next call at one step without drafts."""
     need = 0
-    for slot, r in self.e.table.holders.items():
+    for slot, r in holders.items():
       if self.shard_of_slot(slot) == shard and r.kv_key is not None and r.kv_key in self.bm:
         n = min(self.end(r), r.kv_len + sum(r.inflight) + self.tokens_per_call(1, 0))
         need += max(0, self.bm.pages_for(n) - len(self.bm.pages_of(r.kv_key)))
@@ -229,33 +308,36 @@ class KVScheduler:
     req.kv_key, req.inflight = None, []
 
   # ---- before each loop call
-  def reserve(self, steps: int, caps: np.ndarray) -> int:
-    """Pages for the call about to be dispatched, for every running row (caps: their draft caps, lowered here
-    when the pool is short) -> the steps the call may run. Preempts when shrinking speculation is not enough."""
+  def reserve(self, steps: int, caps: np.ndarray, holders) -> Reservation:
+    """Pages for the call about to be dispatched, for every running row (holders: slot -> request; caps: their
+    draft caps) -> the Reservation: fewer steps, lower caps or preempted requests when the pool is short."""
+    caps, holders, preempted = np.array(caps), dict(holders), []
     while True:
-      rows = sorted(self.e.table.holders.items(), key=lambda it: it[1].admit_seq)
+      rows = sorted(holders.items(), key=lambda it: it[1].admit_seq)
       want = [(r, min(self.end(r), r.kv_len + sum(r.inflight) + self.tokens_per_call(steps, int(caps[s]))))
               for s, r in rows]
       need = [0] * self.shards
       for (slot, _), (r, n) in zip(rows, want):
         need[self.shard_of_slot(slot)] += max(0, self.bm.pages_for(n) - len(self.bm.pages_of(r.kv_key)))
-      short = [sh for sh in range(self.shards) if need[sh] > self.bm.available(sh)]
-      if not short:
+      move = shortage(steps, need, [self.bm.available(sh) for sh in range(self.shards)], rows, caps,
+                      self.shard_of_slot, self.speculation_yields)
+      if move is None:
         break
-      if steps > 1 and self.speculation_yields:
-        steps = 1
+      if isinstance(move, FewerSteps):
+        steps = move.steps
         self.shrunk_steps += 1
-        continue
-      mine = [(slot, r) for slot, r in rows if self.shard_of_slot(slot) == short[0]]
-      if self.speculation_yields and self._cut_speculation(mine, caps):
+      elif isinstance(move, CutSpeculation):
+        caps[list(move.slots)] = 0
         self.shrunk_caps += 1
-        continue
-      self._preempt(BlockManager.victim([r for _, r in mine]))
+      else:
+        self._preempt(move.req)
+        del holders[move.req.slot]
+        preempted.append(move.req)
     self.peak_rows = max(self.peak_rows, len(rows))
     for (slot, r), (_, n) in zip(rows, want):
       assert self.bm.reserve(r.kv_key, n)
       r.inflight.append(self.tokens_per_call(steps, int(caps[slot])))
-    self._poison()
+    poison = self._freed()
     over = sum(len(self.bm.pages_of(r.kv_key)) - self.bm.pages_for(r.kv_len) for _, r in rows)
     o = self.over
     o["calls"], o["sum"], o["max"] = o["calls"] + 1, o["sum"] + over, max(o["max"], over)
@@ -263,32 +345,15 @@ class KVScheduler:
     table = np.stack([self.bm.null_row(self.shard_of_slot(i)) for i in range(self.rows)])
     for slot, r in rows:
       table[slot] = self.bm.table(r.kv_key)
-    self.e.table.state = slots.set_page_tables(self.e.table.state, table)
     self.metrics_update()
-    return steps
-
-  def _cut_speculation(self, rows, caps) -> bool:
-    """Draft cap 0 for the drafting rows of the segment that gains least (its rows' accepted / drafted);
-    False when no row drafts."""
-    gain: dict = {}
-    for slot, r in rows:
-      if caps[slot] > 0:
-        d, a = gain.get(r.segment, (0, 0))
-        gain[r.segment] = (d + r.drafted, a + r.accepted)
-    if not gain:
-      return False
-    worst = min(gain, key=lambda seg: gain[seg][1] / max(gain[seg][0], 1))
-    for slot, r in rows:
-      if r.segment == worst:
-        caps[slot] = 0
-    return True
+    return Reservation(steps, caps, tuple(preempted), table, poison)
 
   def _preempt(self, req) -> None:
+    """Its pages go back now (the engine frees its slot and queues it again: the Reservation's `preempted`)."""
     log.info("preempting %s (KV pool short: %d pages free or cached)", req.id, self.bm.num_free + self.bm.num_cached)
-    admission.preempt(self.e, req)
     self.release(req)
     self.preemptions += 1
-    self.e.metrics.num_preemptions.inc()
+    self.metrics.num_preemptions.inc()
 
   # ---- after each snapshot
   def observe(self, arr, slot: int, req) -> None:
@@ -300,20 +365,20 @@ class KVScheduler:
     self.bm.commit(req.kv_key, arr.tokens[slot, :n].tolist(), n)
     # The target's K/V: the next calls write after it (a draft model's or EAGLE's cache may lag behind)
     req.kv_len = max(n, int(arr.lengths[slot]) - 1)
-    self.bm.trim(req.kv_key, min(self.e.capacity, req.kv_len + sum(req.inflight)))
+    self.bm.trim(req.kv_key, min(self.capacity, req.kv_len + sum(req.inflight)))
 
-  def _poison(self) -> None:
-    """Test-only: NaN into every page freed since the last device write (padded to a power of two of ids, so
-    the fill compiles a few times only); otherwise the list is just dropped."""
+  def _freed(self) -> Optional[np.ndarray]:
+    """Test-only: the pages freed since the last device write, to fill with NaN before the next one (padded to a
+    power of two of ids, so the fill compiles a few times only); None when not poisoning (the list is dropped)."""
     freed = self.bm.take_freed()
     if not (self.poison and freed):
-      return
+      return None
     ids = np.full((1 << (len(freed) - 1).bit_length(),), freed[0], np.int32)
     ids[:len(freed)] = freed
-    self.e.table.state = slots.fill_pages(self.e.table.state, jnp.asarray(ids))
+    return ids
 
   def metrics_update(self) -> None:
-    m, bm = self.e.metrics, self.bm
+    m, bm = self.metrics, self.bm
     m.kv_cache_usage.set(bm.usage())
     q, h = bm.prefix_queries, bm.prefix_hits
     m.prefix_cache_queries.inc(q - self._counted[0])

@@ -1,4 +1,5 @@
-"""Tenant names -> the small ids the suffix proposer tags its shared history with (spec_jax/proposers/suffix.py).
+"""Tenant names -> the small ids a request carries to the device (slots.Request.tenant), where a proposer that keeps
+per-tenant state reads them (the suffix proposer tags its shared history with them: spec_jax/proposers/suffix.py).
 
 A bounded table: a new tenant takes a free id; when every id is taken, the least recently used tenant with no
 request in a slot gives its id up, and the caller clears that id's history on the device first, so that one id
@@ -11,8 +12,11 @@ import collections
 from typing import Optional
 
 
+IDS = 256  # tenants kept apart at once (the suffix proposer's histories)
+
+
 class TenantTable:
-  def __init__(self, size: int, num_slots: int):
+  def __init__(self, size: int = IDS, num_slots: int = 1):
     self.size = max(size, num_slots + 1)
     self.reset()
 

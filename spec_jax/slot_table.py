@@ -12,11 +12,13 @@ import collections
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import backend, sharding, slots
 from spec_jax.cache import DEFAULT_BLOCK_SIZE
 from spec_jax.decode import LoopSpec, decode_loop
+from spec_jax.proposers.base import without_tenant
 
 
 class SlotTable:
@@ -90,6 +92,19 @@ class SlotTable:
     full = np.zeros((rows,), np.int32)
     full[:len(caps)] = np.asarray(caps, np.int32)
     self.state = slots.set_draft_caps(self.state, full)
+
+  def set_page_tables(self, table) -> None:
+    """int32[rows, pages_per_seq]: every KV cache's page table (the block manager's, between loop calls)."""
+    self.state = slots.set_page_tables(self.state, table)
+
+  def fill_pages(self, ids) -> None:
+    """int32[n] page ids of every KV cache set to NaN (the test-only poison of freed pages)."""
+    self.state = slots.fill_pages(self.state, jnp.asarray(ids))
+
+  def forget_tenant(self, tenant: int) -> None:
+    """The proposer's shared history of tenant id `tenant` dropped, before the id goes to another tenant (a
+    proposer without per-tenant state keeps its state: spec_jax/proposers/base.py)."""
+    self.state = without_tenant(self.spec.proposer, self.state, tenant)
 
   def lost(self) -> bool:
     """Whether the donated state is gone (a call failed after donating it): then only `reset` helps."""

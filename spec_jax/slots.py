@@ -26,6 +26,7 @@ from spec_jax.admit import Resume, prefill_rows
 from spec_jax.decode import FINISH_ABORT, DecodeState, LoopSpec
 from spec_jax.batch import check_fits
 from spec_jax.prefill import DEFAULT_CHUNK, bucket
+from spec_jax.proposers import base as proposers_base
 from spec_jax.rows import write_row, write_rows_tree
 from spec_jax.stats import Stats
 
@@ -37,8 +38,8 @@ class Request:
   proposer may draft for it per step (0: none);
   key uint32[2]: its random stream, from its seed (spec_jax/streams.py: every draw of its row is keyed by it, so
   a seeded request's output does not depend on the other rows);
-  tenant int32[]: whose history a proposer with one may draft from
-  (spec_jax/proposers/suffix.py); logprobs, logprobs_mode int32[]: the top logprobs it asks for (-1: none) and
+  tenant int32[]: the request's tenant id, for a proposer that keeps per-tenant state (its for_request hook reads
+  it: spec_jax/proposers/base.py); logprobs, logprobs_mode int32[]: the top logprobs it asks for (-1: none) and
   their mode (spec_jax/logprobs.py)."""
 
   tokens: jax.Array
@@ -64,7 +65,8 @@ class Snapshot:
   tokens int32[B, S]; lengths, prompt_lens int32[B]; done bool[B]; finish int32[B] FINISH_*; per-row counters
   since insert: steps, drafted, accepted int32[B], drafted_at, accepted_at int32[B, K]; option_uses int32[n] steps
   per option since the state was made; step int32[] loop steps so far; spec_enabled bool[];
-  accepted_from_history int32[B]: of `accepted`, the drafts a proposer took from other requests' text (suffix).
+  accepted_from_history int32[B]: of `accepted`, the drafts a proposer took from other requests' text (zeros for a
+  proposer whose state does not count them: spec_jax/proposers/base.py).
   """
 
   tokens: jax.Array
@@ -199,10 +201,7 @@ def insert(params, state: DecodeState, slot, req: Request, spec: LoopSpec) -> De
                      cache, capacity=S, chunk=chunk, controls=controls,
                      logprobs=(req.logprobs[None], req.logprobs_mode[None]), resume=resume)
   put = functools.partial(write_row, slot=slot)
-  row_pstate = row.pstate
-  with_tenant = getattr(spec.proposer, "with_tenant", None)  # a proposer that drafts from others' text (suffix)
-  if with_tenant is not None:
-    row_pstate = with_tenant(row_pstate, req.tenant)
+  row_pstate = proposers_base.row_state_for(spec.proposer, row.pstate, req)
   state = state.replace(
       tokens=put(state.tokens, row.tokens), lengths=put(state.lengths, row.lengths),
       prompt_lens=put(state.prompt_lens, row.prompt_lens), max_new=put(state.max_new, row.max_new),
@@ -293,7 +292,7 @@ def set_draft_caps(state: DecodeState, caps) -> DecodeState:
 def snapshot(state: DecodeState) -> Snapshot:
   s = state.stats
   cp = jnp.copy
-  from_hist = getattr(state.pstate, "accepted_hist", None)  # the suffix proposer's counter
+  from_hist = proposers_base.accepted_from_history(state.pstate)
   return Snapshot(tokens=cp(state.tokens), lengths=cp(state.lengths), prompt_lens=cp(state.prompt_lens),
                   done=cp(state.done), finish=cp(state.finish), steps=cp(s.steps), drafted=cp(s.drafted),
                   accepted=cp(s.accepted), drafted_at=cp(s.drafted_at), accepted_at=cp(s.accepted_at),

@@ -12,8 +12,13 @@ leaves carry the batch (slot) axis, so one row can be replaced while the others 
   propose_tree(params, state, ctx, key)           -> (TreeDraft, state)   (tree proposers only)
   update(params, state, result: VerifyResult)     -> state     after verify/commit (every step, k = 0 included)
   insert(state, slot, row_state)                  -> state     write a 1-row state (from init) into row `slot`
-  with_tenant(row_state, tenant) (optional)       -> row_state the request's tenant, before insert (suffix)
-  forget_tenant(decode_state, tenant) (optional)  -> decode_state  without that tenant's shared history (suffix)
+  for_request(row_state, request) (optional)      -> row_state made for the slots.Request it serves, before
+                                                  insert: the proposer reads the request fields it keeps per row
+                                                  (suffix: its tenant); `row_state_for` calls it
+  forget_tenant(decode_state, tenant) (optional)  -> decode_state  without that tenant's shared history (suffix;
+                                                  `without_tenant` calls it)
+A proposer's state may also have accepted_from_history() (optional) -> int32[B]: of the accepted drafts since
+insert, those taken from other requests' text (suffix); the snapshot reports it (`accepted_from_history`).
 
 `params` is the proposer's own weights (an empty dict for model-free proposers). A draft token < 0 means
 "nothing proposed here": the verifier never accepts it nor anything after it.
@@ -163,3 +168,27 @@ class NoneProposer(Stateless):
     raise AssertionError("the none proposer is never asked for drafts")
 
 
+
+
+# The optional hooks above, as shared code calls them: no proposer is a special case there.
+
+
+def row_state_for(proposer, row_state, request):
+  """The 1-row proposer state (from init) made for `request` (a slots.Request): the proposer's for_request hook,
+  else unchanged."""
+  hook = getattr(proposer, "for_request", None)
+  return row_state if hook is None else hook(row_state, request)
+
+
+def without_tenant(proposer, decode_state, tenant):
+  """The decode state without `tenant`'s shared history (before its id goes to another tenant): the proposer's
+  forget_tenant hook, else unchanged (a proposer that shares nothing between requests)."""
+  hook = getattr(proposer, "forget_tenant", None)
+  return decode_state if hook is None else hook(decode_state, tenant)
+
+
+def accepted_from_history(pstate):
+  """int32[B]: the accepted drafts the proposer took from other requests' text since insert, or None (it takes
+  none)."""
+  count = getattr(pstate, "accepted_from_history", None)
+  return None if count is None else count()

@@ -61,6 +61,10 @@ class SuffixState:
   tree_par: jax.Array
   tree_hist: jax.Array
 
+  def accepted_from_history(self) -> jax.Array:
+    """The proposer protocol's counter (spec_jax/proposers/base.py): accepted drafts taken from the history."""
+    return self.accepted_hist
+
 
 @dataclasses.dataclass(frozen=True)
 class SuffixProposer:
@@ -98,9 +102,10 @@ class SuffixProposer:
     return SuffixState(hist=hist, owner=owner, pos=z + 1, tenant=z, from_hist=jnp.zeros((R,), bool), n_draft=z,
                        drafted_hist=z, accepted_hist=z, tree_tok=zn - 1, tree_par=zn, tree_hist=zn > 0)
 
-  def with_tenant(self, row_state: SuffixState, tenant) -> SuffixState:
-    """A 1-row state (from init) for a request of `tenant` (slots.insert calls it before `insert`)."""
-    t = jnp.reshape(jnp.asarray(tenant, jnp.int32), (1,))
+  def for_request(self, row_state: SuffixState, request) -> SuffixState:
+    """A 1-row state (from init) for `request` (a slots.Request): its tenant tags what it writes and bounds what it
+    drafts from (slots.insert calls it before `insert`)."""
+    t = jnp.reshape(jnp.asarray(request.tenant, jnp.int32), (1,))
     return row_state.replace(tenant=t)
 
   def insert(self, state: SuffixState, slot, row_state: SuffixState) -> SuffixState:
