@@ -39,10 +39,12 @@ from serve.segments import Segments
 from serve.metrics import Metrics
 from serve.engine_request import EngineRequest
 from serve.output_stream import Output, TextStream
+from serve.request_spec import EngineLimits, RequestSpec
 from serve.tenants import TenantTable
 from spec_jax import slots
 from spec_jax.cache import DEFAULT_BLOCK_SIZE
 from spec_jax.controls import Controls
+from spec_jax.logprobs import prompt_logprobs
 from spec_jax.slot_table import SlotTable
 
 log = logging.getLogger("spec_jax.engine")
@@ -113,35 +115,38 @@ class Engine:
 
   # ------------------------------------------------------------------------------------------ HTTP-facing side
 
-  def make_request(self, prompt_ids, *, max_new: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                   speculate: bool = True, seed: int = 0, stop=(), output: Output | None = None,
-                   timeout_s: Optional[float] = None, tenant: str = "", tag: str = "",
-                   controls: Optional[dict] = None, logprobs=(-1, "raw_logprobs"), grammar=None,
-                   cache_salt: Optional[str] = None) -> EngineRequest:
-    """Validate and pad a request (ValueError with the reason: the server answers 400); grammar: an automaton."""
-    ctl = Controls.make(1, vocab_size=self.spec.config.vocab_size, **(controls or {}))  # ValueError names the field
-    if int(ctl.min_tokens[0]) > max_new:
-      raise ValueError(f"min_tokens ({int(ctl.min_tokens[0])}) is over the output budget ({max_new})")
-    make = functools.partial(slots.make_request, spec=self.spec, capacity=self.capacity, temperature=temperature,
-                             top_k=top_k, top_p=top_p, draft_cap=None if speculate else 0, seed=seed, controls=ctl,
-                             logprobs=logprobs[0], logprobs_mode=logprobs[1], block_size=self.block_size,
-                             grammar=(grammar, self.table.grammar_capacity))
-    dev = make(list(prompt_ids), max_new=max_new)
+  def make_request(self, spec: RequestSpec, output: Output | None = None) -> EngineRequest:
+    """The engine's request for a spec (serve/request_spec.py, which checked it against `limits()`); output: where
+    its tokens go. The checks below are spec_jax's and the pool's own, for direct callers (a ValueError)."""
+    s = spec.sampling
+    make = functools.partial(slots.make_request, spec=self.spec, capacity=self.capacity, temperature=s.temperature,
+                             top_k=s.top_k, top_p=s.top_p, draft_cap=None if spec.speculate else 0, seed=s.seed,
+                             controls=Controls.make(1, vocab_size=self.spec.config.vocab_size,
+                                                    **spec.controls.kwargs()),
+                             logprobs=spec.logprobs.top, logprobs_mode=spec.logprobs.mode,
+                             block_size=self.block_size, grammar=(spec.grammar, self.table.grammar_capacity))
+    dev = make(list(spec.prompt_ids), max_new=spec.max_new)
     if self.kv is not None:
-      self.kv.check_fits(len(prompt_ids), max_new)
-    now, timeout = time.monotonic(), self.request_timeout_s if timeout_s is None else timeout_s
-    return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), device_req=dev,
-                         stop=tuple(s for s in stop if s), output=output or Output(), arrival=now,
-                         speculate=bool(speculate), tenant=tenant, logprobs=int(logprobs[0]),
-                         features=(float(temperature), int(max_new), str(tag), int(top_k), float(top_p)),
-                         deadline=now + timeout if timeout else None, remake=make, max_new=int(max_new),
-                         cache_salt=cache_salt)
+      self.kv.check_fits(len(spec.prompt_ids), spec.max_new)
+    now, timeout = time.monotonic(), self.request_timeout_s
+    return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(spec.prompt_ids), device_req=dev,
+                         stop=tuple(x for x in spec.stop if x), output=output or Output(), arrival=now,
+                         speculate=bool(spec.speculate), tenant=spec.tenant, logprobs=int(spec.logprobs.top),
+                         spec=spec, deadline=now + timeout if timeout else None, remake=make,
+                         max_new=int(spec.max_new), cache_salt=spec.cache_salt)
 
-  def max_new_for(self, prompt_len: int) -> int:
-    """The most tokens a request of prompt_len may generate: the context's room after the prompt and the
-    speculative lookahead, and what the KV pool could ever give it."""
-    room = self.capacity - prompt_len - self.spec.lookahead - 1
-    return min(room, self.kv.max_new_ever(prompt_len)) if self.kv is not None else room
+  def limits(self) -> EngineLimits:
+    """What a request is checked against (serve/request_spec.py)."""
+    return EngineLimits(vocab_size=self.spec.config.vocab_size, capacity=self.capacity,
+                        lookahead=self.spec.lookahead, max_logprobs=self.spec.max_logprobs,
+                        stop_ids=tuple(self.spec.stop_ids), structured=self.table.grammar_capacity is not None,
+                        pool_room=self.kv.max_new_ever if self.kv is not None else None,
+                        pool_check=self.kv.check_fits if self.kv is not None else None)
+
+  def prompt_logprobs(self, prompt_ids: list, top: int):
+    """The prompt's raw logprobs, (logprob, rank, top ids, top values) per token (None for the first): one forward
+    of the prompt beside the engine's loop (spec_jax/logprobs.py)."""
+    return prompt_logprobs(self.params["target"], self.spec.config, prompt_ids, top)
 
   def submit(self, req: EngineRequest) -> None:
     with self._lock:

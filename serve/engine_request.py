@@ -11,6 +11,7 @@ import numpy as np
 
 from serve.metrics import Metrics
 from serve.output_stream import Output, TextStream, Usage
+from serve.request_spec import RequestSpec
 from spec_jax import slots
 from spec_jax.decode import FINISH_NAMES
 
@@ -31,7 +32,7 @@ class EngineRequest:
   deadline: Optional[float]
   speculate: bool = True
   tenant: str = ""  # whose shared history it may draft from (serve/tenants.py)
-  features: Optional[tuple] = None  # (temperature, max_new, tag): what the policy matches, with prompt and busy
+  spec: Optional[RequestSpec] = None  # what it was made from: the policy and the canary read its fields
   segment: str = "default"  # its rule of the speculative config's policy (set at admission)
   policy_k: int = 0  # that rule's draft cap
   canary: Optional[bool] = None  # in the canary arm (None: no canary)

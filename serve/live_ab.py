@@ -246,10 +246,12 @@ class LiveAB:
     return out
 
 
-def content_key(prompt_ids, max_new: int, temperature: float, top_k: int, top_p: float, tag: str) -> bytes:
-  """What a canary hashes: the request's content, not its seed, so a retry lands in the same arm."""
-  head = f"{max_new}|{temperature:.6g}|{top_k}|{top_p:.6g}|{tag}|".encode()
-  return head + np.asarray(list(prompt_ids), np.int64).tobytes()
+def content_key(spec) -> bytes:
+  """What a canary hashes: the request's content (serve/request_spec.py RequestSpec), not its seed, so a retry
+  lands in the same arm."""
+  s = spec.sampling
+  head = f"{int(spec.max_new)}|{float(s.temperature):.6g}|{int(s.top_k)}|{float(s.top_p):.6g}|{spec.tag}|".encode()
+  return head + np.asarray(list(spec.prompt_ids), np.int64).tobytes()
 
 
 def window_count(schedule: Schedule):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 from serve.protocol import APIError
 
@@ -121,9 +120,3 @@ class Formatter:
       out.append(d)
     return out
 
-
-def prompt_entries(engine, prompt_ids: list, top: int) -> Optional[list]:
-  """The prompt's raw logprobs, (logprob, rank, top ids, top values) per token (None for the first): one forward
-  of the prompt beside the engine's loop (spec_jax/logprobs.py)."""
-  from spec_jax.logprobs import prompt_logprobs
-  return prompt_logprobs(engine.params["target"], engine.spec.config, prompt_ids, top)

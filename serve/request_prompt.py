@@ -1,12 +1,12 @@
-"""A request body's prompt and output budget, as vLLM reads them: truncate_prompt_tokens, the chat template's
-add_generation_prompt / continue_final_message, chat echo, and max_tokens when the body has none."""
+"""A request body's prompt, as vLLM reads it: truncate_prompt_tokens, the chat template's add_generation_prompt /
+continue_final_message, and chat echo. (Its output budget: serve/request_spec.py.)"""
 
 from __future__ import annotations
 
 from serve.protocol import APIError
 
 
-def truncated(ids: list, body, engine) -> list:
+def truncated(ids: list, body, limits) -> list:
   """vLLM's truncate_prompt_tokens: the last N prompt tokens (truncation_side "right": the first N); -1 keeps what
   the context holds with room for one token."""
   n = body.truncate_prompt_tokens
@@ -16,7 +16,7 @@ def truncated(ids: list, body, engine) -> list:
     raise APIError(400, "truncate_prompt_tokens: a number of tokens >= 1, or -1 (the context's)",
                    "truncate_prompt_tokens")
   if n == -1:
-    n = max(engine.max_new_for(0) - 1, 1)
+    n = max(limits.max_new_for(0) - 1, 1)
   return ids[:n] if body.truncation_side == "right" else ids[-n:]
 
 
@@ -47,10 +47,3 @@ def chat_echo(body) -> str:
     return ""
   return last.content if isinstance(last.content, str) else "".join(p.text for p in last.content or ())
 
-
-def default_max_tokens(engine, cfg: dict, prompt_len: int) -> int:
-  """A request without max_tokens generates up to the end of the context, as OpenAI and vLLM do (or up to the
-  pool's room for it); --default_max_tokens N > 0 caps that at N."""
-  fits = engine.max_new_for(prompt_len)
-  cap = cfg.get("default_max_tokens") or 0
-  return min(cap, fits) if cap > 0 else fits

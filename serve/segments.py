@@ -42,12 +42,12 @@ class Segments:
   def classify(self, req, busy: int, k_max: int) -> None:
     """The request's segment and draft cap (the policy's first matching rule) at `busy` slots held with it, and
     its canary arm; its device request gets the cap."""
-    temperature, max_new, tag, top_k, top_p = req.features
-    f = Features(temperature=temperature, prompt_tokens=len(req.prompt_ids), max_tokens=max_new, busy_slots=busy,
-                 segment=tag)
+    spec = req.spec
+    f = Features(temperature=float(spec.sampling.temperature), prompt_tokens=len(req.prompt_ids),
+                 max_tokens=spec.max_new, busy_slots=busy, segment=spec.tag)
     policy = self.policy
     if self.canary is not None:
-      req.canary = self.canary.takes(live_ab.content_key(req.prompt_ids, max_new, temperature, top_k, top_p, tag))
+      req.canary = self.canary.takes(live_ab.content_key(spec))
       req.canary_segment = self.canary.policy.pick(f).name
       if req.canary:
         policy = self.canary.policy

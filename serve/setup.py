@@ -93,7 +93,7 @@ def load_target(cfg: dict):
   from spec_jax.decode import check_kv_cache_dtype
   from spec_jax.kernels import resolve_impl
   from spec_jax.proposers.registry import Target
-  validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
+  validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])  # the flags; a request's: serve/request_spec.py
   if cfg["max_new_tokens"] < 1:
     raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
   mesh = sharding.make_mesh(cfg.get("mesh") or "")

@@ -5,6 +5,7 @@ field whose value cannot be compiled."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Optional
@@ -12,7 +13,7 @@ from typing import Optional
 from serve import tools
 from serve.protocol import GRAMMAR_WHY, APIError
 from spec_jax.grammar import formats
-from spec_jax.grammar.automaton import GrammarError
+from spec_jax.grammar.automaton import Compiler, GrammarError
 
 # vLLM's structured_outputs keys (and their guided_* spellings) -> how each becomes a regex
 _KINDS = {"json": "json", "regex": "regex", "choice": "choice", "json_object": "json_object"}
@@ -124,3 +125,37 @@ def plan(body, route: str) -> Plan:
     return Plan(tools=listed)
   return Plan(regex=tools.call_regex(listed, None if mode == "required" else mode), field="tool_choice",
               tools=listed)
+
+
+class Grammars:
+  """A plan's automaton, compiled off the event loop (0.5-10 s for a schema at 262k tokens, then cached): the
+  compiler (spec_jax/grammar) is made on first use (~1 s for a 262k vocabulary), and concurrent requests with one
+  schema wait on one task (no executor thread each); the Compiler itself also compiles a pattern once."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self._compiler = None
+    self._compiling: dict = {}  # key -> the task computing it
+
+  async def automaton(self, plan: Plan, limits):
+    """The plan's automaton (None without a grammar), or a 400 naming the plan's field."""
+    if plan.regex is None:
+      return None
+    if not limits.structured:
+      raise APIError(400, f"{plan.field}: structured outputs are off on this server (--grammar_capacity)",
+                     plan.field)
+    if self._compiler is None:
+      self._compiler = await self._once("compiler", lambda: Compiler(self.tokenizer, limits.stop_ids))
+    try:
+      return await self._once(("regex", plan.regex), lambda: self._compiler.regex(plan.regex))
+    except GrammarError as e:
+      raise APIError(400, f"{plan.field}: {e}", plan.field)
+
+  async def _once(self, key, fn):
+    """fn() off the event loop, once for all callers that ask for `key` while it runs (a compiled automaton is
+    then in the compiler's cache; a failure reaches every waiter, and the next request tries again)."""
+    task = self._compiling.get(key)
+    if task is None:
+      task = self._compiling[key] = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, fn))
+      task.add_done_callback(lambda _: self._compiling.pop(key, None))
+    return await asyncio.shield(task)

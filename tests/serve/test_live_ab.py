@@ -7,6 +7,7 @@ import pytest
 
 from serve.guardrails import OFF, ON, PROBE, GuardrailConfig, Guardrails
 from serve.live_ab import CANARY, STABLE, LiveAB, Schedule, SwitchbackConfig, content_key
+from serve.request_spec import RequestSpec, Sampling
 
 
 def test_schedule_holds_the_share_per_block_in_a_random_order():
@@ -80,8 +81,11 @@ def test_canary_arms_compare_the_same_way():
     for arm, mean in ((CANARY, 0.010), (STABLE, 0.020)):
       ab.add("default", arm, w, tokens=30, itl=list(mean * (1 + 0.05 * rng.standard_normal(30))))
   assert ab.verdict("default")["verdict"] == "keep"
-  assert content_key([1, 2], 8, 0.0, 0, 1.0, "") == content_key([1, 2], 8, 0.0, 0, 1.0, "")
-  assert content_key([1, 2], 8, 0.0, 0, 1.0, "") != content_key([2, 1], 8, 0.0, 0, 1.0, "")
+  spec = lambda ids, seed=0: RequestSpec(prompt_ids=tuple(ids), max_new=8, sampling=Sampling(seed=seed))
+  assert content_key(spec([1, 2])) == content_key(spec([1, 2], seed=5))  # a retry (another seed): the same arm
+  assert content_key(spec([1, 2])) != content_key(spec([2, 1]))
+  # the key's bytes as they were before the spec had named fields: no request changes its canary arm
+  assert content_key(spec([1, 2])) == b"8|0|0|1||" + np.asarray([1, 2], np.int64).tobytes()
 
 
 def test_guardrails_trip_on_a_live_roll_back_and_probe_later():

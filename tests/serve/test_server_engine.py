@@ -23,13 +23,15 @@ flags.FLAGS(["server", f"--model={sys.argv[1]}", "--dtype=float32", "--max_model
              '--speculative_config={"method": "ngram", "num_speculative_tokens": 4}'])
 engine, tok, _ = server.build_engine(server.settings())
 engine.start(warmup_prompt_lens=[1])
-good = [engine.make_request(tok.encode(p), max_new=10) for p in ("the cat", "a dog ran")]
-bad = engine.make_request(tok.encode("the mat"), max_new=10)
+from serve.request_spec import RequestSpec
+make = lambda p, n: engine.make_request(RequestSpec(prompt_ids=tuple(tok.encode(p)), max_new=n))
+good = [make(p, 10) for p in ("the cat", "a dog ran")]
+bad = make("the mat", 10)
 # A request the engine cannot insert: its prompt is not padded to a prefill bucket, so tracing the insert raises.
 bad.device_req = bad.device_req.replace(tokens=bad.device_req.tokens[:12])
 for r in (good[0], bad, good[1]):
   engine.submit(r)
-late = engine.make_request(tok.encode("is a cat"), max_new=6)
+late = make("is a cat", 6)
 out = {}
 for name, r in (("good0", good[0]), ("bad", bad), ("good1", good[1]), ("late", late)):
   if name == "late":

@@ -34,9 +34,13 @@ engine, tok, _ = server.build_engine(server.settings())
 kv = engine.kv
 out = {"pages": kv.bm.usable, "pages_per_seq": kv.bm.pages_per_seq,
        "proposer_bytes": kv.proposer_bytes_per_page, "kv_cache_dtype": engine.spec.kv_cache_dtype}
+from serve.request_spec import RequestSpec, Sampling
+def make(prompt, max_new, seed=0, temperature=0.0, top_p=1.0, **kw):
+  return engine.make_request(RequestSpec(prompt_ids=tuple(tok.encode(prompt)), max_new=max_new,
+                                         sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed), **kw))
 if args["too_long"]:
   try:
-    engine.make_request(tok.encode("the cat"), max_new=args["too_long"])
+    make("the cat", args["too_long"])
   except ValueError as e:
     out["too_long"] = [getattr(e, "field", None), str(e)]
 engine.start(warmup_prompt_lens=[1])
@@ -62,7 +66,7 @@ def counters():
 if args.get("prefix"):  # the same long prefix: another salt (no hit), then a first request, then the hit, then
   # another tenant (no hit)
   doc = " ".join(["the cat sat on a mat and a dog ran"] * 4)
-  mk = lambda p, **kw: engine.make_request(tok.encode(p), max_new=16, **kw)
+  mk = lambda p, **kw: make(p, 16, **kw)
   steps = [("ref", mk(doc + " is a cat", cache_salt="x")), ("first", mk(doc + " the dog")),
            ("hit", mk(doc + " is a cat")), ("other", mk(doc + " is a cat", tenant="other"))]
   for name, r in steps:
@@ -74,7 +78,7 @@ if args.get("prefix"):  # the same long prefix: another salt (no hit), then a fi
 words = "the cat sat on a mat and a dog ran".split()
 prompts = [" ".join(words[i % 5:i % 5 + 3 + i % 4] * (1 + i % 3)) for i in range(args["n"])]
 sampled = dict(temperature=0.9, top_p=0.95) if args.get("sampled") else {}
-mk = lambda i: engine.make_request(tok.encode(prompts[i]), max_new=args["max_new"], seed=1000 + i, **sampled)
+mk = lambda i: make(prompts[i], args["max_new"], seed=1000 + i, **sampled)
 out["alone"] = [run([mk(i)])[0] for i in range(len(prompts))]
 kv.peak_rows = 0
 out["together"] = run([mk(i) for i in range(len(prompts))])
