@@ -129,7 +129,8 @@ def main(argv):
 
 AOT_FLAGS = ("topology", "model_shape", "draft_model_shape", "mesh", "methods", "num_speculative_tokens",
              "eagle_topk", "num_draft_tokens", "max_num_seqs", "max_model_len", "dtype", "attention_impl",
-             "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "train_target_dtype", "output", "cost_table", "cost_batches",
+             "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "train_target_dtype", "output",
+             "cost_table", "cost_batches",
              "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth", "cost_chains",
              "cost_hlo_dir")
 

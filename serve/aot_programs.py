@@ -297,7 +297,8 @@ def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, 
       rows = NamedSharding(mesh, P("data") if batch % mesh.shape["data"] == 0 else P())
       tokens, mask = _with((tokens, mask), lambda _: rows)
     out.append(Program(f"train_step[{kind}]", trainer.train_step, (state, frozen, tokens, mask),
-                       note=f"batch {batch} x {seq_len} tokens, target {jnp.dtype(target_dtype).name}, draft vocabulary "
+                       note=f"batch {batch} x {seq_len} tokens, target {jnp.dtype(target_dtype).name}, draft "
+                            "vocabulary "
                             f"{d2t.shape[0] if d2t is not None else config.vocab_size}"))
   return out
 
