@@ -54,7 +54,8 @@ def run(flags_cfg: dict, log=print, on_record=None) -> tuple[dict, list]:
       kv_cache_dtype=flags_cfg.get("kv_cache_dtype") or "auto")
   if flags_cfg["train_kinds"]:
     programs += progs.train_programs(config, place, kinds=flags_cfg["train_kinds"], batch=flags_cfg["train_batch"],
-                                     seq_len=flags_cfg["train_seq_len"])
+                                     seq_len=flags_cfg["train_seq_len"],
+                                     target_dtype=jnp.dtype(flags_cfg.get("train_target_dtype", "float32")))
   compiler = compiler_version(tgt.platform)
   run_info = dict(topology=flags_cfg["topology"], chip=chip, chips=len(devices),
                   hosts=len({d.process_index for d in devices}), capacity_bytes=capacity, mesh=flags_cfg["mesh"],
@@ -86,8 +87,8 @@ def main(argv):
              methods=F.methods, num_speculative_tokens=F.num_speculative_tokens, eagle_topk=F.eagle_topk,
              num_draft_tokens=F.num_draft_tokens, max_num_seqs=F.max_num_seqs, max_model_len=F.max_model_len,
              dtype=F.dtype, kv_cache_dtype=F.kv_cache_dtype, attention_impl=F.attention_impl,
-             insert_buckets=F.insert_buckets,
-             train_kinds=F.train_kinds, train_batch=F.train_batch, train_seq_len=F.train_seq_len)
+             insert_buckets=F.insert_buckets, train_kinds=F.train_kinds, train_batch=F.train_batch,
+             train_seq_len=F.train_seq_len, train_target_dtype=F.train_target_dtype)
   from serve.aot_programs import METHODS
   unknown = sorted(set(cfg["methods"]) - set(METHODS))
   if unknown:
@@ -130,8 +131,8 @@ def main(argv):
 
 AOT_FLAGS = ("topology", "model_shape", "draft_model_shape", "mesh", "methods", "num_speculative_tokens",
              "eagle_topk", "num_draft_tokens", "max_num_seqs", "max_model_len", "dtype", "kv_cache_dtype",
-             "attention_impl",
-             "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "output", "cost_table", "cost_batches",
+             "attention_impl", "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "train_target_dtype",
+             "output", "cost_table", "cost_batches",
              "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth", "cost_chains",
              "cost_hlo_dir")
 

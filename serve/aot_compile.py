@@ -61,8 +61,12 @@ class Target:
 
 
 def target(name: str) -> Target:
-  """'v5e:2x2' (a TPU topology: jax.experimental.topologies) or 'h200' (configs/gpu_targets/h200.txtpb)."""
+  """'v5e:2x2' (a TPU topology: jax.experimental.topologies) or 'h200' (configs/gpu_targets/h200.txtpb). A TPU
+  topology may name its host count, 'v5e:4x4,hosts=2' (a v5e-16 slice of two 8-chip hosts; libtpu's own default for
+  v5e:4x4 is four hosts of 4 chips): the programs then compile with collectives across those hosts."""
   from jax.experimental import topologies
+  full = name
+  name, _, hosts = name.partition(",hosts=")
   spec = os.path.join(GPU_TARGETS, name.split(":")[0] + ".txtpb")
   if os.path.isfile(spec):
     with open(spec, encoding="utf-8") as f:
@@ -76,13 +80,29 @@ def target(name: str) -> Target:
     memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
     return Target(name, "gpu", tuple(topo.devices), topo.devices[0].device_kind, memory)
   try:
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
-  except Exception as e:  # libtpu missing, or a name it does not know
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=name, **_host_bounds(name, hosts))
+  except Exception as e:  # libtpu missing, or a name it does not know, or hosts that do not tile it
     raise RuntimeError(f"cannot describe TPU topology {name!r}: {e}. The TPU compiler comes with "
                        "pip install -e '.[tpu-aot]' (libtpu); names look like v5e:2x2, v5e:2x4, v5p:2x2x1; GPU "
                        f"targets: {sorted(n.removesuffix('.txtpb') for n in os.listdir(GPU_TARGETS))}") from e
   chip = topo.devices[0].device_kind
-  return Target(name, "tpu", tuple(topo.devices), chip, CHIP_HBM_BYTES.get(chip, 0))
+  return Target(full, "tpu", tuple(topo.devices), chip, CHIP_HBM_BYTES.get(chip, 0))
+
+
+def _host_bounds(name: str, hosts: str) -> dict:
+  """libtpu's chips_per_host_bounds for 'hosts' hosts over a topology 'v5e:AxB[xC]': each host a block of the
+  chips, split along the first axis that divides ('' = libtpu's default hosts)."""
+  if not hosts:
+    return {}
+  dims = [int(d) for d in name.split(":")[-1].split("x")]
+  dims += [1] * (3 - len(dims))
+  n = int(hosts)
+  for axis, d in enumerate(dims):
+    if n >= 1 and d % n == 0:
+      bounds = list(dims)
+      bounds[axis] = d // n
+      return {"chips_per_host_bounds": tuple(bounds)}
+  raise ValueError(f"{hosts} hosts do not split topology {name} along one axis")
 
 
 def mesh_of(devices, text: str):

@@ -264,13 +264,16 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
   return out
 
 
-def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, seq_len: int) -> list:
+def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, seq_len: int,
+                   target_dtype=jnp.float32) -> list:
   """The trainer's step for each head kind (the target frozen, its features computed inside the step), with the
-  reduced draft vocabulary this project's training configs use (configs/train_base.py draft_vocab)."""
+  reduced draft vocabulary this project's training configs use (configs/train_base.py draft_vocab). The frozen
+  target in `target_dtype` (train.main's config.dtype: float32 by default; bfloat16 halves it, as a 70B target on
+  a v5e-16 slice needs); the head and its optimizer state are float32 either way."""
   from configs.train_base import get_config
   from train.tasks import build_task
   from train.trainer import Trainer, TrainSpec, TrainState
-  target = target_params(config, jnp.float32)  # training keeps float32 params, as train.main does
+  target = target_params(config, target_dtype)
   mesh = place.mesh
   if mesh is None and place.device is not None:  # one chip: a 1 x 1 mesh over it (the trainer's table needs one)
     mesh = jax.sharding.Mesh(np.array([place.device]).reshape(1, 1), sharding.MESH_AXES)
@@ -300,7 +303,8 @@ def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, 
       rows = NamedSharding(mesh, P("data") if batch % mesh.shape["data"] == 0 else P())
       tokens, mask = _with((tokens, mask), lambda _: rows)
     out.append(Program(f"train_step[{kind}]", trainer.train_step, (state, frozen, tokens, mask),
-                       note=f"batch {batch} x {seq_len} tokens, float32, draft vocabulary "
+                       note=f"batch {batch} x {seq_len} tokens, target {jnp.dtype(target_dtype).name}, draft "
+                            "vocabulary "
                             f"{d2t.shape[0] if d2t is not None else config.vocab_size}"))
   return out
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-import sys
 import time
 
 from absl import app, flags
 
 from serve import generate, run_flags  # serve.generate's run flags, which this job takes too
+from spec_jax import distributed  # joining the run, failing it whole (shared with train.main)
 from spec_jax.proposers.registry import METHODS
 
 run_flags.define("methods", "output_dir", "coordinator_address", "num_processes", "process_id",
@@ -34,124 +33,9 @@ run_flags.define("methods", "output_dir", "coordinator_address", "num_processes"
 FLAGS = flags.FLAGS
 
 
-class RunFailed(RuntimeError):
-  pass
-
-
-def _cluster_env() -> bool:
-  """Does the environment describe a multi-process job that jax.distributed detects by itself?"""
-  env = os.environ
-  return (int(env.get("SLURM_NTASKS", "1") or 1) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
-          or bool(env.get("TPU_WORKER_HOSTNAMES", "").count(",")) or bool(env.get("MEGASCALE_COORDINATOR_ADDRESS")))
-
-
-def init_distributed() -> None:
-  """Join the run: with explicit flags, or by auto-detection on TPU pods / SLURM / MPI; a single process
-  otherwise. A process that cannot join within --initialization_timeout fails (named by supervise())."""
-  import jax
-  if not _multi_process():
-    return
-  explicit = FLAGS.coordinator_address is not None or (FLAGS.num_processes or 1) > 1
-  if explicit and (FLAGS.coordinator_address is None or FLAGS.num_processes is None or FLAGS.process_id is None):
-    raise ValueError("a multi-process run needs --coordinator_address, --num_processes and --process_id together")
-  if explicit and not 0 <= FLAGS.process_id < FLAGS.num_processes:
-    raise ValueError(f"--process_id={FLAGS.process_id} is outside 0 .. {FLAGS.num_processes - 1}")
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives; GPU/TPU ignore it
-  kw = dict(initialization_timeout=FLAGS.initialization_timeout, heartbeat_timeout_seconds=FLAGS.heartbeat_timeout)
-  if explicit:
-    kw.update(coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
-              process_id=FLAGS.process_id)
-  try:
-    jax.distributed.initialize(**kw)
-  except Exception as e:  # a Python-level failure (bad address, ...); a peer that never joins aborts the process
-    # in C++ instead, which supervise() reports
-    raise RunFailed(f"process {FLAGS.process_id}: could not join the run at {FLAGS.coordinator_address}: "
-                    f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
-
-
-WORKER_ENV = "SPEC_JAX_EVALUATE_WORKER"
-
-
-def _multi_process() -> bool:
-  return FLAGS.coordinator_address is not None or (FLAGS.num_processes or 1) > 1 or _cluster_env()
-
-
 def main(argv):
   del argv
-  if _multi_process() and os.environ.get(WORKER_ENV) != "1":
-    sys.exit(supervise())
-  try:
-    init_distributed()
-    import jax
-    if jax.process_count() > 1:
-      print(f"process {jax.process_index()} joined: {jax.process_count()} processes, {jax.device_count()} devices",
-            file=sys.stderr, flush=True)
-    run()
-  except (ValueError, FileNotFoundError, RunFailed) as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    os._exit(2)  # no atexit: jax.distributed's shutdown barrier would wait for the processes that failed
-  except Exception as e:  # a collective with a dead peer, or anything else mid-run: fail the whole run now
-    import jax
-    print(f"error: process {jax.process_index()} of {jax.process_count()}: the run failed: "
-          f"{type(e).__name__}: {str(e)[:800]}", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
-def supervise() -> int:
-  """Run this same command as a child and explain how it ended. jax.distributed's client aborts the process
-  (a C++ fatal error, not a Python exception) when a process never joins or another one dies, so the error a
-  user should read can only be written from outside it. The child dies with this process (PR_SET_PDEATHSIG)."""
-  import collections
-  import signal
-  import subprocess
-
-  def die_with_parent():
-    try:
-      import ctypes
-      ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the child may outlive a killed parent
-      pass
-
-  env = dict(os.environ, **{WORKER_ENV: "1"})
-  proc = subprocess.Popen([sys.executable, "-m", "serve.evaluate", *sys.argv[1:]], env=env, stderr=subprocess.PIPE,
-                          text=True, errors="replace", preexec_fn=die_with_parent)
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, lambda *_: proc.terminate())
-  tail = collections.deque(maxlen=400)
-  for line in proc.stderr:
-    sys.stderr.write(line)
-    tail.append(line)
-  rc = proc.wait()
-  if rc == 0:
-    return 0
-  print(f"error: {diagnose(''.join(tail), rc)}", file=sys.stderr, flush=True)
-  return rc if 0 < rc < 128 else 1
-
-
-def diagnose(log: str, rc: int) -> str:
-  """One line saying which process failed and how, from a failed worker's stderr."""
-  me, n, addr = FLAGS.process_id, FLAGS.num_processes, FLAGS.coordinator_address
-  who = f"process {me}" if me is not None else "this process"
-  if "RegisterTask" in log or ("DEADLINE_EXCEEDED" in log and " joined:" not in log):
-    if me == 0 and n == 2:
-      missing = "process 1 did not join"
-    elif me == 0:
-      missing = f"some of processes 1 .. {n - 1} did not join (see their logs)"
-    else:
-      missing = f"{who} could not register with the coordinator at {addr} (is process 0 running there?)"
-    return (f"{who}: the run did not start: not all {n} processes joined within {FLAGS.initialization_timeout} s; "
-            f"{missing}")
-  m = re.search(r"stopped sending heartbeats\):(.*?)The tasks", log, re.S)  # the service lists their ids
-  dead = {int(t) for t in re.findall(r"(?:task:)?(\d+)", m.group(1))} if m else set()
-  dead = sorted((dead or {int(t) for t in re.findall(r"task:(\d+)", log)}) - ({me} if me is not None else set()))
-  if dead:
-    return (f"{who}: the run failed: process(es) {dead} died or stopped responding (heartbeat timeout "
-            f"{FLAGS.heartbeat_timeout} s)")
-  if re.search(r"[Gg]loo|Connection (closed|reset)|peer", log):
-    return f"{who}: the run failed: another process died mid-run (a collective lost its peer)"
-  errors = [l for l in log.splitlines() if l.startswith("error:")]
-  last = errors[-1] if errors else next((l for l in reversed(log.splitlines()) if l.strip()), "")
-  return f"{who}: the run failed (exit status {rc}): {last[:300]}"
+  distributed.main("serve.evaluate", run, distributed.Join.from_flags(FLAGS))
 
 
 def run() -> dict:

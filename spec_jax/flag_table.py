@@ -167,6 +167,8 @@ ROWS: dict[str, Row] = {
     "train_kinds": Row("list", "Trainer steps to compile ('' = none).", ["medusa", "eagle", "eagle3", "draft"]),
     "train_batch": Row("integer", "Trainer batch.", 8),
     "train_seq_len": Row("integer", "Trainer sequence length.", 512),
+    "train_target_dtype": Row("enum", "The trainer's frozen target (train.main's config.dtype; the head trains in "
+                              "float32 either way).", "float32", choices=("float32", "bfloat16")),
     "cost_table": Row("string", "Instead of the programs: write the compiler-estimated verify-cost table (JSON, "
                       "serve/step_costs.py's format) here.", ""),
     "cost_batches": Row("list", "Batch sizes of the cost table.", ["1", "4", "16", "64"]),

@@ -233,14 +233,19 @@ def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_t
   return split(toks, mask, spec)
 
 
-def batch_at(data_tokens: np.ndarray, data_mask: np.ndarray, step: int, batch_size: int, seed: int):
-  """-> (tokens, mask, row indices) of a global step: a seeded permutation per epoch, so any step can be read
-  directly."""
-  n = len(data_tokens)
+def batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
+  """The row indices of a global step's batch over n sequences: a seeded permutation per epoch, so any step can
+  be read directly (and a host can read only its own rows of it)."""
   per_epoch = max(n // batch_size, 1)
   epoch, i = divmod(step, per_epoch)
   perm = np.random.default_rng([seed, epoch]).permutation(n)
   idx = perm[i * batch_size:(i + 1) * batch_size]
   if len(idx) < batch_size:  # fewer sequences than a batch: wrap around
     idx = np.resize(perm, batch_size)
+  return idx
+
+
+def batch_at(data_tokens: np.ndarray, data_mask: np.ndarray, step: int, batch_size: int, seed: int):
+  """-> (tokens, mask, row indices) of a global step (batch_indices)."""
+  idx = batch_indices(len(data_tokens), step, batch_size, seed)
   return data_tokens[idx], data_mask[idx], idx

@@ -9,6 +9,12 @@
 Re-running the same command resumes from the latest checkpoint in `workdir` (exactly: params, optimizer state,
 data position and rng), on any mesh: a checkpoint written on one --mesh resumes on another or on one device.
 `model = "tiny"` trains on a small random target with synthetic prompts (tests).
+
+On many hosts (a TPU pod slice, a SLURM/MPI job, or explicit flags) start the same command once per host:
+  python -m train.main --config=... --mesh=data:2,model:8 \
+      --coordinator_address=HOST0:1234 --num_processes=2 --process_id=I   # not needed on TPU pods, SLURM or MPI
+The hosts join one jax.distributed run and train on one mesh over all their devices; every host must get the same
+flags (checked at start); the workdir must be one shared directory (checkpoints are written by all hosts together).
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import time
 
 from absl import app, flags
 
-from spec_jax import flag_table
+from spec_jax import distributed, flag_table
 
 from train.tasks import build_task  # noqa: F401  (tests and benchmarks import it from here too)
 
 _CONFIG = flag_table.define_config(lock_config=True)  # the training config
-flag_table.define(("stop_after", "mesh"), mesh="")
+flag_table.define(("stop_after", "mesh", "coordinator_address", "num_processes", "process_id",
+                   "initialization_timeout", "heartbeat_timeout"), mesh="")
 FLAGS = flags.FLAGS
 
 
@@ -87,8 +94,9 @@ def _flat(d, prefix=""):
 
 
 def check_resume_config(cfg):
-  """The first run writes its config to workdir/config.json; a later run in the same workdir (a resume) must
-  have the same settings, or it would silently continue another experiment."""
+  """The first run writes its config to workdir/config.json (process 0, atomically); a later run in the same
+  workdir (a resume) must have the same settings, or it would silently continue another experiment."""
+  import jax
   path = os.path.join(cfg.train.workdir, "config.json")
   now = _flat(json.loads(cfg.to_json()))
   if os.path.exists(path):
@@ -101,8 +109,10 @@ def check_resume_config(cfg):
                        "--config.train.workdir, or the same settings to resume it")
     return
   os.makedirs(cfg.train.workdir, exist_ok=True)
-  with open(path, "w") as f:
-    f.write(cfg.to_json(indent=1))
+  if jax.process_index() == 0:
+    with open(f"{path}.tmp", "w") as f:
+      f.write(cfg.to_json(indent=1))
+    os.replace(f"{path}.tmp", path)  # another host never reads half a file
 
 
 def warm_start(cfg, config, init, d2t):
@@ -150,6 +160,11 @@ def run(cfg, stop_after=None, log=None, mesh=""):
   from spec_jax.checkpoints import heads as head_ckpt
   from train.trainer import Trainer, TrainSpec
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+  if jax.process_index() != 0:  # logs from process 0 only (errors still end on every host: spec_jax.distributed)
+    log = lambda s: None
+  if not isinstance(mesh, jax.sharding.Mesh):  # hosts started with other settings would deadlock in a collective
+    distributed.check_same_settings(dict(_flat(json.loads(cfg.to_json())), mesh=mesh or "", stop_after=stop_after),
+                                    "flags (--config, --mesh, --stop_after)")
   check_resume_config(cfg)
   t0 = time.time()
   config, params, tokenizer = load_target(cfg)
@@ -193,7 +208,8 @@ def main(argv):
   del argv
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  run(_CONFIG.value, FLAGS.stop_after, mesh=FLAGS.mesh)
+  distributed.main("train.main", lambda: run(_CONFIG.value, FLAGS.stop_after, mesh=FLAGS.mesh),
+                   distributed.Join.from_flags(FLAGS))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ bitwise equal.
 With a ('data', 'model') Mesh (spec_jax.sharding.make_mesh) the trainable params and the frozen target get the
 shardings of spec_jax.sharding's logical-axis table (tensor parallel over 'model'), each optimizer-state leaf the
 sharding of the param it mirrors (replicated when it mirrors none: counts, scalars), and every batch is split over
-'data'. Host values become global arrays through sharding.put (jax.make_array_from_callback on several processes,
-each of which holds the same full batch), so the same code runs data parallel across hosts. The step pins its
+'data'. On several processes (train.main on many hosts) each process reads only the rows of a batch that its own
+devices hold (put_local_rows) and the step is one SPMD program over every host's devices. The step pins its
 output state to those shardings; without a mesh everything stays on one device, as before. Checkpoints are saved
 sharded and restored straight into the shardings of the current mesh (abstract arrays carrying the target
 sharding), so a run saved on one mesh resumes on another, or on one device.
@@ -136,6 +136,21 @@ def _eval_step(task: Task, params, frozen, tokens, mask, feats=None):
   return dict(metrics, loss=loss)
 
 
+def put_local_rows(read: Callable[[np.ndarray], np.ndarray], n: int, sharding: NamedSharding) -> jax.Array:
+  """A global array of n rows with this (row-split) sharding, built on every process from only the rows its own
+  devices hold: read(sorted row indices) -> those rows. On one process that is every row."""
+  spans = {(s[0].start or 0, n if s[0].stop is None else s[0].stop)
+           for s in sharding.addressable_devices_indices_map((n,)).values()}
+  rows = np.unique(np.concatenate([np.arange(a, b) for a, b in spans]))
+  local = np.asarray(read(rows))
+  at = {int(r): i for i, r in enumerate(rows)}  # global row -> its place in `local`
+
+  def shard(index):
+    a, b = index[0].start or 0, n if index[0].stop is None else index[0].stop
+    return local[at[a]:at[a] + (b - a)][(slice(None),) + tuple(index[1:])]
+  return shd.settle(jax.make_array_from_callback((n,) + local.shape[1:], sharding, shard))
+
+
 class Trainer:
   def __init__(self, task: Task, spec: TrainSpec, mesh: Optional[jax.sharding.Mesh] = None, log=None):
     if mesh is not None and spec.batch_size % shd.axis_size(mesh, "data"):
@@ -169,9 +184,14 @@ class Trainer:
   # ------------------------------------------------------------------------------------------- placement
   def _put_batch(self, x):
     """Host rows (the same full batch on every process) -> a global array split over 'data'."""
+    return self._put_rows(lambda rows: x[rows], len(x))
+
+  def _put_rows(self, read: Callable[[np.ndarray], np.ndarray], n: int):
+    """A batch of n rows as a global array split over 'data', each process reading (read(row indices)) only the
+    rows its own devices hold."""
     if self.mesh is None:
-      return jnp.asarray(x)
-    return shd.put(x, NamedSharding(self.mesh, P("data")))
+      return jnp.asarray(read(np.arange(n)))
+    return put_local_rows(read, n, NamedSharding(self.mesh, P("data")))
 
   def _one_device(self):
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -267,7 +287,8 @@ class Trainer:
     for i in range(0, len(tokens), bs):
       chunk = tokens[i:i + bs]
       pad = bs - len(chunk)
-      f = shd.to_host(self.features(frozen, self._put_batch(np.concatenate([chunk, chunk[:pad]]) if pad else chunk)))
+      chunk = chunk[np.arange(bs) % len(chunk)]  # the last chunk padded to a batch, however short it is
+      f = shd.to_host(self.features(frozen, self._put_batch(chunk)))
       if out is None:
         shape = (len(tokens),) + f.shape[1:]
         if path:
@@ -278,7 +299,7 @@ class Trainer:
                                           shape=shape).view(dtype)
         else:
           out = np.empty(shape, dtype)
-      out[i:i + len(chunk)] = np.asarray(f[:len(chunk)]).astype(dtype)
+      out[i:i + bs - pad] = np.asarray(f[:bs - pad]).astype(dtype)
     if path:
       out.flush()
       del out
@@ -292,13 +313,18 @@ class Trainer:
     sums, count = {}, 0
     for i in range(min(self.spec.eval_batches, max(1, -(-n // bs)))):
       idx = np.resize(np.arange(i * bs, (i + 1) * bs) % n, bs)
-      m = self.eval_step(params, frozen, self._put_batch(data.eval_tokens[idx]),
-                         self._put_batch(data.eval_mask[idx]),
-                         None if eval_feats is None else self._put_batch(np.asarray(eval_feats[idx], np.float32)))
+      toks, mask, f = self._batch(data.eval_tokens, data.eval_mask, eval_feats, idx)
+      m = self.eval_step(params, frozen, toks, mask, f)
       for k, v in m.items():
         sums[k] = sums.get(k, 0.0) + float(v)
       count += 1
     return {k: v / count for k, v in sums.items()}
+
+  def _batch(self, tokens, mask, feats, idx):
+    """The global batch of rows `idx` (tokens, mask and cached features or None); this process reads only its
+    own rows of each."""
+    rows = lambda a, dtype=None: self._put_rows(lambda r: np.asarray(a[idx[r]], dtype), len(idx))
+    return rows(tokens), rows(mask), None if feats is None else rows(feats, np.float32)
 
   def _write(self, rec: dict):
     if jax.process_index() != 0:
@@ -319,16 +345,15 @@ class Trainer:
       feats, eval_feats = self.precompute(frozen, data.tokens), self.precompute(frozen, data.eval_tokens)
       self.log(f"cached features of {len(feats) + len(eval_feats)} sequences in {time.perf_counter() - t:.1f} s")
     bar = None
-    if spec.progress:
+    if spec.progress and jax.process_index() == 0:
       from tqdm import tqdm
       bar = tqdm(total=spec.steps, initial=start, desc=self.task.name, file=sys.stderr, unit="step")
     last_eval, t0 = None, time.perf_counter()
     for step in range(start, spec.steps):
       if stop_after is not None and step >= stop_after:
         break
-      toks, mask, idx = data_lib.batch_at(data.tokens, data.mask, step, spec.batch_size, spec.seed)
-      f = None if feats is None else self._put_batch(np.asarray(feats[idx], np.float32))
-      state, m = self.train_step(state, frozen, self._put_batch(toks), self._put_batch(mask), f)
+      idx = data_lib.batch_indices(len(data.tokens), step, spec.batch_size, spec.seed)
+      state, m = self.train_step(state, frozen, *self._batch(data.tokens, data.mask, feats, idx))
       done = step + 1
       if done % spec.log_every == 0 or done == spec.steps:
         m = {k: float(v) for k, v in m.items()}
