@@ -8,7 +8,7 @@ chip, 0.66 ms of the Llama-3 8B k = 4 step on v5e-8 `model:8`). Placed heads-maj
 copies it: the layout is the array's, and jit compiles for the layout of the committed arrays it is given.
 Values and shapes are unchanged, so every program computes the same numbers.
 
-Only on TPU: XLA:CPU and XLA:GPU read the row-major weight as one [embed, heads x head_dim] matrix without a copy.
+Only on TPU, where the copy was seen; CPU and GPU keep the row-major placement their timings were taken with.
 """
 
 from __future__ import annotations
