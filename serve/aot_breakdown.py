@@ -293,6 +293,37 @@ def walk(comps: dict, entry: str, chip: dict) -> list:
   return run(entry, "", False)
 
 
+_MINOR_TO_MAJOR = re.compile(r"\[([\d,]*)\]\{([\d,]*)")
+
+
+def _order(shape: str) -> tuple:
+  """The dimension order (minor to major) of an HLO array's layout, dimensions of size 1 left out (they do not
+  change where any element lies)."""
+  m = _MINOR_TO_MAJOR.search(shape)
+  if not m or not m.group(2):
+    return ()
+  dims = [int(d) for d in m.group(1).split(",") if d]
+  return tuple(int(i) for i in m.group(2).split(",") if dims[int(i)] != 1)
+
+
+def weight_relayouts(text: str) -> list:
+  """Copies of a program input (a weight, mostly) into another dimension order: the whole array re-laid out on
+  every call (issue 48: the Q projection for a verify). A copy that keeps the order (a prefetch into VMEM, an
+  async copy) is not one. -> [dict(name, input, shape, from, to)]."""
+  comps, entry = parse(text)
+  inputs = {x.name: x for x in comps.get(entry, []) if x.opcode == "parameter"}
+  out = []
+  for body in comps.values():
+    for ins in body:
+      if ins.opcode not in ("copy", "copy-start") or not ins.operands or ins.operands[0] not in inputs:
+        continue
+      src, dst = _order(inputs[ins.operands[0]].shape), _order(ins.shape.lstrip("("))
+      if src != dst:
+        out.append(dict(name=ins.name, input=ins.operands[0], shape=ins.shape.lstrip("(").split("{")[0],
+                        **{"from": list(src), "to": list(dst)}))
+  return out
+
+
 def breakdown(text: str, chip_kind: str, optimal_seconds: float | None, top: int = 3) -> dict:
   """Per role: bytes, FLOPs, the roofline of its instructions (each one's bytes over the bandwidth or FLOPs over
   the peak, the larger), XLA:TPU's estimated cycles as seconds (where it gives them; they include each
@@ -322,6 +353,7 @@ def breakdown(text: str, chip_kind: str, optimal_seconds: float | None, top: int
                           for r in items[:top]]
   per_call = [r for r in rows if r["per_call"]]
   return dict(roles=roles, scale=scale, instructions=len(rows), roofline_seconds=total,
+              weight_relayouts=weight_relayouts(text),
               # work outside the decode loop (loop-invariant copies XLA hoists: once per loop call, not per step)
               per_call_seconds=sum(r["roofline"] for r in per_call) * scale,
               per_call_bytes=sum(r["bytes"] for r in per_call),

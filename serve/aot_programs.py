@@ -92,7 +92,8 @@ class Placement:
     return _with(tree, on_mesh)
 
   def params(self, tree):
-    return self._place(tree, sharding.param_shardings(tree, self.mesh) if self.mesh is not None else None)
+    from spec_jax.layouts import lay_out  # the layouts shard_params places them in (heads-major Q/K/V on TPU)
+    return lay_out(self._place(tree, sharding.param_shardings(tree, self.mesh) if self.mesh is not None else None))
 
   def state(self, tree):
     return self._place(tree, sharding.state_shardings(tree, self.mesh) if self.mesh is not None else None)

@@ -228,13 +228,15 @@ class settled:
 
 
 def shard_params(params, mesh: Optional[Mesh]):
+  """Parameters placed by the table, the attention projections heads-major on TPU (spec_jax/layouts.py)."""
+  from spec_jax.layouts import lay_out
   if mesh is None:
-    return params
+    return lay_out(params)
   from spec_jax.quant import is_quantized
   if is_quantized(params):  # their tiled layout has no entry in the logical-axis table yet
     raise ValueError("quantized weights (--quantize, qdraft) run on one device for now; drop --mesh or "
                      "quantize none")
-  return put(params, param_shardings(params, mesh))
+  return lay_out(put(params, param_shardings(params, mesh)))
 
 
 def replicated(tree, mesh: Optional[Mesh]):

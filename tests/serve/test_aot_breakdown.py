@@ -135,3 +135,27 @@ def test_a_compiled_step_is_attributed_by_its_scopes():
   assert roles["target layers"]["bytes"] >= layers
   assert roles["LM head"]["flops"] >= 2 * 2 * 3 * 4096 * 64  # 2 rows x 3 positions
   assert roles["sampling/verify"]["count"] > 0 and roles["drafter layers"]["count"] > 0
+
+
+RELAYOUTS = """HloModule r
+
+ENTRY %main (q: bf16[2,256,4,128], k: bf16[2,256,1,128]) -> bf16[2,256,4,128] {
+  %q = bf16[2,256,4,128]{3,2,1,0:T(4,128)(2,1)} parameter(0)
+  %k = bf16[2,256,1,128]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  %copy.88 = bf16[2,256,4,128]{3,1,2,0:T(8,128)(2,1)S(1)} copy(%q)
+  %kswap = bf16[2,256,1,128]{3,1,2,0:T(8,128)(2,1)} copy(%k)
+  %cs = (bf16[2,256,4,128]{3,2,1,0:T(4,128)(2,1)S(1)}, bf16[2,256,4,128]{3,2,1,0:T(4,128)(2,1)}, u32[]{:S(2)}) copy-start(%q)
+  %cd = bf16[2,256,4,128]{3,2,1,0:T(4,128)(2,1)S(1)} copy-done(%cs)
+  ROOT %out = bf16[2,256,4,128]{3,2,1,0} add(%copy.88, %cd)
+}
+"""
+
+
+def test_weight_relayouts_are_copies_into_another_dimension_order():
+  """<1 s. The Q weight copied heads-major (issue 48's copy.541, small) is named; a VMEM prefetch in the same order
+  and a swap of a size-1 dimension are not relayouts. Fails if the order is compared with size-1 dimensions kept
+  (the K copy would be named) or if copies are not told apart by order (the prefetch would be)."""
+  got = bd.weight_relayouts(RELAYOUTS)
+  assert [(r["name"], r["input"], r["shape"], r["from"], r["to"]) for r in got] == [
+      ("copy.88", "q", "bf16[2,256,4,128]", [3, 2, 1, 0], [3, 1, 2, 0])]
+  assert bd.breakdown(RELAYOUTS, V5E, None)["weight_relayouts"] == got
