@@ -58,7 +58,7 @@ def build_task(cfg, config, params, d2t):
                          f"reg_weight=0 (its fed-back feature is not the target's; got {cfg.reg_weight})")
       ecfg = eagle3_layout.layer_config(config, cfg.mlp_dim or None)
       init = eagle3_layout.init_params(key, ecfg, len(layers), params)
-      extra, published = {"head_layout": layout}, eagle3_layout.published()
+      extra, published = {"head_layout": layout}, eagle.Published(layout)
     else:
       raise ValueError(f"head_layout must be 'ours' or 'eagle3', got {layout!r}")
     loss = functools.partial(losses.eagle_loss, cfg=ecfg, noise=cfg.noise, reg_weight=cfg.reg_weight,
