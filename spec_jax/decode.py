@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +40,15 @@ FINISH_NAMES = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length",
 NO_LIMIT = np.iinfo(np.int32).max  # max_steps for a loop that runs until every row is done
 
 
+def lookahead(k_max: int, tree) -> int:
+  """Cache entries a step writes past the last committed token: k_max for chains, N - 1 for an N-node `tree`
+  (the proposer's; none while nothing drafts)."""
+  return max(k_max, tree.lookahead if tree is not None and k_max else 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopSpec:
-  """Everything static about a generation loop (hashable: a jit static argument)."""
+  """Everything static about a generation loop (hashable: a jit static argument). Built by `make_spec` only."""
 
   config: ModelConfig
   proposer: Any = NoneProposer()
@@ -60,9 +66,7 @@ class LoopSpec:
 
   @property
   def lookahead(self) -> int:
-    """Cache entries a step writes past the last committed token: k_max for chains, N - 1 for N-node trees."""
-    tree = self.proposer.tree
-    return max(self.k_max, tree.lookahead if tree is not None and self.k_max else 0)
+    return lookahead(self.k_max, self.proposer.tree)
 
   def __post_init__(self):
     check_kv_cache_dtype(self.kv_cache_dtype, self.impl)
@@ -364,11 +368,13 @@ def check_kv_cache_dtype(kv_cache_dtype: str, impl: str) -> None:
                      f"({kernels.resolve_impl(impl)}) do not read an 8-bit cache's scales yet")
 
 
-def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool = True, stop_ids: Sequence[int] = (),
-              impl: str = "xla", probe_every: int = 16, mesh=None, max_logprobs: int = lps.OFF,
-              kv_cache_dtype: str = "auto") -> LoopSpec:
-  """The loop's static settings; the stop ids add to the model's EOS ids. With a mesh, the state is sharded by
-  spec_jax/sharding.py's table (params must be placed with sharding.shard_params)."""
-  return LoopSpec(config=config, proposer=proposer, ks=adaptive.option_set(proposer.k, adaptive_k, proposer.tree),
-                  stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every,
-                  mesh=mesh, max_logprobs=max_logprobs, kv_cache_dtype=kv_cache_dtype)
+def make_spec(config: ModelConfig, proposer=NoneProposer(), *, ks: Optional[Sequence[int]] = None,
+              adaptive_k: bool = True, stop_ids: Sequence[int] = (), impl: str = "xla", probe_every: int = 16,
+              mesh=None, max_logprobs: int = lps.OFF, kv_cache_dtype: str = "auto") -> LoopSpec:
+  """The loop's static settings, the one place a LoopSpec is built; the stop ids add to the model's EOS ids. `ks`:
+  the draft lengths the controller may pick (default: adaptive.option_set of the proposer's k). With a mesh, the
+  state is sharded by spec_jax/sharding.py's table (params must be placed with sharding.shard_params)."""
+  ks = adaptive.option_set(proposer.k, adaptive_k, proposer.tree) if ks is None else tuple(ks)
+  return LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))),
+                  impl=impl, probe_every=probe_every, mesh=mesh, max_logprobs=max_logprobs,
+                  kv_cache_dtype=kv_cache_dtype)

@@ -340,9 +340,10 @@ def load_medusa(directory: str, target: ModelConfig, target_params: dict, k: int
 # ---------------------------------------------------------------------------------------------- entry
 
 
-def load(directory: str, method: str, target: ModelConfig, target_params: dict, k: int, impl: str = "xla",
-         tree=None):
-  """The registry's entry: a published head directory for `method` -> (proposer, params)."""
+def load(directory: str, method: str, kinds: tuple, target: ModelConfig, target_params: dict, k: int,
+         impl: str = "xla", tree=None):
+  """The registry's entry: a published head directory for `method`, which takes heads of `kinds` (its entry's
+  head_kinds) -> (proposer, params)."""
   fmt = detect(directory)
   if fmt == "speculators":
     kind = read_json(os.path.join(directory, "config.json")).get("speculators_model_type")
@@ -351,10 +352,9 @@ def load(directory: str, method: str, target: ModelConfig, target_params: dict, 
     fmt_kind = {"eagle": "eagle1", "eagle3": "eagle3"}[kind]
   else:
     fmt_kind = fmt
-  allowed = {"eagle": ("eagle1", "eagle3"), "eagle3": ("eagle3",), "medusa": ("medusa",)}.get(method, ())
-  if fmt_kind not in allowed:
+  if fmt_kind not in kinds:
     raise ValueError(f"{directory} holds a {fmt_kind} head ({fmt} format); method {method!r} takes "
-                     f"{', '.join(allowed) or 'no published head'}")
+                     f"{', '.join(kinds) or 'no published head'}")
   if fmt_kind == "medusa":
     return load_medusa(directory, target, target_params, k)
   if fmt_kind == "eagle1":

@@ -39,6 +39,12 @@ def layer_config(target: ModelConfig, mlp_dim: Optional[int] = None) -> ModelCon
   return llama_layer_config(layer_dict(target, mlp_dim), target, f"{target.name} EAGLE-3 layer")
 
 
+def default_feature_layers(config: ModelConfig) -> tuple:
+  """EAGLE-3's fused target layers, the convention of its published heads: low, middle and high."""
+  L = config.num_layers
+  return (1, L // 2 - 1, L - 4)
+
+
 def param_shapes(cfg: ModelConfig, num_feature_layers: int) -> dict:
   D = cfg.d_model
   layer = {k: v[1:] for k, v in tfm.param_shapes(cfg)["layers"].items()}
