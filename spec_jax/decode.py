@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax import adaptive, scopes, sharding, streams, tree
+from spec_jax import adaptive, kernels, scopes, sharding, streams, tree
 from spec_jax import logprobs as lps
 from spec_jax import controls as ctl
 from spec_jax.controls import Controls
 from spec_jax.grammar import rows as grammar_rows
-from spec_jax.cache import KVCache
+from spec_jax.cache import KVCache, kv_storage_dtype
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.base import NoneProposer, ProposeContext, VerifyResult
@@ -52,7 +52,10 @@ class LoopSpec:
 
   config: ModelConfig
   proposer: Any = NoneProposer()
-  ks: tuple = (0,)  # the draft lengths the adaptive controller may pick from
+  # The draft lengths the adaptive controller may pick from, each <= proposer.k (= the config's
+  # num_speculative_tokens); a step drafts k = ks[option] (`option` is the controller's index into ks), a row
+  # min(k, its draft_cap). k_max = max(ks) is the batch's largest, what the cache must leave room for.
+  ks: tuple = (0,)
   stop_ids: tuple = ()
   impl: str = "xla"
   probe_every: int = 16
@@ -361,8 +364,6 @@ def decode_loop(params, state: DecodeState, spec: LoopSpec, max_steps=NO_LIMIT) 
 def check_kv_cache_dtype(kv_cache_dtype: str, impl: str) -> None:
   """An unknown --kv_cache_dtype, or an 8-bit cache with a Pallas kernel (they read the pool without its scales
   yet), is an error."""
-  from spec_jax import kernels
-  from spec_jax.cache import kv_storage_dtype
   if kv_storage_dtype(kv_cache_dtype) is not None and kernels.resolve_impl(impl).startswith("pallas"):
     raise ValueError(f"--kv_cache_dtype {kv_cache_dtype} needs --attention_impl xla: the Pallas kernels "
                      f"({kernels.resolve_impl(impl)}) do not read an 8-bit cache's scales yet")

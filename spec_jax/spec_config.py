@@ -60,6 +60,7 @@ class SpecConfig:
 
   @property
   def k(self) -> int:
+    """num_speculative_tokens under the name the proposer (proposer.k) and the loop (LoopSpec.ks) give it."""
     return self.num_speculative_tokens
 
   def k_at(self, occupancy: int) -> int:

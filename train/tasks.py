@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
+
+from spec_jax.checkpoints import heads as head_ckpt
+from spec_jax.proposers import eagle, eagle3_layout, medusa, vocab
+from spec_jax.proposers.draft import early_exit_params
+from train import losses
+from train.trainer import Task
+
 
 def build_task(cfg, config, params, d2t):
   """-> (Task, initial trainable params, frozen pytree, export meta)."""
-  import jax
-  import jax.numpy as jnp
-  from spec_jax.checkpoints import heads as head_ckpt
-  from spec_jax.proposers import eagle, eagle3_layout, medusa, vocab
-  from spec_jax.proposers.draft import early_exit_params
-  from train import losses
-  from train.trainer import Task
   key = jax.random.PRNGKey(cfg.train.seed)
   layers = tuple(cfg.feature_layers) if cfg.kind == "eagle" else ()
   if layers:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -141,7 +142,6 @@ def _embed(t: _Tensors, target_params: dict, cfg: ModelConfig, target: ModelConf
 
 
 def _to_params(tree, dtype):
-  import jax
   return jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32), dtype), tree)
 
 

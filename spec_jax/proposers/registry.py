@@ -52,7 +52,7 @@ class BuildArgs:
   tree: Any = None
 
   @property
-  def k(self) -> int:
+  def k(self) -> int:  # num_speculative_tokens, which the proposer keeps as its k
     return self.spec.num_speculative_tokens
 
 
