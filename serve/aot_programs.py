@@ -157,7 +157,8 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
   out = []
   shared_done = False
   for method in methods:
-    for tree_k in ((1, topk) if registry.METHODS[method].trees and topk > 1 else (1,)):
+    trees = method in registry.METHODS and registry.METHODS[method].trees  # an unknown one: proposer_for says so
+    for tree_k in ((1, topk) if trees and topk > 1 else (1,)):
       proposer, pparams = proposer_for(method, config, target, k=k, topk=tree_k, nodes=nodes if tree_k > 1 else 0,
                                        impl=impl, draft_config=draft_config)
       if tree_k > 1 and proposer.tree is None:  # its abstract builder drafts chains only

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 from spec_jax import quant
 from spec_jax.checkpoints import published
 from spec_jax.config import ModelConfig
+from spec_jax.models.transformer import param_shapes as target_param_shapes
 from spec_jax.proposers import draft, eagle, eagle3_layout, medusa
 from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.ngram import NgramProposer
 from spec_jax.proposers.suffix import SuffixProposer
 from spec_jax.proposers.tree_expand import DynamicTree
-from spec_jax.models.transformer import param_shapes as target_param_shapes
 from spec_jax.tree import StaticTree
 
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "heads")
