@@ -15,6 +15,10 @@ import jax.numpy as jnp
 
 from serve import aot_compile
 
+# The chains every cost table holds, one per k and keyed by k alone: the adaptive controller's cost files
+# (serve/step_costs.py) read n-gram's as the step cost of drafting k tokens.
+BASE_CHAIN = "ngram"
+
 
 def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   """The compiler's estimate of one loop step drafting k tokens (k in cost_ks, a chain of n-gram drafts: the
@@ -33,8 +37,8 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   S = int(flags_cfg["max_model_len"])
   impl = flags_cfg["attention_impl"] or tgt.attention_impl
   chain_ks = sorted({0, *(int(k) for k in flags_cfg["cost_ks"])})
-  kinds = [("ngram", k, 1, 0) for k in chain_ks]
-  kinds += [(m, max(chain_ks), 1, 0) for m in flags_cfg.get("cost_chains", ()) if m != "ngram" and max(chain_ks)]
+  kinds = [(BASE_CHAIN, k, 1, 0) for k in chain_ks]
+  kinds += [(m, max(chain_ks), 1, 0) for m in flags_cfg.get("cost_chains", ()) if m != BASE_CHAIN and max(chain_ks)]
   kinds += [(flags_cfg["cost_tree_method"], flags_cfg["cost_tree_depth"], flags_cfg["eagle_topk"], n)
             for n in flags_cfg["cost_trees"]]
   seconds, failures, parts = {}, [], {}
@@ -62,7 +66,7 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
       row[key] = rec["optimal_seconds"]
       seconds[str(b)] = row
       parts.setdefault(str(b), {})[key] = dict(
-          rec["breakdown"], floor=floor(prog, tgt.chip, passes=k if method not in ("ngram", "suffix", "none") else 0),
+          rec["breakdown"], floor=floor(prog, tgt.chip, passes=k),
           optimal_seconds=rec["optimal_seconds"], bytes_accessed=rec["bytes_accessed"], flops=rec["flops"])
       if on_update is not None:  # the table so far: a long run that is stopped keeps what it compiled
         on_update(_assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts))
@@ -76,7 +80,7 @@ def _key(method: str, k: int, nodes: int) -> str:
   method_tree<nodes> for trees."""
   if nodes:
     return f"{method}_tree{nodes}"
-  return str(k) if method == "ngram" or not k else f"{method}_k{k}"
+  return str(k) if method == BASE_CHAIN or not k else f"{method}_k{k}"
 
 
 def _tree_bytes(tree, chip_shape) -> float:
@@ -98,6 +102,7 @@ def floor(prog, chip_kind: str, passes: int = 0) -> dict:
   gathered = lambda p: {k: v for k, v in p.items() if not (k == "embed" and ("lm_head" in p or "rows" in p))}
   target = _tree_bytes(gathered(params["target"]), chip_shape)
   drafter = _tree_bytes(gathered(params["proposer"]), chip_shape) if params["proposer"] else 0.0
+  passes = passes if drafter else 0  # a proposer without weights (n-gram, suffix) reads none per pass
   cache = _tree_bytes((state.cache.k, state.cache.v), chip_shape)
   B = state.tokens.shape[0]
   spec = prog.args[2]
@@ -128,7 +133,7 @@ def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
       if any(str(k) not in row for k in ks):
         continue
       costs = [round(row[str(k)] / row["0"], 4) for k in ks]
-      out[entry_key("ngram", flags_cfg["dtype"], k_max, int(b))] = {
+      out[entry_key(BASE_CHAIN, flags_cfg["dtype"], k_max, int(b))] = {
           "ks": list(ks), "batch": int(b), "occupancies": sorted({1, int(b)}), "costs": [costs] * len({1, int(b)}),
           "estimate": "compiler"}
     for n in flags_cfg["cost_trees"]:

@@ -40,7 +40,7 @@ def measure() -> dict:
     if not aot_compile.ok(rec) or not rec["optimal_seconds"]:
       raise RuntimeError(f"{prog.name}: no estimate: {rec.get('error') or rec.get('cost_source')}")
     seconds[name] = rec["optimal_seconds"]
-    floors[name] = aot_costs.floor(prog, tgt.chip, passes=k if method == "eagle" and k else 0)["seconds"]
+    floors[name] = aot_costs.floor(prog, tgt.chip, passes=k)["seconds"]
     roles[name] = {r: round(d["seconds"] * 1e6, 2) for r, d in rec["breakdown"]["roles"].items() if d["count"]}
     relayouts[name] = rec["breakdown"]["weight_relayouts"]
   ratios = {"ngram_k4/plain": seconds["ngram_k4"] / seconds["plain"],

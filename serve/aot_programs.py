@@ -19,17 +19,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from spec_jax import sharding
-from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache, contiguous_pages
+from configs.train_base import get_config
+from spec_jax import adaptive as adaptive_lib, sharding, slots
+from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache, contiguous_pages, pool_bytes
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.controls import Controls
+from spec_jax.decode import decode_loop, make_spec
+from spec_jax.kernels.common import lowering_for
+from spec_jax.models.transformer import param_shapes
+from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill_chunk
 from spec_jax.proposers import registry
+from spec_jax.proposers.eagle3_layout import default_feature_layers as eagle3_layers
+from train.tasks import build_task  # the trainer's step (train_programs): serve's one import of train/
+from train.trainer import Trainer, TrainSpec, TrainState
 
 SDS = jax.ShapeDtypeStruct
-# The registry's methods (from shapes alone, eagle builds an EAGLE-1 head and eagle3 an EAGLE-3 one).
-METHODS = tuple(registry.METHODS)
-TREE_METHODS = ("medusa", "eagle", "eagle3", "draft")
-DRAFT_VOCAB = 32000  # EAGLE-3's published heads draft over 32k ids
+# The registry's methods that build from shapes alone (eagle builds an EAGLE-1 head and eagle3 an EAGLE-3 one).
+METHODS = registry.abstract_methods()
 
 
 @dataclasses.dataclass
@@ -70,7 +76,6 @@ def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None, k
 
 def pool_of(state, mesh=None) -> dict:
   """Bytes and pages of every KV page pool of an (abstract) decode state, on one chip."""
-  from spec_jax.cache import pool_bytes
   chip = lambda a: (a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None else a.shape)
   nbytes, pages = pool_bytes(state, chip)
   return dict(pool_bytes=nbytes, pool_pages=pages)
@@ -110,7 +115,6 @@ class Placement:
   def context(self):
     """The context programs are traced in: the target device as the default one (the kernels read their platform
     from it), or, without a device (export), the platform to lower for."""
-    from spec_jax.kernels.common import lowering_for
     if self.device is not None:
       return jax.default_device(self.device)
     return lowering_for(self.lowering) if self.lowering else contextlib.nullcontext()
@@ -123,77 +127,24 @@ def _with(tree, shardings):
   return jax.tree.map(lambda x, s: SDS(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def abstract(shapes: dict, dtype) -> dict:
-  return jax.tree.map(lambda s: SDS(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+abstract = registry.abstract_params
 
 
 def target_params(config: ModelConfig, dtype) -> dict:
-  from spec_jax.models.transformer import param_shapes
   return abstract(param_shapes(config), dtype)
 
 
 def proposer_for(method: str, config: ModelConfig, target: dict, *, k: int, topk: int, nodes: int, impl: str,
                  draft_config: Optional[ModelConfig] = None):
-  """-> (proposer, abstract params) for a method, with the shapes of the heads this project trains (or
-  publishes in: EAGLE-3 over a 32k draft vocabulary). topk > 1: a token tree of `nodes` nodes, depth k."""
-  from spec_jax.proposers import draft, eagle, medusa
-  from spec_jax.proposers.base import NoneProposer
-  from spec_jax.proposers.ngram import NgramProposer
-  from spec_jax.proposers.tree_expand import DynamicTree
-  from spec_jax.tree import StaticTree
-  dtype = target["final_norm"].dtype
-  nodes = nodes or 1 + k * topk
-  tree = DynamicTree(topk=topk, depth=k, nodes=nodes) if topk > 1 else None
-  if method == "none":
-    return NoneProposer(), {}
-  if method == "ngram":
-    return NgramProposer(k=k), {}
-  if method == "suffix":  # its history is decode state (sized by the proposer), so no parameters
-    from spec_jax.proposers.suffix import SuffixProposer
-    return SuffixProposer(k=k), {}
-  if method == "medusa":
-    heads = abstract(medusa.param_shapes(config.d_model, k), dtype)
-    static = None
-    if topk > 1:  # Medusa's construction from per-rank accuracies; a geometric fall-off stands in for measured ones
-      static = StaticTree.best([[0.6 * 0.5 ** r for r in range(topk)] for _ in range(k)], nodes)
-    prop = medusa.MedusaProposer(vocab_size=config.vocab_size, num_heads=k, k=k if static is None else static.depth,
-                                 tree=static)
-    return prop, jax.eval_shape(medusa.runtime_params, heads, target)
-  if method in ("eagle", "eagle3"):
-    layers = eagle3_layers(config) if method == "eagle3" else ()
-    cfg = eagle.layer_config(config)
-    weights = abstract(eagle.param_shapes(cfg, len(layers)), dtype)
-    d2t = SDS((min(DRAFT_VOCAB, config.vocab_size),), jnp.int32) if method == "eagle3" else None
-    prop = eagle.EagleProposer(config=cfg, vocab_size=config.vocab_size, k=k, reduced=d2t is not None, impl=impl,
-                               tree=tree, feature_layers=layers, name=method)
-    return prop, jax.eval_shape(eagle.runtime_params, weights, target, d2t)
-  if method == "draft":
-    if draft_config is None:  # the distilled draft this project trains: the target's first two layers' shapes
-      weights = abstract(draft.param_shapes(config, 2), dtype)
-      cfg = config.replace(num_layers=2, name=f"{config.name}-distill2")
-      return (draft.DraftModelProposer(config=cfg, k=k, impl=impl, tree=tree),
-              jax.eval_shape(draft.runtime_params, weights, target))
-    if draft_config.vocab_size != config.vocab_size:
-      raise ValueError(f"the draft shape has {draft_config.vocab_size} ids, the target {config.vocab_size}")
-    return draft.DraftModelProposer(config=draft_config, k=k, impl=impl, tree=tree), target_params(draft_config,
-                                                                                                    dtype)
-  if method == "qdraft":
-    from spec_jax import quant
-    qparams = quant.quantize_params(target, "int8")  # abstract in, abstract out
-    cfg = config.replace(name=f"{config.name}-int8")
-    return draft.DraftModelProposer(config=cfg, k=k, impl=impl, name="qdraft", tree=tree), qparams
-  raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-
-
-def eagle3_layers(config: ModelConfig) -> tuple:
-  """EAGLE-3's fused target layers, the convention of its published heads: low, middle and high."""
-  L = config.num_layers
-  return (1, L // 2 - 1, L - 4)
+  """-> (proposer, abstract params) for a method: its registry entry's abstract builder (the shapes of the heads
+  this project trains, or publishes in). topk > 1: a token tree of `nodes` nodes, depth k, where the method's
+  builder drafts trees."""
+  return registry.build_abstract(method, config, target, k=k, topk=topk, nodes=nodes, impl=impl,
+                                 draft_config=draft_config)
 
 
 def empty_state(params, spec, batch: int, capacity: int):
   """The abstract DecodeState of `batch` free slots (slots.empty_state's own program, traced)."""
-  from spec_jax import slots
   costs = SDS((len(spec.ks),), jnp.float32)
   return jax.eval_shape(functools.partial(slots._empty, spec=spec, batch=batch, capacity=capacity,
                                           block_size=DEFAULT_BLOCK_SIZE, num_pages=None), params,
@@ -209,19 +160,18 @@ def serving_programs(config: ModelConfig, place: Placement, *, methods, k: int, 
   The loops hold k = 0 among their options, as the server's do (the switches act without recompiling);
   adaptive=False compiles the drafting option alone (one branch: a quicker compile of the same step).
   kv_cache_dtype: every KV cache's (--kv_cache_dtype; an 8-bit pool and its scales)."""
-  from spec_jax import adaptive as adaptive_lib, slots
-  from spec_jax.decode import LoopSpec, decode_loop
-  from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill_chunk
   target = target_params(config, dtype)
   out = []
   shared_done = False
   for method in methods:
-    for tree_k in ((1, topk) if method in TREE_METHODS and topk > 1 else (1,)):
+    trees = method in registry.METHODS and registry.METHODS[method].trees  # an unknown one: proposer_for says so
+    for tree_k in ((1, topk) if trees and topk > 1 else (1,)):
       proposer, pparams = proposer_for(method, config, target, k=k, topk=tree_k, nodes=nodes if tree_k > 1 else 0,
                                        impl=impl, draft_config=draft_config)
-      ks = adaptive_lib.option_set(proposer.k if method != "none" else 0, adaptive, proposer.tree)
-      spec = LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=tuple(config.eos_ids), impl=impl,
-                      mesh=place.mesh, kv_cache_dtype=kv_cache_dtype)
+      if tree_k > 1 and proposer.tree is None:  # its abstract builder drafts chains only
+        continue
+      ks = adaptive_lib.option_set(proposer.k, adaptive, proposer.tree)
+      spec = make_spec(config, proposer, ks=ks, impl=impl, mesh=place.mesh, kv_cache_dtype=kv_cache_dtype)
       params = place.params({"target": target, "proposer": pparams})
       B = sharding.pad_rows(max_num_seqs, place.mesh)
       with place.context():
@@ -271,9 +221,6 @@ def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, 
   reduced draft vocabulary this project's training configs use (configs/train_base.py draft_vocab). The frozen
   target in `target_dtype` (train.main's config.dtype: float32 by default; bfloat16 halves it, as a 70B target on
   a v5e-16 slice needs); the head and its optimizer state are float32 either way."""
-  from configs.train_base import get_config
-  from train.tasks import build_task
-  from train.trainer import Trainer, TrainSpec, TrainState
   target = target_params(config, target_dtype)
   mesh = place.mesh
   if mesh is None and place.device is not None:  # one chip: a 1 x 1 mesh over it (the trainer's table needs one)
@@ -314,12 +261,10 @@ def step_program(config: ModelConfig, place: Placement, *, method: str, k: int, 
                  max_model_len: int, dtype, impl: str, kv_cache_dtype: str = "auto") -> Program:
   """The decode loop with one option, drafting k tokens (k = 0: plain decoding), its state donated as the server's
   is. A while loop's estimate is one trip of its body: one step, the verify-cost table's entry."""
-  from spec_jax.decode import LoopSpec, decode_loop
   target = target_params(config, dtype)
   proposer, pparams = proposer_for(method if k else "none", config, target, k=max(k, 1), topk=topk, nodes=nodes,
                                    impl=impl)
-  spec = LoopSpec(config=config, proposer=proposer, ks=(k,), stop_ids=tuple(config.eos_ids), impl=impl,
-                  mesh=place.mesh, kv_cache_dtype=kv_cache_dtype)
+  spec = make_spec(config, proposer, ks=(k,), impl=impl, mesh=place.mesh, kv_cache_dtype=kv_cache_dtype)
   params = place.params({"target": target, "proposer": pparams})
   B = sharding.pad_rows(batch, place.mesh)
   with place.context():

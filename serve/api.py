@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from serve import choices as ch
-from serve import structured, tools
+from serve import structured, tool_stream, tools
 from serve.engine import EngineStopped, QueueFull
 from serve.event_stream import ChoiceEvents, EventStream, abort_unfinished  # noqa: F401 (tests import it here)
 from serve.logprobs_format import Formatter, ask_of
@@ -215,7 +215,7 @@ class Completions:
           body_choice["message"]["content"] = echo + body_choice["message"]["content"]
     if plan.tools:  # a choice whose whole text is one valid call answers with tool_calls
       for c, body_choice in zip(choices, out["choices"]):
-        tools.answer({"choices": [body_choice]}, plan.tools, "".join(c.text), forced=plan.regex is not None)
+        tool_stream.answer({"choices": [body_choice]}, plan.tools, "".join(c.text), forced=plan.regex is not None)
     return out
 
   async def completion(self, body: CompletionRequest, request: Request):

@@ -223,7 +223,6 @@ def equality_line(records: list, base_records: list, cfg: dict) -> str:
          "greedy in float32 they must match; in bfloat16 a verify step over k + 1 positions can round a near tie "
          "differently from one-token decoding")
   return f"outputs: {n - len(differ)} of {n} equal the baseline's; differ: {', '.join(differ)} ({why})"
-  return summary
 
 
 if __name__ == "__main__":

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
+from serve.step_costs import load_costs, method_key
+from spec_jax import adaptive as adaptive_lib, decode, pair_check, sharding
+from spec_jax.checkpoints.load import load_model
+from spec_jax.config import validate_sampling
+from spec_jax.kernels import resolve_impl
+from spec_jax.proposers.registry import Target, build_proposer
 from spec_jax.spec_config import SpecConfig
 
 log = logging.getLogger("spec_jax.setup")
@@ -52,13 +60,11 @@ class Setup:
 
   @property
   def lookahead(self) -> int:
-    """Cache entries a step writes past the committed tokens: k for a chain, nodes - 1 for a tree."""
-    tree = self.proposer.tree
-    return max(self.proposer.k, tree.lookahead if tree is not None else 0)
+    """Cache entries a step writes past the committed tokens, before a loop exists (decode.lookahead)."""
+    return decode.lookahead(self.proposer.k, self.proposer.tree)
 
   def with_spec(self, spec: SpecConfig) -> "Setup":
     """The same target with another speculative config's proposer (serve.evaluate's arms)."""
-    from spec_jax.proposers.registry import build_proposer
     proposer, proposer_params = build_proposer(spec, self.target)
     return dataclasses.replace(self, spec_config=spec, proposer=proposer, proposer_params=proposer_params)
 
@@ -70,9 +76,6 @@ def use_compilation_cache(path: Optional[str]) -> str:
   """Turn on JAX's persistent compilation cache at `path` (None: the default; "": off) unless
   JAX_COMPILATION_CACHE_DIR already names one; -> a line saying where it is and how to turn it off. A compiled
   program is keyed by everything that shapes it (code, shapes, flags, jaxlib), so a stale one is never loaded."""
-  import os
-
-  import jax
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     return f"persistent compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']} (from JAX_COMPILATION_CACHE_DIR)"
   if path == "":
@@ -87,19 +90,13 @@ def use_compilation_cache(path: Optional[str]) -> str:
 def load_target(cfg: dict):
   """-> (Target, tokenizer, mesh): cfg's model, dtype, quantize, attention_impl, kv_cache_dtype and mesh, without a
   proposer."""
-  from spec_jax import sharding
-  from spec_jax.checkpoints.load import load_model
-  from spec_jax.config import validate_sampling
-  from spec_jax.decode import check_kv_cache_dtype
-  from spec_jax.kernels import resolve_impl
-  from spec_jax.proposers.registry import Target
   validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])  # the flags; a request's: serve/request_spec.py
   if cfg["max_new_tokens"] < 1:
     raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
   mesh = sharding.make_mesh(cfg.get("mesh") or "")
   impl = resolve_impl(cfg["attention_impl"])
   kv_cache_dtype = cfg.get("kv_cache_dtype") or "auto"
-  check_kv_cache_dtype(kv_cache_dtype, impl)  # before the model loads
+  decode.check_kv_cache_dtype(kv_cache_dtype, impl)  # before the model loads
   config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
   return Target(config, params, impl=impl, model_path=cfg["model"] or None, dtype=cfg["dtype"],
                 kv_cache_dtype=kv_cache_dtype), tokenizer, mesh
@@ -108,7 +105,6 @@ def load_target(cfg: dict):
 def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
   """The target (load_target) and `spec`'s proposer (default cfg["spec"]), after the static pair check
   (check_pair)."""
-  from spec_jax.proposers.registry import build_proposer
   spec = cfg["spec"] if spec is None else spec
   target, tokenizer, mesh = load_target(cfg)
   check_pair(cfg, spec, target, tokenizer)
@@ -119,7 +115,6 @@ def load(cfg: dict, spec: Optional[SpecConfig] = None) -> Setup:
 def check_pair(cfg: dict, spec: SpecConfig, target, tokenizer) -> list:
   """The static pair check (spec_jax/pair_check.py) before the head loads: a head that cannot fit the target is
   refused with a message naming the mismatch; a verifier that differs is a warning (an error with cfg["strict"])."""
-  from spec_jax import pair_check
   findings = pair_check.static_check(spec, target.config, tokenizer, cfg.get("model") or None)
   pair_check.enforce(findings, strict=bool(cfg.get("strict")), what=f"the {spec.method} head")
   return findings
@@ -128,7 +123,6 @@ def check_pair(cfg: dict, spec: SpecConfig, target, tokenizer) -> list:
 def draft_lengths(setup: Setup, adaptive: bool, switchable: bool = False) -> tuple:
   """The k the adaptive controller may pick; `switchable` adds 0 (a server can turn drafting off per row and by
   its switch) and the speculative config's per-concurrency k."""
-  from spec_jax import adaptive as adaptive_lib
   spec, proposer = setup.spec_config, setup.proposer
   ks = set(adaptive_lib.option_set(proposer.k, adaptive, proposer.tree))
   if switchable:
@@ -137,17 +131,14 @@ def draft_lengths(setup: Setup, adaptive: bool, switchable: bool = False) -> tup
 
 
 def loop_spec(setup: Setup, ks: tuple, max_logprobs: int = -1):
-  from spec_jax.decode import LoopSpec
-  return LoopSpec(config=setup.config, proposer=setup.proposer, ks=ks, stop_ids=setup.stop_ids, impl=setup.impl,
-                  mesh=setup.mesh, max_logprobs=max_logprobs,
-                  kv_cache_dtype=setup.kv_cache_dtype)
+  return decode.make_spec(setup.config, setup.proposer, ks=ks, stop_ids=setup.stop_ids, impl=setup.impl,
+                          mesh=setup.mesh, max_logprobs=max_logprobs, kv_cache_dtype=setup.kv_cache_dtype)
 
 
 def step_costs(cfg: dict, setup: Setup, ks: tuple, rows: int):
   """float32[rows, len(ks)] for the adaptive controller, or None with one option: --costs_file's measured table
   (the default cost model where it has no entry for these draft lengths), every k above the one the speculative
   config allows at each occupancy made prohibitive, and with adaptive off only the full k."""
-  from serve.step_costs import load_costs, method_key
   if len(ks) < 2:
     return None
   base = None
@@ -165,8 +156,7 @@ def step_costs(cfg: dict, setup: Setup, ks: tuple, rows: int):
 def cost_table(spec: SpecConfig, ks: tuple, rows: int, base=None) -> np.ndarray:
   """float32[rows, len(ks)]: `base` (a measured table, or the default cost model) with every k above the one `spec`
   allows at each occupancy made prohibitive."""
-  from spec_jax import adaptive
-  table = np.broadcast_to(np.asarray(adaptive.default_costs(ks) if base is None else base, np.float32),
+  table = np.broadcast_to(np.asarray(adaptive_lib.default_costs(ks) if base is None else base, np.float32),
                           (rows, len(ks))).copy()
   for a in range(1, rows + 1):
     allowed = spec.k_at(a)

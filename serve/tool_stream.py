@@ -123,3 +123,18 @@ def cut_call(listed: dict, text: str):
   head = calls[0]
   args = "".join(c["function"]["arguments"] for c in calls)
   return {"id": head["id"], "type": "function", "function": {"name": head["function"]["name"], "arguments": args}}
+
+
+def answer(body: dict, listed: dict, text: str, forced: bool = False) -> dict:
+  """A chat.completion body whose text is one valid call: the call as `tool_calls`, finish_reason tool_calls. A
+  forced call (`forced`: tool_choice required or named) cut by max_tokens is a call too, with the arguments cut
+  (finish_reason length)."""
+  call = tools.parse_call(text, listed)
+  if call is None and forced and body["choices"][0]["finish_reason"] == "length":
+    call = cut_call(listed, text)
+  if call is not None:
+    choice = body["choices"][0]
+    choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+    if choice["finish_reason"] == "stop":
+      choice["finish_reason"] = "tool_calls"
+  return body

@@ -136,19 +136,3 @@ def parse_call(text: str, tools: dict) -> Optional[dict]:
       return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
               "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
   return None
-
-
-def answer(body: dict, tools: dict, text: str, forced: bool = False) -> dict:
-  """A chat.completion body whose text is one valid call: the call as `tool_calls`, finish_reason tool_calls. A
-  forced call (`forced`: tool_choice required or named) cut by max_tokens is a call too, with the arguments cut
-  (finish_reason length)."""
-  call = parse_call(text, tools)
-  if call is None and forced and body["choices"][0]["finish_reason"] == "length":
-    from serve.tool_stream import cut_call  # (tool_stream imports this module)
-    call = cut_call(tools, text)
-  if call is not None:
-    choice = body["choices"][0]
-    choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
-    if choice["finish_reason"] == "stop":
-      choice["finish_reason"] = "tool_calls"
-  return body

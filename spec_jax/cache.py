@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from spec_jax.config import ModelConfig
+from spec_jax.sharding import CacheLeaf, cache_spec
 
 DEFAULT_BLOCK_SIZE = 16
 NULL_PAGE = 0  # local id of each data shard's null page
@@ -93,7 +94,7 @@ def contiguous_pages(batch: int, pages_per_seq: int, shards: int = 1) -> int:
 
 
 @struct.dataclass
-class KVCache:
+class KVCache(CacheLeaf):
   """k, v [L, N, Hkv, block_size, D] in the activation dtype (L layers, N pages of the pool; heads before the
   page's tokens: on TPU the last two dims are the tiled ones, and (block, D) tiles cleanly for any number of KV
   heads); lengths int32[B] committed entries per row; pages int32[B, pages_per_seq] the page table (global page
@@ -217,7 +218,6 @@ def _per_shard(fn, mesh, k, pages, *, pool_args, row_args, out_pool: bool, out_r
   shards = _data_shards(mesh, k, pages)
   if shards == 1:
     return fn(*pool_args, pages, *row_args)
-  from spec_jax.sharding import cache_spec
   spec = cache_spec(k.shape, mesh)
   rows, heads = spec[1], spec[2]
   n_pool = k.shape[1]

@@ -9,6 +9,7 @@ non-ASCII text, `raise_exception` and `strftime_now`, and the special tokens' te
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Mapping, Sequence
 
@@ -102,7 +103,6 @@ def _raise(message):
 
 
 def _strftime_now(fmt):
-  import datetime
   return datetime.datetime.now().strftime(fmt)
 
 

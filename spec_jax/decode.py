@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ from spec_jax import logprobs as lps
 from spec_jax import controls as ctl
 from spec_jax.controls import Controls
 from spec_jax.grammar import rows as grammar_rows
-from spec_jax.cache import KVCache
+from spec_jax.cache import KVCache, kv_storage_dtype
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.models.transformer import forward
 from spec_jax.proposers.base import NoneProposer, ProposeContext, VerifyResult
@@ -40,13 +40,22 @@ FINISH_NAMES = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length",
 NO_LIMIT = np.iinfo(np.int32).max  # max_steps for a loop that runs until every row is done
 
 
+def lookahead(k_max: int, tree) -> int:
+  """Cache entries a step writes past the last committed token: k_max for chains, N - 1 for an N-node `tree`
+  (the proposer's; none while nothing drafts)."""
+  return max(k_max, tree.lookahead if tree is not None and k_max else 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopSpec:
-  """Everything static about a generation loop (hashable: a jit static argument)."""
+  """Everything static about a generation loop (hashable: a jit static argument). Built by `make_spec` only."""
 
   config: ModelConfig
   proposer: Any = NoneProposer()
-  ks: tuple = (0,)  # the draft lengths the adaptive controller may pick from
+  # The draft lengths the adaptive controller may pick from, each <= proposer.k (= the config's
+  # num_speculative_tokens); a step drafts k = ks[option] (`option` is the controller's index into ks), a row
+  # min(k, its draft_cap). k_max = max(ks) is the batch's largest, what the cache must leave room for.
+  ks: tuple = (0,)
   stop_ids: tuple = ()
   impl: str = "xla"
   probe_every: int = 16
@@ -60,9 +69,7 @@ class LoopSpec:
 
   @property
   def lookahead(self) -> int:
-    """Cache entries a step writes past the last committed token: k_max for chains, N - 1 for N-node trees."""
-    tree = self.proposer.tree
-    return max(self.k_max, tree.lookahead if tree is not None and self.k_max else 0)
+    return lookahead(self.k_max, self.proposer.tree)
 
   def __post_init__(self):
     check_kv_cache_dtype(self.kv_cache_dtype, self.impl)
@@ -356,16 +363,17 @@ def decode_loop(params, state: DecodeState, spec: LoopSpec, max_steps=NO_LIMIT) 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, impl: str) -> None:
   """An unknown --kv_cache_dtype is an error (every attention impl reads an 8-bit cache with its scales)."""
-  from spec_jax.cache import kv_storage_dtype
   del impl
   kv_storage_dtype(kv_cache_dtype)
 
 
-def make_spec(config: ModelConfig, proposer=NoneProposer(), *, adaptive_k: bool = True, stop_ids: Sequence[int] = (),
-              impl: str = "xla", probe_every: int = 16, mesh=None, max_logprobs: int = lps.OFF,
-              kv_cache_dtype: str = "auto") -> LoopSpec:
-  """The loop's static settings; the stop ids add to the model's EOS ids. With a mesh, the state is sharded by
-  spec_jax/sharding.py's table (params must be placed with sharding.shard_params)."""
-  return LoopSpec(config=config, proposer=proposer, ks=adaptive.option_set(proposer.k, adaptive_k, proposer.tree),
-                  stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))), impl=impl, probe_every=probe_every,
-                  mesh=mesh, max_logprobs=max_logprobs, kv_cache_dtype=kv_cache_dtype)
+def make_spec(config: ModelConfig, proposer=NoneProposer(), *, ks: Optional[Sequence[int]] = None,
+              adaptive_k: bool = True, stop_ids: Sequence[int] = (), impl: str = "xla", probe_every: int = 16,
+              mesh=None, max_logprobs: int = lps.OFF, kv_cache_dtype: str = "auto") -> LoopSpec:
+  """The loop's static settings, the one place a LoopSpec is built; the stop ids add to the model's EOS ids. `ks`:
+  the draft lengths the controller may pick (default: adaptive.option_set of the proposer's k). With a mesh, the
+  state is sharded by spec_jax/sharding.py's table (params must be placed with sharding.shard_params)."""
+  ks = adaptive.option_set(proposer.k, adaptive_k, proposer.tree) if ks is None else tuple(ks)
+  return LoopSpec(config=config, proposer=proposer, ks=ks, stop_ids=tuple(sorted(set(config.eos_ids) | set(stop_ids))),
+                  impl=impl, probe_every=probe_every, mesh=mesh, max_logprobs=max_logprobs,
+                  kv_cache_dtype=kv_cache_dtype)

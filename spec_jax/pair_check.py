@@ -20,16 +20,24 @@ and on warnings under strict; the run commands (serve/setup.py load) call it bef
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import os
 import re
 from typing import Optional
 
+from safetensors import safe_open
+
+from spec_jax.checkpoints import heads, published
+from spec_jax.checkpoints.heads import target_fingerprint
+from spec_jax.checkpoints.load import load_tokenizer
+from spec_jax.checkpoints.safetensors_loader import read_config
 from spec_jax.config import ModelConfig
+from spec_jax.proposers.eagle import check_feature_layers
+from spec_jax.proposers.registry import METHODS, default_heads_path, is_checkpoint
 
 log = logging.getLogger("spec_jax.pair_check")
-HEAD_METHODS = ("medusa", "eagle", "eagle3")
 LEVELS = ("pass", "info", "warning", "error")
 
 
@@ -45,9 +53,9 @@ class Finding:
 
 def head_path(spec) -> Optional[str]:
   """The head a speculative config drafts with (None: a method without a head)."""
-  if spec.method not in HEAD_METHODS:
+  entry = METHODS.get(spec.method)
+  if entry is None or not (entry.head_kinds or entry.checkpoint_kind):
     return None
-  from spec_jax.proposers.registry import default_heads_path
   return spec.model or default_heads_path(spec.method)
 
 
@@ -83,13 +91,11 @@ def _same_path(a: str, b: Optional[str]) -> bool:
 
 
 def _safetensors_files(directory: str) -> list:
-  import glob
   return sorted(glob.glob(os.path.join(directory, "*.safetensors")))
 
 
 def _tensor_shapes(directory: str, files: tuple = ()) -> dict:
   """{name: shape} of a head's weights, from the safetensors headers (a torch .bin is read whole)."""
-  from safetensors import safe_open
   paths = [os.path.join(directory, f) for f in files if os.path.isfile(os.path.join(directory, f))] if files else (
       _safetensors_files(directory))
   out = {}
@@ -103,14 +109,12 @@ def _tensor_shapes(directory: str, files: tuple = ()) -> dict:
       except Exception as e:  # the package's own error types
         raise ValueError(f"{p} is not a readable safetensors file: {e}") from e
     return out
-  from spec_jax.checkpoints import published
   weights, _ = published.read_weights(directory, files)
   return {n: tuple(a.shape) for n, a in weights.items()}
 
 
 def _read_tensors(directory: str, names: tuple) -> dict:
   """Only `names` (those present) of a head's weights."""
-  from safetensors import safe_open
   st = _safetensors_files(directory)
   out = {}
   if st:
@@ -123,7 +127,6 @@ def _read_tensors(directory: str, names: tuple) -> dict:
       except Exception as e:
         raise ValueError(f"{p}: cannot read {list(names)}: {e}") from e
     return out
-  from spec_jax.checkpoints import published
   weights, _ = published.read_weights(directory)
   return {n: weights[n] for n in names if n in weights}
 
@@ -142,7 +145,6 @@ def _vocab_findings(head_vocab, digest, verifier_dir, target_config, tokenizer) 
     return out
   have = None
   if digest is None and verifier_dir:
-    from spec_jax.checkpoints.load import load_tokenizer
     try:
       digest, have = load_tokenizer(verifier_dir).vocab_digest(), f"the verifier's tokenizer ({verifier_dir})"
     except (OSError, ValueError) as e:
@@ -162,7 +164,6 @@ def _vocab_findings(head_vocab, digest, verifier_dir, target_config, tokenizer) 
 
 
 def _verifier_findings(name, architectures, fingerprint, target_config, target_path) -> list:
-  from spec_jax.checkpoints.heads import target_fingerprint
   out = []
   mine = target_fingerprint(target_config)
   names = _target_names(target_config, target_path)
@@ -181,7 +182,6 @@ def _verifier_findings(name, architectures, fingerprint, target_config, target_p
     else:
       out.append(Finding("verifier", "pass", f"verifier architecture {mine_arch}"))
   if fingerprint is None and name and os.path.isdir(name) and os.path.isfile(os.path.join(name, "config.json")):
-    from spec_jax.checkpoints.safetensors_loader import read_config
     try:
       fingerprint = target_fingerprint(read_config(name))
     except (OSError, ValueError, KeyError) as e:
@@ -200,7 +200,6 @@ def _local_dir(name) -> Optional[str]:
 
 
 def _published_findings(directory: str, method: str, target_config: ModelConfig, tokenizer, target_path) -> list:
-  from spec_jax.checkpoints import published
   try:
     fmt = published.detect(directory)
   except (ValueError, FileNotFoundError) as e:
@@ -213,7 +212,7 @@ def _published_findings(directory: str, method: str, target_config: ModelConfig,
     if kind is None:
       return [Finding("format", "error", f"{directory}: speculators_model_type {cfg.get('speculators_model_type')!r} "
                       "is not supported (eagle, eagle3 are)")]
-  allowed = {"eagle": ("eagle1", "eagle3"), "eagle3": ("eagle3",), "medusa": ("medusa",)}[method]
+  allowed = METHODS[method].head_kinds
   if kind not in allowed:
     return [Finding("format", "error", f"{directory} holds a {kind} head ({fmt} format); method {method!r} takes "
                     f"{', '.join(allowed)}")]
@@ -279,10 +278,9 @@ def _published_findings(directory: str, method: str, target_config: ModelConfig,
 
 def _checkpoint_findings(stem: str, method: str, target_config: ModelConfig, tokenizer, target_path) -> list:
   """One of our trainer's checkpoints (<stem>.json + <stem>.safetensors)."""
-  from spec_jax.checkpoints import heads
   with open(stem + ".json") as f:
     meta = json.load(f)
-  want = "medusa" if method == "medusa" else "eagle"
+  want = METHODS[method].checkpoint_kind
   if meta.get("kind") != want:
     return [Finding("format", "error", f"{stem}.json: a {meta.get('kind')!r} head checkpoint; method {method!r} "
                     f"takes a {want!r} one")]
@@ -292,10 +290,9 @@ def _checkpoint_findings(stem: str, method: str, target_config: ModelConfig, tok
   out.append(Finding("hidden", "pass", f"hidden size {D}") if meta.get("hidden_size") == D else
              Finding("hidden", "error", f"hidden_size is {meta.get('hidden_size')}, the target's is {D}"))
   if want == "eagle":
-    from spec_jax.proposers.eagle import check_feature_layers
     try:
       layers = check_feature_layers(meta.get("feature_layers") or (), target_config, stem)
-      if method == "eagle3" and not layers:
+      if METHODS[method].needs_feature_layers and not layers:
         out.append(Finding("layers", "error", f"{stem} is an EAGLE-1 head (no feature layers); use method eagle"))
       elif layers:
         out.append(Finding("layers", "pass", f"feature layers {list(layers)} within the target's "
@@ -324,7 +321,6 @@ def _checkpoint_findings(stem: str, method: str, target_config: ModelConfig, tok
 
 
 def _read_tensors_file(path: str, name: str):
-  from safetensors import safe_open
   try:
     with safe_open(path, framework="numpy") as h:
       return h.get_tensor(name) if name in h.keys() else None
@@ -337,8 +333,6 @@ def static_check(spec, target_config: ModelConfig, tokenizer=None, target_path: 
   path = head_path(spec)
   if path is None:
     return [Finding("head", "info", f"method {spec.method!r} has no draft head to check")]
-  from spec_jax.checkpoints import published
-  from spec_jax.proposers.registry import is_checkpoint
   stem = path
   for suffix in (".safetensors", ".json"):  # the loaders take a checkpoint's file names for its stem too
     stem = stem[:-len(suffix)] if stem.endswith(suffix) else stem

@@ -21,9 +21,11 @@ from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax.models import schema
+from spec_jax.quant import is_quantized
 
 MESH_AXES = ("data", "model")
 
@@ -145,17 +147,19 @@ def param_shardings(params, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(one, params)
 
 
+class CacheLeaf:
+  """A KV cache to the table: spec_jax/cache.py's KVCache subclasses it (the cache imports this table for its
+  per-shard operations, so the table names caches by this base): k, v by CACHE_AXES, lengths and pages by row."""
+
+
 def _is_cache(x) -> bool:
-  from spec_jax.cache import KVCache
-  return isinstance(x, KVCache)
+  return isinstance(x, CacheLeaf)
 
 
 def state_shardings(state, mesh: Mesh):
   """Shardings for a DecodeState, a proposer state or any pytree of per-row arrays: KV caches by CACHE_AXES,
   the batch-wide fields of REPLICATED_STATE replicated, every other array split on its leading (row) axis."""
-  from spec_jax.cache import KVCache
-
-  def cache(c: KVCache):
+  def cache(c):
     spec = cache_spec(c.k.shape, mesh)
     kv = NamedSharding(mesh, spec)
     scale = NamedSharding(mesh, P(*spec[:4])) if c.quantized else None  # split like the pages they scale
@@ -232,7 +236,6 @@ def shard_params(params, mesh: Optional[Mesh]):
   from spec_jax.layouts import lay_out
   if mesh is None:
     return lay_out(params)
-  from spec_jax.quant import is_quantized
   if is_quantized(params):  # their tiled layout has no entry in the logical-axis table yet
     raise ValueError("quantized weights (--quantize, qdraft) run on one device for now; drop --mesh or "
                      "quantize none")
@@ -261,7 +264,6 @@ def _row_sharding(x, mesh: Mesh) -> NamedSharding:
 def to_host(x) -> np.ndarray:
   """A (possibly multi-host) array as numpy on every process, gathered with a collective when needed."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(x)
 

@@ -30,20 +30,23 @@ import json
 import os
 from typing import Optional
 
+from spec_jax.proposers import registry
 from spec_jax.spec_policy import Canary, Policy, parse_canary, parse_policy
 
-# vLLM's spellings of registry names.
-METHOD_ALIASES = {"draft_model": "draft", "off": "none", "": "none"}
+DEFAULT_K = 4  # num_speculative_tokens of a config that names a method and no k
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
+  """A checked speculative config, its defaults these fields' own. SHARED_KEYS are every method's; each other
+  key (commented with its method) belongs to one method, whose registry entry declares and checks it (`options`)."""
+
   method: str = "none"  # a name of spec_jax/proposers/registry.py (or a vLLM alias)
   num_speculative_tokens: int = 0  # the largest draft length (a tree's depth)
   prompt_lookup_min: int = 1  # ngram: shortest suffix to match
   prompt_lookup_max: int = 3  # ngram: longest suffix to match
   model: str = ""  # heads / draft checkpoint, or an independent draft model ('' = the one in heads/)
-  draft_layers: int = 0
+  draft_layers: int = 0  # draft: N > 0 drafts with the target's first N layers
   eagle_topk: int = 1
   num_draft_tokens: int = 0
   quantization: str = "int8"  # qdraft: the draft's weights (int8 or int4)
@@ -57,6 +60,7 @@ class SpecConfig:
 
   @property
   def k(self) -> int:
+    """num_speculative_tokens under the name the proposer (proposer.k) and the loop (LoopSpec.ks) give it."""
     return self.num_speculative_tokens
 
   def k_at(self, occupancy: int) -> int:
@@ -94,6 +98,8 @@ class SpecConfig:
 
 _TABLE_KEYS = ("per_concurrency", "policy", "canary")
 ENTRY_KEYS = tuple(f.name for f in dataclasses.fields(SpecConfig) if f.name not in _TABLE_KEYS)
+SHARED_KEYS = ("method", "num_speculative_tokens", "model", "eagle_topk", "num_draft_tokens")  # every method's
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpecConfig)}
 _PROPOSER_KEYS = tuple(k for k in ENTRY_KEYS if k != "num_speculative_tokens")
 
 
@@ -115,50 +121,36 @@ def read_json_arg(text: str, what: str) -> dict:
 
 
 def _int(d: dict, key: str, default: int, what: str) -> int:
-  v = d.get(key, default)
-  if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-    raise ValueError(f"{what}: {key} must be an integer >= 0, got {v!r}")
-  return v
+  return registry.int_option(key).check(d.get(key, default), what)
 
 
 def _entry(d: dict, what: str) -> dict:
   """One setting's fields, checked; an absent method with a k is n-gram (vLLM's default), k = 0 is off."""
-  from spec_jax.proposers.registry import METHODS  # the registry as it is now: a plugin registered after import counts
   unknown = set(d) - set(ENTRY_KEYS)
   if unknown:
     raise ValueError(f"{what}: unknown keys {sorted(unknown)}; known: {sorted(ENTRY_KEYS)}")
   method = d.get("method")
   if method is None:
-    method = "ngram" if d.get("num_speculative_tokens") else "none"
-  name = METHOD_ALIASES.get(method.lower(), method.lower()) if isinstance(method, str) else None
-  if name not in METHODS:
-    raise ValueError(f"{what}: unknown method {method!r}; choose one of {', '.join(m for m in METHODS if m != 'none')} "
+    method = registry.VLLM_DEFAULT if d.get("num_speculative_tokens") else "none"
+  name = registry.canonical(method) if isinstance(method, str) else None
+  methods = registry.METHODS  # as it is now: a plugin registered after import counts
+  if name not in methods:
+    raise ValueError(f"{what}: unknown method {method!r}; choose one of {', '.join(m for m in methods if m != 'none')} "
                      "(a plugin's method: import it with --plugins)")
-  k = _int(d, "num_speculative_tokens", 4 if name != "none" else 0, what)
+  k = _int(d, "num_speculative_tokens", DEFAULT_K if name != "none" else 0, what)
   if name == "none" or k == 0:
     name, k = "none", 0
-  model = d.get("model") or ""
+  model = d.get("model") or DEFAULTS["model"]
   if not isinstance(model, str):
     raise ValueError(f"{what}: model must be a path string, got {model!r}")
-  quantization = d.get("quantization") or "int8"
-  if quantization not in ("int8", "int4"):
-    raise ValueError(f"{what}: quantization (qdraft's weights) must be int8 or int4, got {quantization!r}")
-  out = dict(method=name, num_speculative_tokens=k, prompt_lookup_min=_int(d, "prompt_lookup_min", 1, what),
-             prompt_lookup_max=_int(d, "prompt_lookup_max", 3, what), model=model,
-             draft_layers=_int(d, "draft_layers", 0, what), eagle_topk=max(1, _int(d, "eagle_topk", 1, what)),
-             num_draft_tokens=_int(d, "num_draft_tokens", 0, what), quantization=quantization)
-  factor = d.get("suffix_decoding_max_spec_factor", 1.0)
-  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-    raise ValueError(f"{what}: suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
-  sharing = d.get("suffix_sharing") or "tenant"
-  if sharing not in ("tenant", "global"):
-    raise ValueError(f"{what}: suffix_sharing must be tenant or global, got {sharing!r}")
-  out.update(suffix_decoding_max_tree_depth=max(1, _int(d, "suffix_decoding_max_tree_depth", 24, what)),
-             suffix_decoding_max_spec_factor=float(factor),
-             suffix_history_tokens=max(2, _int(d, "suffix_history_tokens", 2048, what)), suffix_sharing=sharing)
-  if name == "ngram" and not 1 <= out["prompt_lookup_min"] <= out["prompt_lookup_max"]:
-    raise ValueError(f"{what}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {out['prompt_lookup_min']}, "
-                     f"{out['prompt_lookup_max']}")
+  out = dict(method=name, num_speculative_tokens=k, model=model,
+             eagle_topk=max(1, _int(d, "eagle_topk", DEFAULTS["eagle_topk"], what)),
+             num_draft_tokens=_int(d, "num_draft_tokens", DEFAULTS["num_draft_tokens"], what))
+  for entry in methods.values():  # every method's keys are checked, whichever method drafts
+    for option in entry.options:
+      out[option.key] = option.check(d.get(option.key, DEFAULTS[option.key]), what)
+  if methods[name].check is not None:
+    methods[name].check(out, what)
   return out
 
 

@@ -32,10 +32,16 @@ import json
 import os
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from spec_jax import flag_table
+from spec_jax.checkpoints import heads as head_ckpt, safetensors_io
+from spec_jax.checkpoints.load import load_model
+from spec_jax.proposers import vocab
+from spec_jax.quant import QTensor
+from train import export_eagle3
 
 FORMATS = ("eagle", "eagle3", "medusa", "speculators")
 EAGLE3_FORMATS = ("eagle3", "speculators")  # the formats of a head trained with head_layout="eagle3"
@@ -115,26 +121,22 @@ def check_exportable(meta: dict, fmt: str, stem: str = "head") -> None:
 def export(stem: str, fmt: str, output: str, target_config, target_params, tokenizer=None,
            target_name: str = "") -> str:
   """Writes the head `stem` in format `fmt` to the directory `output`; -> the weights file written."""
-  from spec_jax.checkpoints import heads as head_ckpt, safetensors_io
-  from spec_jax.proposers import vocab
-  from spec_jax.quant import QTensor
   stem = stem[:-len(".json")] if stem.endswith(".json") else stem
   stem = stem[:-len(".safetensors")] if stem.endswith(".safetensors") else stem
   meta = _meta(stem)
   check_exportable(meta, fmt, stem)
-  import jax.numpy as jnp
+  if isinstance(vocab.output_rows(target_params), QTensor):  # every format writes the target's output rows
+    holder = "the head's lm_head holds" if meta["kind"] == "eagle" else "the Medusa-1 heads carry"
+    raise ExportError(f"the target is quantized (--quantize): export from its unquantized weights, whose output "
+                      f"rows {holder}")
   _, weights, d2t = head_ckpt.load_heads(stem, target_config, meta["kind"], jnp.float32)
   provenance = {"base_model_name_or_path": target_name or target_config.name,
                 "spec_jax_target_fingerprint": head_ckpt.target_fingerprint(target_config)}
   if tokenizer is not None:
     provenance["spec_jax_vocab_digest"] = tokenizer.vocab_digest()
   if meta["kind"] == "eagle":  # check_exportable let only the published EAGLE-3 layout through
-    from train import export_eagle3
     return export_eagle3.export(meta, weights, d2t, fmt, output, target_config, target_params, stem, provenance)
   rows = vocab.output_rows(target_params)
-  if isinstance(rows, QTensor):
-    raise ExportError("the target is quantized (--quantize): export from its unquantized weights, whose output "
-                      "rows the Medusa-1 heads carry")
   w, b = np.asarray(weights["w"], np.float32), np.asarray(weights["b"], np.float32)
   K, D, V = w.shape[0], target_config.d_model, target_config.vocab_size
   rows = np.asarray(rows, np.float32)
@@ -162,7 +164,6 @@ def main(argv):
     if not F.heads or not F.format or not F.output:
       raise ValueError("--heads, --format and --output are required")
     check_exportable(_meta(F.heads[:-len(".json")] if F.heads.endswith(".json") else F.heads), F.format, F.heads)
-    from spec_jax.checkpoints.load import load_model
     config, params, tokenizer = load_model(F.model or None, "float32")
     path = export(F.heads, F.format, F.output, config, params, tokenizer, target_name=F.model or "")
   except (ValueError, FileNotFoundError) as e:

@@ -17,6 +17,9 @@ import os
 
 import numpy as np
 
+from spec_jax.checkpoints import safetensors_io
+from spec_jax.proposers import eagle3_layout, vocab
+
 
 def _torch_layer(layer: dict, prefix: str) -> dict:
   """Our decoder layer's params -> torch's Llama layer tensors (Linear weights [out, in])."""
@@ -36,15 +39,8 @@ def export(meta: dict, weights: dict, d2t, fmt: str, output: str, target_config,
            provenance: dict) -> str:
   """Writes the head (its checkpoint's `meta`, float32 `weights`, absolute `d2t` or None) as `fmt` (eagle3 |
   speculators) to `output`; -> the weights file written. `provenance`: config keys naming the verifier."""
-  from spec_jax.checkpoints import safetensors_io
-  from spec_jax.proposers import eagle3_layout, vocab
-  from spec_jax.quant import QTensor
-  from train.export import ExportError
   V, D = target_config.vocab_size, target_config.d_model
-  rows = vocab.output_rows(target_params, None if d2t is None else np.asarray(d2t))
-  if isinstance(rows, QTensor):
-    raise ExportError("the target is quantized (--quantize): export from its unquantized weights, whose output "
-                      "rows the head's lm_head holds")
+  rows = vocab.output_rows(target_params, None if d2t is None else np.asarray(d2t))  # float: export checked
   ids = np.arange(V, dtype=np.int64) if d2t is None else np.asarray(d2t, np.int64)
   layer = dict(eagle3_layout.layer_dict(target_config, int(meta["mlp_dim"])), vocab_size=V,
                max_position_embeddings=int(target_config.max_seq_len), tie_word_embeddings=False)

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
+
+from spec_jax.checkpoints import heads as head_ckpt
+from spec_jax.proposers import eagle, eagle3_layout, medusa, vocab
+from spec_jax.proposers.draft import early_exit_params
+from train import losses
+from train.trainer import Task
+
 
 def build_task(cfg, config, params, d2t):
   """-> (Task, initial trainable params, frozen pytree, export meta)."""
-  import jax
-  import jax.numpy as jnp
-  from spec_jax.checkpoints import heads as head_ckpt
-  from spec_jax.proposers import eagle, eagle3_layout, medusa, vocab
-  from spec_jax.proposers.draft import early_exit_params
-  from train import losses
-  from train.trainer import Task
   key = jax.random.PRNGKey(cfg.train.seed)
   layers = tuple(cfg.feature_layers) if cfg.kind == "eagle" else ()
   if layers:
@@ -58,7 +60,7 @@ def build_task(cfg, config, params, d2t):
                          f"reg_weight=0 (its fed-back feature is not the target's; got {cfg.reg_weight})")
       ecfg = eagle3_layout.layer_config(config, cfg.mlp_dim or None)
       init = eagle3_layout.init_params(key, ecfg, len(layers), params)
-      extra, published = {"head_layout": layout}, eagle3_layout.published()
+      extra, published = {"head_layout": layout}, eagle.Published(layout)
     else:
       raise ValueError(f"head_layout must be 'ours' or 'eagle3', got {layout!r}")
     loss = functools.partial(losses.eagle_loss, cfg=ecfg, noise=cfg.noise, reg_weight=cfg.reg_weight,

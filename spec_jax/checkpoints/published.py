@@ -27,11 +27,14 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.checkpoints.weight_files import read_json, read_weights  # noqa: F401 (pair_check reads them here)
+from spec_jax.checkpoints.safetensors_loader import llama_layer_config
 from spec_jax.config import ModelConfig
+from spec_jax.proposers import eagle, medusa, vocab
 
 FORMATS = ("speculators", "medusa", "eagle3", "eagle1")
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
@@ -100,27 +103,6 @@ LLAMA_DEFAULTS = dict(model_type="llama", vocab_size=32000, hidden_size=4096, in
                       num_attention_heads=32, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0)
 
 
-def _layer_config(cfg: dict, target: ModelConfig, where: str) -> ModelConfig:
-  """The head's decoder layer, from its (Llama) config: its own sizes and RoPE, Llama conventions."""
-  from spec_jax.checkpoints.safetensors_loader import _rope_spec
-  mt = cfg.get("model_type", "llama")
-  if mt not in ("llama", None):
-    raise ValueError(f"{where}: the head's layer is model_type {mt!r}; only Llama-style layers are supported")
-  if cfg.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
-  try:
-    D, H = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    theta, _, scaling = _rope_spec(cfg, where, 10_000.0, 10_000.0, allow_llama3=True)
-    return target.replace(
-        d_model=D, num_layers=1, num_heads=H, num_kv_heads=int(cfg.get("num_key_value_heads") or H),
-        head_dim=int(cfg.get("head_dim") or D // H), mlp_dim=int(cfg["intermediate_size"]), activation="silu",
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), post_norms=False, qk_norm=False,
-        qkv_bias=bool(cfg.get("attention_bias", False)), rope_base=theta, rope_base_local=theta,
-        rope_scaling=scaling, sliding_window=None, query_pre_attn_scalar=None, name=f"{target.name}-eagle")
-  except KeyError as e:
-    raise ValueError(f"{where}: config key {e.args[0]!r} is missing") from e
-
-
 def _decoder_layer(t: _Tensors, prefix: str, cfg: ModelConfig, in_width: int, input_norm: bool) -> dict:
   D, H, K, d, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   p = {
@@ -160,7 +142,6 @@ def _embed(t: _Tensors, target_params: dict, cfg: ModelConfig, target: ModelConf
 
 
 def _to_params(tree, dtype):
-  import jax
   return jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32), dtype), tree)
 
 
@@ -202,7 +183,6 @@ def _d2t(t: _Tensors, n: int, target: ModelConfig) -> Optional[np.ndarray]:
 
 def load_eagle3(directory: str, target: ModelConfig, target_params: dict, fmt: str, k: int, impl: str, tree):
   """An EAGLE-3 head (SafeAILab / SpecForge, or speculators) -> (EagleProposer, params)."""
-  from spec_jax.proposers import eagle, vocab
   where = os.path.join(directory, "config.json")
   cfg = read_json(where)
   if fmt == "speculators":
@@ -230,7 +210,7 @@ def load_eagle3(directory: str, target: ModelConfig, target_params: dict, fmt: s
     # SpecForge's `norm_output` (default true) means "logits through the final norm", which is this layout.
     published, prefix, fc_norm = eagle.Published("eagle3"), None, bool(cfg.get("fc_norm", False))
     target_hidden = cfg.get("target_hidden_size")
-  lcfg = _layer_config(layer_cfg, target, where)
+  lcfg = llama_layer_config(layer_cfg, target, where)
   weights, wpath = read_weights(directory)
   t = _Tensors(weights, wpath)
   if prefix is None:
@@ -260,18 +240,16 @@ def load_eagle3(directory: str, target: ModelConfig, target_params: dict, fmt: s
   _check_unused(t, ignore=("verifier_", "embed_tokens.weight"))
   proposer = eagle.EagleProposer(config=lcfg, vocab_size=target.vocab_size, k=k, reduced=d2t is not None,
                                  impl=impl, tree=tree, feature_layers=layers, published=published)
-  del vocab
   return proposer, params
 
 
 def load_eagle1(directory: str, target: ModelConfig, target_params: dict, k: int, impl: str, tree):
   """An EAGLE-1/2 head as its authors publish it -> (EagleProposer, params)."""
-  from spec_jax.proposers import eagle, vocab
   where = os.path.join(directory, "config.json")
   cfg = read_json(where)
   if int(cfg.get("num_hidden_layers", 1)) != 1:
     raise ValueError(f"{where}: {cfg['num_hidden_layers']} draft layers; only 1 is supported")
-  lcfg = _layer_config(cfg, target, where)
+  lcfg = llama_layer_config(cfg, target, where)
   if lcfg.d_model != target.d_model:
     raise ValueError(f"{where}: hidden_size {lcfg.d_model} differs from the target's {target.d_model} (a head "
                      "made for another target?)")
@@ -297,7 +275,6 @@ def load_speculators_eagle(directory: str, target: ModelConfig, target_params: d
   (embedding_layernorm(e) with `layernorms`), one decoder layer (its input norm only with `layernorms`), the
   verifier's RoPE, logits = verifier lm_head(x) (pre_lm_head_layernorm(x) first with `layernorms`); x is fed back.
   """
-  from spec_jax.proposers import eagle, vocab
   where = os.path.join(directory, "config.json")
   cfg = read_json(where)
   layer_cfg = cfg.get("transformer_layer_config")
@@ -307,7 +284,7 @@ def load_speculators_eagle(directory: str, target: ModelConfig, target_params: d
   if arch not in ("auto", "LlamaDecoderLayer"):
     raise ValueError(f"{where}: transformer_layer_architecture {arch!r} is not supported (LlamaDecoderLayer)")
   # The model always builds one layer (num_hidden_layers may be the verifier's); RoPE is the verifier's.
-  lcfg = _layer_config({**LLAMA_DEFAULTS, **layer_cfg}, target, where).replace(
+  lcfg = llama_layer_config({**LLAMA_DEFAULTS, **layer_cfg}, target, where).replace(
       rope_base=target.rope_base, rope_base_local=target.rope_base, rope_scaling=target.rope_scaling)
   if lcfg.d_model != target.d_model:
     raise ValueError(f"{where}: hidden_size {lcfg.d_model} differs from the target's {target.d_model} (a head "
@@ -336,7 +313,6 @@ def load_speculators_eagle(directory: str, target: ModelConfig, target_params: d
 
 def load_medusa(directory: str, target: ModelConfig, target_params: dict, k: int):
   """Medusa-1 heads as FasterDecoding publishes them -> (MedusaProposer, params)."""
-  from spec_jax.proposers import medusa
   where = os.path.join(directory, "config.json")
   cfg = read_json(where) if os.path.isfile(where) else {}
   try:
@@ -364,9 +340,10 @@ def load_medusa(directory: str, target: ModelConfig, target_params: dict, k: int
 # ---------------------------------------------------------------------------------------------- entry
 
 
-def load(directory: str, method: str, target: ModelConfig, target_params: dict, k: int, impl: str = "xla",
-         tree=None):
-  """The registry's entry: a published head directory for `method` -> (proposer, params)."""
+def load(directory: str, method: str, kinds: tuple, target: ModelConfig, target_params: dict, k: int,
+         impl: str = "xla", tree=None):
+  """The registry's entry: a published head directory for `method`, which takes heads of `kinds` (its entry's
+  head_kinds) -> (proposer, params)."""
   fmt = detect(directory)
   if fmt == "speculators":
     kind = read_json(os.path.join(directory, "config.json")).get("speculators_model_type")
@@ -375,10 +352,9 @@ def load(directory: str, method: str, target: ModelConfig, target_params: dict, 
     fmt_kind = {"eagle": "eagle1", "eagle3": "eagle3"}[kind]
   else:
     fmt_kind = fmt
-  allowed = {"eagle": ("eagle1", "eagle3"), "eagle3": ("eagle3",), "medusa": ("medusa",)}.get(method, ())
-  if fmt_kind not in allowed:
+  if fmt_kind not in kinds:
     raise ValueError(f"{directory} holds a {fmt_kind} head ({fmt} format); method {method!r} takes "
-                     f"{', '.join(allowed) or 'no published head'}")
+                     f"{', '.join(kinds) or 'no published head'}")
   if fmt_kind == "medusa":
     return load_medusa(directory, target, target_params, k)
   if fmt_kind == "eagle1":

@@ -19,6 +19,7 @@ import numpy as np
 from spec_jax import quant
 from spec_jax.checkpoints import safetensors_io
 from spec_jax.checkpoints.file_cache import cache_path, fingerprint
+from spec_jax.models.transformer import param_shapes
 
 FORMAT = "3"
 log = logging.getLogger("spec_jax.load")
@@ -39,7 +40,6 @@ def _expected_dtype(name: str, mode: str):
 
 def read_cache(source: str, mode: str, config) -> dict | None:
   """The cached quantized params of `source` (numpy-backed jax arrays), or None when absent or not valid."""
-  from spec_jax.models.transformer import param_shapes
   cpath = cache_path(source, f".spec_jax.{mode}.safetensors")
   meta_path = cpath + ".json"
   if not (os.path.exists(cpath) and os.path.exists(meta_path)):

@@ -331,3 +331,24 @@ def load_hf(directory: str, dtype=jnp.float32):
   params = {r.name: jnp.asarray(fetch(r, r.shape(config)), dtype) for r in schema.top_rows(config)}
   params["layers"] = layers
   return config, params
+
+
+def llama_layer_config(cfg: dict, target: ModelConfig, where: str) -> ModelConfig:
+  """A draft head's decoder layer, from its (Llama) config: its own sizes and RoPE, Llama conventions (published
+  heads, and the heads trained in their layout: spec_jax/proposers/eagle3_layout.py)."""
+  mt = cfg.get("model_type", "llama")
+  if mt not in ("llama", None):
+    raise ValueError(f"{where}: the head's layer is model_type {mt!r}; only Llama-style layers are supported")
+  if cfg.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{where}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
+  try:
+    D, H = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    theta, _, scaling = _rope_spec(cfg, where, 10_000.0, 10_000.0, allow_llama3=True)
+    return target.replace(
+        d_model=D, num_layers=1, num_heads=H, num_kv_heads=int(cfg.get("num_key_value_heads") or H),
+        head_dim=int(cfg.get("head_dim") or D // H), mlp_dim=int(cfg["intermediate_size"]), activation="silu",
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), post_norms=False, qk_norm=False,
+        qkv_bias=bool(cfg.get("attention_bias", False)), rope_base=theta, rope_base_local=theta,
+        rope_scaling=scaling, sliding_window=None, query_pre_attn_scalar=None, name=f"{target.name}-eagle")
+  except KeyError as e:
+    raise ValueError(f"{where}: config key {e.args[0]!r} is missing") from e

@@ -3,6 +3,7 @@ zip's pickle, with only tensors and dicts allowed), and config.json as a JSON ob
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
@@ -54,7 +55,6 @@ def read_torch_bin(path: str) -> dict:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
           return _rebuild_tensor
         if module == "collections" and name == "OrderedDict":
-          import collections
           return collections.OrderedDict
         if module == "torch" and name in _TORCH_DTYPES:
           return _Storage(_TORCH_DTYPES[name])

@@ -21,6 +21,8 @@ import threading
 
 import numpy as np
 
+from spec_jax.grammar.token_bytes import token_bytes
+
 MAX_REGEX_CHARS = 20_000  # larger patterns are refused (a 400): outlines-core's build time grows with them
 MAX_TABLE = 8_000_000  # states x classes entries an automaton may hold (32 MB of int32)
 
@@ -179,7 +181,6 @@ class Compiler:
   CACHE_SIZE = 64
 
   def __init__(self, tokenizer, stop_ids=None):
-    from spec_jax.grammar.token_bytes import token_bytes
     self.token_bytes = token_bytes(tokenizer)
     self.stop_ids = tuple(sorted(tokenizer.stop_ids if stop_ids is None else stop_ids))
     self.vocab_size = len(self.token_bytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+from spec_jax.bpe_tokenizer import BPETokenizer
 from spec_jax.tokenizer import Tokenizer
 
 _WS = "\u2581"
@@ -32,7 +33,6 @@ def _unicode_to_byte() -> dict[str, int]:
 
 def token_bytes(tokenizer: Tokenizer) -> list:
   """list[bytes | None] in id order (None: a special token)."""
-  from spec_jax.bpe_tokenizer import BPETokenizer
   special = tokenizer.special_ids
   out: list = []
   if isinstance(tokenizer, BPETokenizer):

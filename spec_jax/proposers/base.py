@@ -32,6 +32,8 @@ from typing import Any, ClassVar, Optional, Protocol
 import jax
 from flax import struct
 
+from spec_jax.cache import KVCache
+
 
 @struct.dataclass
 class Draft:
@@ -92,7 +94,6 @@ class PrefillOut:
   def cache_for(self, config, dtype, capacity: int):
     """An empty KV cache for a proposer's own model, paged like the target's (contiguous rows of `capacity`
     slots when no table is given) and stored like it (one --kv_cache_dtype covers every cache)."""
-    from spec_jax.cache import KVCache
     if self.proposer_cache is not None:
       return self.proposer_cache.replace(lengths=self.offsets, pages=self.pages)
     if self.pages is None:
@@ -130,7 +131,7 @@ class VerifyResult:
 
 class Proposer(Protocol):
   name: str
-  k: int  # the largest number of tokens it drafts per step (a tree's depth)
+  k: int  # the largest number of tokens it drafts per step (a tree's depth): the config's num_speculative_tokens
   needs_prompt_hidden: ClassVar[bool]
   tree: Any  # None for chain proposers
 

@@ -21,10 +21,11 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from spec_jax import scopes
+from spec_jax import quant, scopes
 from spec_jax.cache import KVCache
+from spec_jax.checkpoints.load import load_config, load_params, load_tokenizer, resolve_model_path
 from spec_jax.config import ModelConfig
-from spec_jax.models.transformer import forward
+from spec_jax.models.transformer import forward, param_shapes as tfm_shapes
 from spec_jax.prefill import prefill as prefill_fn
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
@@ -178,8 +179,6 @@ def quantized_self_draft(target_config: ModelConfig, target_params: dict, model_
   an int8 draft step reads on Gemma 3 270M are the 262k-row head. Tokens outside the N can never be drafted
   (acceptance falls); the verifier still corrects them, so the output stays exact. On 2 CPU cores it bought
   3-4 % and cost 11-13 % of τ (BENCHMARKS 19): there the int8 layer stack, not the head, is the draft's cost."""
-  from spec_jax import quant
-  from spec_jax.checkpoints.load import load_params
   if mode not in ("int8", "int4"):
     raise ValueError(f"qdraft quantizes to int8 or int4, got {mode!r}")
   if quant.is_quantized(target_params):
@@ -200,7 +199,6 @@ def independent_draft(draft_path: str, target_config: ModelConfig, target_path: 
   """A separately trained model of the target's family as the draft (Qwen2.5-Coder 0.5B for the 1.5B), with its
   own config and KV cache. It must map ids to the same pieces as the target: checked on the vocabulary sizes,
   then on the tokenizers' pieces, before its weights are loaded."""
-  from spec_jax.checkpoints.load import load_config, load_params, load_tokenizer, resolve_model_path
   draft_path = resolve_model_path(draft_path)
   dcfg = load_config(draft_path)
   if dcfg.vocab_size != target_config.vocab_size:
@@ -219,7 +217,6 @@ def independent_draft(draft_path: str, target_config: ModelConfig, target_path: 
 
 def param_shapes(target_config: ModelConfig, num_layers: int) -> dict:
   """The trained weights of a distilled draft: its layers and final norm (embedding and head are the target's)."""
-  from spec_jax.models.transformer import param_shapes as tfm_shapes
   shapes = tfm_shapes(target_config.replace(num_layers=num_layers))
   return {"layers": shapes["layers"], "final_norm": shapes["final_norm"]}
 

@@ -350,7 +350,7 @@ def load_eagle(path: str, target_config: ModelConfig, target_params: dict, k: in
     cfg = eagle3_layout.layer_config(target_config, int(meta["mlp_dim"]))
     head_ckpt.check_shapes(weights, eagle3_layout.param_shapes(cfg, len(layers)), path)
     proposer = EagleProposer(config=cfg, vocab_size=target_config.vocab_size, k=k, reduced=d2t is not None,
-                             impl=impl, tree=tree, feature_layers=layers, published=eagle3_layout.published())
+                             impl=impl, tree=tree, feature_layers=layers, published=Published(eagle3_layout.LAYOUT))
     return proposer, runtime_params(weights, target_params, d2t)
   cfg = layer_config(target_config, int(meta.get("mlp_dim", target_config.mlp_dim)))
   if ("fuse" in weights) != bool(layers):

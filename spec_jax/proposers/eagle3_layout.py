@@ -6,7 +6,7 @@ The layout is the one spec_jax/checkpoints/published.py loads, computed by the s
 side (no per-part norms), one Llama decoder layer whose q/k/v read [input_layernorm(embedding); hidden_norm(h)]
 (2 D wide) with h as the residual, the raw output fed back, logits = lm_head(norm(output)) over the draft
 vocabulary. The layer's config is built from the very Llama config dict the export writes, through the loader's
-own reader (published._layer_config), so the trained and the loaded layer cannot differ. The lm_head is the
+own reader (safetensors_loader.llama_layer_config), so the trained and the loaded layer cannot differ. The lm_head is the
 target's output rows over the draft vocabulary (frozen while training; the export writes them), so a head stores
 only the layer, the FC and the norms.
 """
@@ -18,6 +18,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from spec_jax.checkpoints.safetensors_loader import llama_layer_config
 from spec_jax.config import ModelConfig
 from spec_jax.models import transformer as tfm
 
@@ -35,13 +36,13 @@ def layer_dict(target: ModelConfig, mlp_dim: Optional[int] = None) -> dict:
 
 
 def layer_config(target: ModelConfig, mlp_dim: Optional[int] = None) -> ModelConfig:
-  from spec_jax.checkpoints.published import _layer_config
-  return _layer_config(layer_dict(target, mlp_dim), target, f"{target.name} EAGLE-3 layer")
+  return llama_layer_config(layer_dict(target, mlp_dim), target, f"{target.name} EAGLE-3 layer")
 
 
-def published():
-  from spec_jax.proposers.eagle import Published
-  return Published("eagle3")
+def default_feature_layers(config: ModelConfig) -> tuple:
+  """EAGLE-3's fused target layers, the convention of its published heads: low, middle and high."""
+  L = config.num_layers
+  return (1, L // 2 - 1, L - 4)
 
 
 def param_shapes(cfg: ModelConfig, num_feature_layers: int) -> dict:

@@ -50,11 +50,12 @@ def test_training_in_the_eagle3_layout_runs_the_drafting_forward():
   feats = losses.target_features(params, config, toks, LAYERS)[..., config.d_model:]
   from spec_jax.proposers import eagle3_layout
   lcfg = eagle3_layout.layer_config(config, cfg.mlp_dim)
-  pred = losses.eagle_unrolled(stem_params, lcfg, feats[:, :-1], toks[:, 1:], 1, eagle3_layout.published())[0]
+  pred = losses.eagle_unrolled(stem_params, lcfg, feats[:, :-1], toks[:, 1:], 1,
+                              eagle.Published(eagle3_layout.LAYOUT))[0]
   T = toks.shape[1] - 1
   cache = KVCache.init(lcfg, 1, 16, jnp.float32)
   got, _ = eagle.eagle_forward(stem_params, lcfg, feats[:, :-1], toks[:, 1:], jnp.arange(T)[None], cache,
-                               published=eagle3_layout.published())
+                               published=eagle.Published(eagle3_layout.LAYOUT))
   np.testing.assert_allclose(np.asarray(pred), np.asarray(got), atol=1e-5, rtol=0)
   with pytest.raises(ValueError, match="reg_weight=0"):
     bad = _cfg()
