@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from spec_jax.param_axes import leaf_name, param_axes
+
 HEADS_MAJOR_PLATFORMS = ("tpu",)
 _HEADS = ("heads", "kv_heads")
 
@@ -25,7 +27,6 @@ _HEADS = ("heads", "kv_heads")
 def heads_major(name: str, ndim: int) -> Optional[tuple]:
   """major_to_minor of a [..., embed, heads, head_dim] parameter placed heads-major (its heads before its embed
   axis); None for every other parameter (default layout)."""
-  from spec_jax.sharding import param_axes
   axes = param_axes(name, ndim)
   if ndim < 3 or axes[-3] != "embed" or axes[-2] not in _HEADS or axes[-1] != "head_dim":
     return None
@@ -41,10 +42,9 @@ def _platform(x) -> str:
 def _wanted(path, x, platforms):
   """The heads-major Layout for one leaf, or None (other parameters, other platforms, quantized weights)."""
   from jax.experimental.layout import Layout
-  from spec_jax.sharding import _leaf_name
   if not hasattr(x, "shape") or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
     return None
-  order = heads_major(_leaf_name(path), len(x.shape))
+  order = heads_major(leaf_name(path), len(x.shape))
   if order is None or _platform(x) not in platforms:
     return None
   return Layout(major_to_minor=order)

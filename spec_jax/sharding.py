@@ -16,7 +16,6 @@ model still runs on any mesh. Batch rows (slots) split over `data`; callers pad 
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any, Optional, Sequence
 
 import jax
@@ -24,7 +23,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax.models import schema
+from spec_jax.layouts import lay_out
+from spec_jax.param_axes import leaf_name as _leaf_name, param_axes
 from spec_jax.quant import is_quantized
 
 MESH_AXES = ("data", "model")
@@ -42,19 +42,6 @@ LOGICAL_RULES = {
     "layers": None,
 }
 
-# Parameter name -> logical axes of one layer's (or an unstacked) array; a stacked layer array has one more leading
-# axis, "layers". The target's come from models/schema.py; the draft model and EAGLE's layer reuse those names.
-# The proposers' own parameters:
-_PROPOSER_AXES = {
-    "rows": ("vocab", "embed"),  # a draft's output rows (d2t's), as the head's
-    # EAGLE's input projection [2D, D]. Replicated: every chip reads it whole (split on its output features, the
-    # compiler's EAGLE-3 k = 4 step fell 5.94 -> 5.06 ms on Llama-3 8B v5e-8, but the loop then gave the EAGLE
-    # state's features back split over 'model', against the state table; issue 48 has it to redo).
-    "fc": ("embed", "embed"),
-    "w": ("embed", "embed"), "b": ("embed",),  # Medusa heads [K, D, D], [K, D] (K stacked like layers)
-}
-PARAM_AXES = {**schema.AXES, **_PROPOSER_AXES}
-_NORM = re.compile(r"norm$")  # the proposers' own norms (EAGLE's feat_norm, ...): ("embed",)
 
 # Decode-state fields that are not per row (shared by the whole batch): replicated.
 REPLICATED_STATE = {"spec_enabled", "step", "adapt.costs", "adapt.since_probe", "adapt.uses"}
@@ -117,23 +104,6 @@ def cache_spec(shape: Sequence[int], mesh: Mesh) -> P:
   """The PartitionSpec of a KV cache's K or V ([L, B, Hkv, S, D]) under the table: what a per-shard operation on
   the cache (a kernel, a row write, tree compaction) takes as its `shard_map` spec."""
   return logical_to_spec(CACHE_AXES, shape, mesh)
-
-
-def param_axes(name: str, ndim: int) -> tuple:
-  """Logical axes of a parameter from its leaf name and rank (unknown names: replicated)."""
-  axes = PARAM_AXES.get(name, ("embed",) if _NORM.search(name) else None)
-  if axes is None:
-    return (None,) * ndim
-  if ndim == len(axes) + 1:
-    return ("layers",) + axes
-  if ndim != len(axes):
-    return (None,) * ndim
-  return axes
-
-
-def _leaf_name(path) -> str:
-  last = path[-1] if path else None
-  return str(getattr(last, "key", getattr(last, "name", getattr(last, "idx", ""))))
 
 
 def _path_str(path) -> str:
@@ -233,7 +203,6 @@ class settled:
 
 def shard_params(params, mesh: Optional[Mesh]):
   """Parameters placed by the table, the attention projections heads-major on TPU (spec_jax/layouts.py)."""
-  from spec_jax.layouts import lay_out
   if mesh is None:
     return lay_out(params)
   if is_quantized(params):  # their tiled layout has no entry in the logical-axis table yet

@@ -5,7 +5,7 @@ axis) and so its shape, how many leading input axes its matmul contracts (0: not
 Hugging Face safetensors and in GGUF ("{i}" is the layer), how the torch layout both formats store becomes ours,
 and when a config has it. Everything that knows parameter names reads it:
   transformer.param_shapes   shapes, in the order below;
-  sharding.PARAM_AXES        the logical axes (plus the proposers' own parameters, which live there);
+  param_axes.PARAM_AXES      the logical axes (plus the proposers' own parameters, which live there);
   quant.LAYER_CONTRACT       which layer weights are quantized, over which input axes;
   the safetensors and GGUF loaders: names, layout conversion and the shape a file must hold.
 What one format does differently for one family is one named function here (`hf_name`, `hf_norm_offset`).

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_jax import quant, sharding
+from spec_jax import param_axes, quant, sharding
 from spec_jax.checkpoints.gguf_loader import load_gguf
 from spec_jax.checkpoints.safetensors_loader import NAME_PREFIXES, load_hf
 from spec_jax.config import FAMILIES, ModelConfig, family_config
@@ -47,9 +47,9 @@ def test_every_param_has_one_row(name):
     r = rows[(leaf, stacked)]
     lead = (c.num_layers,) if stacked else ()
     assert x.shape == lead + r.shape(c), leaf
-    assert len(sharding.param_axes(leaf, x.ndim)) == x.ndim == len(r.axes) + stacked, leaf
+    assert len(param_axes.param_axes(leaf, x.ndim)) == x.ndim == len(r.axes) + stacked, leaf
     if stacked:
-      assert sharding.param_axes(leaf, x.ndim) == ("layers",) + r.axes
+      assert param_axes.param_axes(leaf, x.ndim) == ("layers",) + r.axes
   assert _leaves(param_shapes(c)).keys() == leaves.keys()
 
 
@@ -76,8 +76,8 @@ def test_rows_are_consistent():
     assert 0 <= r.contract < len(r.axes), r.name
   # The readers' tables are views of the rows; the proposers' own names never shadow a target's.
   assert quant.LAYER_CONTRACT == {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
-  assert {n: sharding.PARAM_AXES[n] for n in schema.AXES} == schema.AXES
-  assert set(sharding._PROPOSER_AXES).isdisjoint(schema.AXES)
+  assert {n: param_axes.PARAM_AXES[n] for n in schema.AXES} == schema.AXES
+  assert set(param_axes._PROPOSER_AXES).isdisjoint(schema.AXES)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -1,0 +1,37 @@
+"""Each parameter's logical axes, by its leaf name and rank: what the sharding table splits (spec_jax/sharding.py)
+and what the placement lays out heads-major (spec_jax/layouts.py)."""
+
+import re
+
+from spec_jax.models import schema
+
+# Parameter name -> logical axes of one layer's (or an unstacked) array; a stacked layer array has one more leading
+# axis, "layers". The target's come from models/schema.py; the draft model and EAGLE's layer reuse those names.
+# The proposers' own parameters:
+_PROPOSER_AXES = {
+    "rows": ("vocab", "embed"),  # a draft's output rows (d2t's), as the head's
+    # EAGLE's input projection [2D, D]. Replicated: every chip reads it whole (split on its output features, the
+    # compiler's EAGLE-3 k = 4 step fell 5.94 -> 5.06 ms on Llama-3 8B v5e-8, but the loop then gave the EAGLE
+    # state's features back split over 'model', against the state table; issue 48 has it to redo).
+    "fc": ("embed", "embed"),
+    "w": ("embed", "embed"), "b": ("embed",),  # Medusa heads [K, D, D], [K, D] (K stacked like layers)
+}
+PARAM_AXES = {**schema.AXES, **_PROPOSER_AXES}
+_NORM = re.compile(r"norm$")  # the proposers' own norms (EAGLE's feat_norm, ...): ("embed",)
+
+
+def param_axes(name: str, ndim: int) -> tuple:
+  """Logical axes of a parameter from its leaf name and rank (unknown names: replicated)."""
+  axes = PARAM_AXES.get(name, ("embed",) if _NORM.search(name) else None)
+  if axes is None:
+    return (None,) * ndim
+  if ndim == len(axes) + 1:
+    return ("layers",) + axes
+  if ndim != len(axes):
+    return (None,) * ndim
+  return axes
+
+
+def leaf_name(path) -> str:
+  last = path[-1] if path else None
+  return str(getattr(last, "key", getattr(last, "name", getattr(last, "idx", ""))))
