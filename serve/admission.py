@@ -112,8 +112,7 @@ def preempt(e, req: EngineRequest) -> None:
 def assign_tenant(e, req: EngineRequest) -> None:
   """The request's tenant id in its device request; an id taken from another tenant loses its history first."""
   tid, evicted = e.tenants.acquire(req.tenant)
-  forget = getattr(e.spec.proposer, "forget_tenant", None)
-  if evicted is not None and forget is not None:
-    e.table.state = forget(e.table.state, evicted)
+  if evicted is not None and getattr(e.spec.proposer, "forget_tenant", None) is not None:
+    e.table.forget_tenant(evicted)
   req.tenant_id = tid
   req.device_req = req.device_req.replace(tenant=np.int32(tid))

@@ -61,14 +61,17 @@ class Engine:
   def __init__(self, params, spec, tokenizer, *, max_num_seqs: int, capacity: int, max_queue: int = 64,
                steps_per_sync: int = 8, costs=None, spec_config=None, guardrails=None,
                request_timeout_s: float = 600.0, seed: int = 0, metrics: Optional[Metrics] = None,
-               timing_probe_s: float = 10.0, switchback=None, grammar_capacity=None, kv_pool=None):
-    """kv_pool: the paged KV pool's flags (serve/kv_scheduler.py plan); None: fixed slots."""
+               timing_probe_s: float = 10.0, switchback=None, grammar_capacity=None, kv_pool=None,
+               table_class=None):
+    """kv_pool: the paged KV pool's flags (serve/kv_scheduler.py plan); None: fixed slots. table_class: the slot
+    table's class (multi-host hook: serve/multihost.py's, which mirrors every device call; None: SlotTable)."""
     if max_num_seqs < 1 or max_queue < 0 or steps_per_sync < 1:
       raise ValueError("max_num_seqs and steps_per_sync must be >= 1, max_queue >= 0")
     pool = kv_scheduler.plan(params, spec, kv_pool, rows=SlotTable.rows(params, spec, max_num_seqs),
                              max_num_seqs=max_num_seqs, capacity=capacity, grammar_capacity=grammar_capacity)
     self.block_size = pool["block_size"] if pool else DEFAULT_BLOCK_SIZE
-    self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed,
+    table = table_class or SlotTable  # multi-host hook (serve/multihost.py)
+    self.table = table(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed,
                            grammar_capacity=grammar_capacity, block_size=self.block_size,
                            num_pages=pool["num_pages"] if pool else None)
     self.tenants = TenantTable(TENANT_IDS, max_num_seqs)

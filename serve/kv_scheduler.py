@@ -263,7 +263,7 @@ class KVScheduler:
     table = np.stack([self.bm.null_row(self.shard_of_slot(i)) for i in range(self.rows)])
     for slot, r in rows:
       table[slot] = self.bm.table(r.kv_key)
-    self.e.table.state = slots.set_page_tables(self.e.table.state, table)
+    self.e.table.set_page_tables(table)
     self.metrics_update()
     return steps
 
@@ -310,7 +310,7 @@ class KVScheduler:
       return
     ids = np.full((1 << (len(freed) - 1).bit_length(),), freed[0], np.int32)
     ids[:len(freed)] = freed
-    self.e.table.state = slots.fill_pages(self.e.table.state, jnp.asarray(ids))
+    self.e.table.fill_pages(ids)
 
   def metrics_update(self) -> None:
     m, bm = self.e.metrics, self.bm

@@ -91,6 +91,20 @@ class SlotTable:
     full[:len(caps)] = np.asarray(caps, np.int32)
     self.state = slots.set_draft_caps(self.state, full)
 
+  # The block manager's and the tenants' writes: through the table, so a multi-host leader can mirror every device
+  # call of the engine (serve/multihost.py).
+  def set_page_tables(self, table) -> None:
+    """int32[rows, pages_per_seq]: every KV cache's page table (serve/kv_scheduler.py)."""
+    self.state = slots.set_page_tables(self.state, table)
+
+  def fill_pages(self, pages) -> None:
+    """int32[n] page ids set to NaN (the test-only poisoning of freed pages)."""
+    self.state = slots.fill_pages(self.state, np.asarray(pages, np.int32))
+
+  def forget_tenant(self, tenant: int) -> None:
+    """The proposer forgets tenant id `tenant`'s history (its id goes to another tenant: serve/tenants.py)."""
+    self.state = self.spec.proposer.forget_tenant(self.state, tenant)
+
   def lost(self) -> bool:
     """Whether the donated state is gone (a call failed after donating it): then only `reset` helps."""
     try:

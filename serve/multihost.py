@@ -1,0 +1,415 @@
+"""The server on many hosts (issue 47): one process a host, one mesh, process 0 the leader.
+
+  # on each host I = 0 .. N-1 (TPU pods, SLURM and MPI need none of the three flags):
+  python -m serve.server --mesh=data:2,model:8 --coordinator_address=HOST0:1234 --num_processes=N --process_id=I ...
+
+Every process loads the model and builds the same engine (its construction's device calls are the same code on
+each). Process 0 then runs HTTP, the scheduler and the block manager; the others (followers) run no HTTP and no
+scheduling. The mirror is at the slot table (spec_jax/slot_table.py): every device call the engine makes goes
+through one of its methods with host-side arguments (numpy arrays, python scalars), so the leader's table
+(LeaderTable) sends each call, (method name, host arguments), to the followers before running it, and each follower
+runs the same method with the same arguments in the same order (`follow`). Same programs, same inputs, same order:
+the collectives of every jitted call line up. Each call is sent before it runs (not batched per iteration): on a
+CPU mesh every program is waited for (spec_jax/sharding.py settle), so the leader cannot run ahead of a follower.
+
+The snapshot the leader reads is gathered to every device inside its program (MirrorTable.run): the leader reads
+it locally, the followers drop theirs.
+
+The channel is a TCP connection from each follower to the leader (its port published in jax.distributed's
+key-value store); messages are length-prefixed pickles of (name, numpy arguments) from the leader, and heartbeats
+both ways. Like jax.distributed's coordinator it trusts its network: run it on the job's private network. A
+follower that dies (its connection closes) or goes silent for --heartbeat_timeout s stops the leader at once with
+a log line naming it (os._exit: the engine thread may be stuck in a collective with the dead host), and likewise a
+follower whose leader is gone; the leader's clients then get a connection error, not a hang.
+
+At start, every process's run settings (the model, mesh, method, ... all but the per-host ones) are compared with
+process 0's through the key-value store; a difference stops every process with a message naming the settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import queue
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spec_jax import sharding
+from spec_jax.decode import decode_loop
+from spec_jax import slots
+from spec_jax.slot_table import SlotTable
+
+log = logging.getLogger("spec_jax.multihost")
+FLAGS = ("coordinator_address", "num_processes", "process_id", "initialization_timeout", "heartbeat_timeout")
+# Settings that may differ between hosts: where each one listens, logs and caches, and its place in the run.
+PER_HOST = {"host", "port", "process_id", "log_level", "compilation_cache_dir", "coordinator_address"}
+BEAT_S = 1.0  # heartbeat period on the channel, both ways
+_KEY = "spec_jax/serve/"
+
+
+# ------------------------------------------------------------------------------------------------ start-up
+
+def join(cfg: dict) -> Optional["Cluster"]:
+  """Join the run (serve.evaluate's jax.distributed start-up: flags, or auto-detection on TPU pods / SLURM /
+  MPI); -> None for one process. Checks the settings against process 0's, then connects the channel."""
+  from serve import evaluate
+  if not evaluate._multi_process():
+    return None
+  evaluate.init_distributed()
+  if jax.process_count() == 1:
+    return None
+  me, n = jax.process_index(), jax.process_count()
+  timeout = int(cfg.get("initialization_timeout") or 300)
+  check_same_settings(cfg, me, n, timeout)
+  if not cfg.get("mesh") or sharding.make_mesh(cfg["mesh"]) is None:
+    raise ValueError(f"a server on {n} processes needs --mesh over all {jax.device_count()} devices "
+                     f"(e.g. --mesh=data:{n},model:{jax.device_count() // n})")
+  beat = float(cfg.get("heartbeat_timeout") or 100)
+  cluster = Leader(n, timeout, beat) if me == 0 else Follower(me, timeout, beat)
+  log.info("process %d of %d joined (%d devices, %d here); %s", me, n, jax.device_count(), jax.local_device_count(),
+           "the leader: HTTP, scheduler and block manager here" if me == 0 else "a follower: mirrors process 0")
+  return cluster
+
+
+def _kv():
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def settings_of(cfg: dict) -> dict:
+  """The settings every host must share, as JSON-able values, plus what this host brings (devices, platform)."""
+  out = {k: (v.to_json() if hasattr(v, "to_json") else v) for k, v in cfg.items() if k not in PER_HOST}
+  out = json.loads(json.dumps(out, default=str, sort_keys=True))
+  out["local_devices"] = jax.local_device_count()
+  out["platform"] = jax.devices()[0].platform
+  return out
+
+
+def differences(mine: dict, theirs: dict) -> list:
+  """'key: A vs B' for every setting that differs."""
+  keys = sorted(set(mine) | set(theirs))
+  return [f"{k}: {json.dumps(mine.get(k))} vs {json.dumps(theirs.get(k))}" for k in keys if mine.get(k) != theirs.get(k)]
+
+
+def check_same_settings(cfg: dict, me: int, n: int, timeout_s: int) -> None:
+  """ValueError naming every setting where this process differs from process 0 (process 0: where any follower
+  differs from it). Every process publishes its own; the leader reads all, a follower reads the leader's."""
+  client = _kv()
+  mine = settings_of(cfg)
+  client.key_value_set(f"{_KEY}settings/{me}", json.dumps(mine))
+  peers = range(1, n) if me == 0 else [0]
+  bad = []
+  for p in peers:
+    theirs = json.loads(client.blocking_key_value_get(f"{_KEY}settings/{p}", timeout_s * 1000))
+    diff = differences(theirs if me == 0 else mine, mine if me == 0 else theirs)
+    if diff:
+      f = p if me == 0 else me
+      bad.append(f"process {f} differs from process 0 in {len(diff)} setting(s) (process {f}'s vs process 0's): "
+                 + "; ".join(diff))
+  if bad:
+    raise ValueError("the processes were started with different settings, refused: " + " | ".join(bad))
+
+
+# ------------------------------------------------------------------------------------------------ the channel
+
+def _send(sock: socket.socket, payload: bytes) -> None:
+  sock.sendall(struct.pack("!Q", len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+  buf = bytearray()
+  while len(buf) < n:
+    chunk = sock.recv(min(n - len(buf), 1 << 20))
+    if not chunk:
+      raise ConnectionError("connection closed")
+    buf += chunk
+  return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> bytes:
+  (n,) = struct.unpack("!Q", _recv_exact(sock, 8))
+  return _recv_exact(sock, n)
+
+
+def fatal(message: str) -> None:
+  """Stop this process now with one clear line: a collective with a dead peer would never return, and
+  jax.distributed's exit barrier would wait for it."""
+  me = jax.process_index()
+  log.error("%s", message)
+  print(f"error: process {me}: {message}", file=sys.stderr, flush=True)
+  logging.shutdown()
+  os._exit(1)
+
+
+class Leader:
+  """Process 0's end: one connection per follower, calls out, heartbeats both ways."""
+
+  role = "leader"
+
+  def __init__(self, n: int, timeout_s: int, beat_timeout_s: float):
+    self.n, self.beat_timeout = n, beat_timeout_s
+    self._lock = threading.Lock()
+    self._last_sent = time.monotonic()
+    self.stopping = threading.Event()
+    self.sent_bytes = self.sent_calls = 0
+    srv = socket.create_server(("", 0), backlog=n)
+    host = (_kv_coordinator_host() or socket.gethostname())
+    _kv().key_value_set(f"{_KEY}channel", f"{host}:{srv.getsockname()[1]}")
+    srv.settimeout(timeout_s)
+    self.peers: dict[int, socket.socket] = {}
+    try:
+      while len(self.peers) < n - 1:
+        conn, _ = srv.accept()
+        conn.settimeout(timeout_s)
+        pid = json.loads(_recv(conn))["process"]
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.peers[pid] = conn
+    except socket.timeout:
+      raise ValueError(f"followers {sorted(set(range(1, n)) - set(self.peers))} did not connect to the leader's "
+                       f"channel within {timeout_s} s") from None
+    finally:
+      srv.close()
+    self._closed = set()
+    for pid, conn in self.peers.items():
+      conn.settimeout(beat_timeout_s)
+      threading.Thread(target=self._watch, args=(pid, conn), name=f"multihost-watch-{pid}", daemon=True).start()
+    threading.Thread(target=self._beat, name="multihost-beat", daemon=True).start()
+
+  def send(self, msg: tuple) -> None:
+    payload = pickle.dumps(msg, protocol=5)
+    with self._lock:
+      for pid, conn in self.peers.items():
+        try:
+          _send(conn, payload)
+        except OSError as e:
+          fatal(f"follower process {pid} is gone ({type(e).__name__}: {e}); stopping the server")
+      self._last_sent = time.monotonic()
+      self.sent_bytes += len(payload)
+      self.sent_calls += 1
+
+  def _beat(self) -> None:
+    while not self.stopping.is_set():
+      time.sleep(BEAT_S / 2)
+      if time.monotonic() - self._last_sent >= BEAT_S:
+        self.send(("beat",))
+
+  def _watch(self, pid: int, conn: socket.socket) -> None:
+    """A follower's heartbeats; its connection closing or going silent stops the server."""
+    try:
+      while True:
+        _recv(conn)
+    except socket.timeout:
+      why = f"sent no heartbeat for {self.beat_timeout:g} s (--heartbeat_timeout)"
+    except (OSError, ConnectionError) as e:
+      why = f"closed its connection ({e})"
+    if self.stopping.is_set():
+      self._closed.add(pid)
+      return
+    fatal(f"follower process {pid} {why}: it died or hangs; stopping the server (process 0) so that no host "
+          f"waits in a collective forever")
+
+  def stop(self, wait_s: float = 30.0) -> None:
+    """A normal stop: the followers exit after the calls sent so far; wait (bounded) until they closed."""
+    self.stopping.set()
+    self.send(("stop",))
+    end = time.monotonic() + wait_s
+    while len(self._closed) < len(self.peers) and time.monotonic() < end:
+      time.sleep(0.05)
+
+
+def _kv_coordinator_host() -> Optional[str]:
+  from jax._src import distributed
+  addr = distributed.global_state.coordinator_address  # process 0 runs the coordinator service
+  return addr.rsplit(":", 1)[0].strip("[]") if addr else None
+
+
+class Follower:
+  """A follower's end: a reader thread (the watchdog) fills a queue that `follow` runs."""
+
+  role = "follower"
+
+  def __init__(self, me: int, timeout_s: int, beat_timeout_s: float):
+    self.me, self.beat_timeout = me, beat_timeout_s
+    addr = _kv().blocking_key_value_get(f"{_KEY}channel", timeout_s * 1000)
+    host, port = addr.rsplit(":", 1)
+    try:
+      self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except OSError as e:
+      raise ValueError(f"process {me} could not connect to the leader's channel at {addr}: {e}") from None
+    self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _send(self.sock, json.dumps({"process": me}).encode())
+    self.sock.settimeout(beat_timeout_s)
+    self.calls: queue.Queue = queue.Queue()
+    self._lock = threading.Lock()
+    threading.Thread(target=self._read, name="multihost-read", daemon=True).start()
+    threading.Thread(target=self._beat, name="multihost-beat", daemon=True).start()
+
+  def _read(self) -> None:
+    try:
+      while True:
+        msg = pickle.loads(_recv(self.sock))
+        if msg[0] != "beat":
+          self.calls.put(msg)
+        if msg[0] == "stop":
+          return
+    except socket.timeout:
+      why = f"sent nothing for {self.beat_timeout:g} s (--heartbeat_timeout)"
+    except (OSError, ConnectionError) as e:
+      why = f"closed the channel ({e})"
+    fatal(f"the leader (process 0) {why}: it died or hangs; stopping this follower")
+
+  def _beat(self) -> None:
+    while True:
+      time.sleep(BEAT_S)
+      try:
+        with self._lock:
+          _send(self.sock, b"b")
+      except OSError:
+        return  # the reader names the failure
+
+  def stop(self, wait_s: float = 0.0) -> None:
+    self.sock.close()
+
+
+# ------------------------------------------------------------------------------------------------ the tables
+
+def host_tree(tree):
+  """Arguments as host values: numpy arrays (a request built with jnp arrays on one device included)."""
+  return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x, tree)
+
+
+_SNAPSHOTS: dict = {}
+
+
+def replicated_snapshot(state, mesh):
+  """slots.snapshot with every output gathered to every device: process 0 reads it without a collective of its
+  own (the gather is inside the program every process runs)."""
+  fn = _SNAPSHOTS.get(mesh)
+  if fn is None:
+    fn = _SNAPSHOTS[mesh] = jax.jit(lambda s: slots.snapshot(s), out_shardings=NamedSharding(mesh, PartitionSpec()))
+  return sharding.settle(fn(state))
+
+
+class MirrorTable(SlotTable):
+  """The slot table of every process of a multi-host server: host arguments in, a snapshot every process holds
+  in full out. The followers run its methods as the leader's calls come in."""
+
+  def insert(self, holder, request, slot=None) -> int:
+    return super().insert(holder, host_tree(request), slot)
+
+  def run(self, steps: int, loop=None) -> tuple:
+    if loop is not None:
+      raise ValueError("the timing probe's loop is not mirrored on many hosts (--timing_probe_s=0)")
+    self.state = decode_loop(self.params, self.state, self.spec, np.int32(steps))
+    return replicated_snapshot(self.state, self.spec.mesh), dict(self.holders)
+
+
+class LeaderTable(MirrorTable):
+  """Process 0's table: every call goes to the followers (name, host arguments) before it runs here."""
+
+  channel = None  # set after construction: the constructor's reset runs on every process already
+
+  def _mirror(self, name: str, *args) -> None:
+    if self.channel is not None:
+      self.channel.send(("call", name, args))
+
+  def reset(self) -> None:
+    self._mirror("reset")
+    super().reset()
+
+  def insert(self, holder, request, slot=None) -> int:
+    request = host_tree(request)
+    slot = self._free[0] if slot is None else slot
+    self._mirror("insert", None, request, int(slot))
+    return super().insert(holder, request, slot)
+
+  def run(self, steps: int, loop=None) -> tuple:
+    self._mirror("run", int(steps))
+    return super().run(steps, loop)
+
+  def release(self, slot: int) -> None:
+    self._mirror("release", int(slot))
+    super().release(slot)
+
+  def set_speculation(self, enabled: bool) -> None:
+    self._mirror("set_speculation", bool(enabled))
+    super().set_speculation(enabled)
+
+  def set_draft_caps(self, caps) -> None:
+    caps = np.asarray(caps, np.int32)
+    self._mirror("set_draft_caps", caps)
+    super().set_draft_caps(caps)
+
+  def set_page_tables(self, table) -> None:
+    table = np.asarray(table, np.int32)
+    self._mirror("set_page_tables", table)
+    super().set_page_tables(table)
+
+  def fill_pages(self, pages) -> None:
+    pages = np.asarray(pages, np.int32)
+    self._mirror("fill_pages", pages)
+    super().fill_pages(pages)
+
+  def forget_tenant(self, tenant: int) -> None:
+    self._mirror("forget_tenant", int(tenant))
+    super().forget_tenant(tenant)
+
+
+MIRRORED = ("reset", "insert", "run", "release", "set_speculation", "set_draft_caps", "set_page_tables",
+            "fill_pages", "forget_tenant")
+
+
+def table_class(cluster):
+  """The engine's slot table class for this process (None: one process, the plain SlotTable)."""
+  return None if cluster is None else (LeaderTable if cluster.role == "leader" else MirrorTable)
+
+
+def lead(engine, cluster) -> None:
+  """Process 0: from now on the engine's table sends its calls to the followers."""
+  engine.table.channel = cluster
+
+
+def follow(engine, cluster: Follower) -> None:
+  """A follower's life: run the leader's calls on this engine's table, in order, until the leader stops (then
+  return) or dies (the reader thread ends the process). A call that raises here raised on the leader too (same
+  program, same inputs): the leader's engine recovers (a reset), which comes next."""
+  table = engine.table
+  log.info("process %d: following process 0", cluster.me)
+  n = 0
+  while True:
+    msg = cluster.calls.get()
+    if msg[0] == "stop":
+      log.info("process %d: the leader stopped after %d calls", cluster.me, n)
+      return
+    _, name, args = msg
+    if name not in MIRRORED:
+      fatal(f"the leader sent an unknown call {name!r}: are both processes running the same code?")
+    try:
+      getattr(table, name)(*args)
+    except Exception:
+      log.exception("mirrored call %s failed (the leader's engine recovers the same way)", name)
+    n += 1
+
+
+def exit_now(code: int) -> None:
+  """End this process without jax.distributed's exit barrier (the other processes may be gone already)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  logging.shutdown()
+  os._exit(code)
+
+
+def joined() -> bool:
+  """Whether this process joined a jax.distributed run."""
+  from jax._src import distributed
+  return distributed.global_state.client is not None
