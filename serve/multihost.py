@@ -59,9 +59,10 @@ _KEY = "spec_jax/serve/"
 
 # ------------------------------------------------------------------------------------------------ start-up
 
-def join(cfg: dict) -> Optional["Cluster"]:
+def join(cfg: dict):
   """Join the run (serve.evaluate's jax.distributed start-up: flags, or auto-detection on TPU pods / SLURM /
-  MPI); -> None for one process. Checks the settings against process 0's, then connects the channel."""
+  MPI) -> a Leader (process 0) or a Follower; None for one process. Checks the settings against process 0's,
+  then connects the channel."""
   from serve import evaluate
   if not evaluate._multi_process():
     return None
@@ -161,7 +162,7 @@ class Leader:
     self._lock = threading.Lock()
     self._last_sent = time.monotonic()
     self.stopping = threading.Event()
-    self.sent_bytes = self.sent_calls = 0
+    self.sent = {"messages": 0, "calls": 0, "bytes": 0, "seconds": 0.0}  # the channel's cost (benchmarks/multihost.py)
     srv = socket.create_server(("", 0), backlog=n)
     host = (_kv_coordinator_host() or socket.gethostname())
     _kv().key_value_set(f"{_KEY}channel", f"{host}:{srv.getsockname()[1]}")
@@ -186,6 +187,7 @@ class Leader:
     threading.Thread(target=self._beat, name="multihost-beat", daemon=True).start()
 
   def send(self, msg: tuple) -> None:
+    t0 = time.perf_counter()
     payload = pickle.dumps(msg, protocol=5)
     with self._lock:
       for pid, conn in self.peers.items():
@@ -194,8 +196,11 @@ class Leader:
         except OSError as e:
           fatal(f"follower process {pid} is gone ({type(e).__name__}: {e}); stopping the server")
       self._last_sent = time.monotonic()
-      self.sent_bytes += len(payload)
-      self.sent_calls += 1
+      s = self.sent
+      s["messages"] += 1
+      s["calls"] += msg[0] == "call"
+      s["bytes"] += len(payload)
+      s["seconds"] += time.perf_counter() - t0
 
   def _beat(self) -> None:
     while not self.stopping.is_set():
@@ -225,6 +230,9 @@ class Leader:
     end = time.monotonic() + wait_s
     while len(self._closed) < len(self.peers) and time.monotonic() < end:
       time.sleep(0.05)
+    s = self.sent
+    log.info("channel: %d messages (%d calls), %.2f MiB, %.3f s sending", s["messages"], s["calls"],
+             s["bytes"] / 2**20, s["seconds"])
 
 
 def _kv_coordinator_host() -> Optional[str]:
@@ -383,8 +391,12 @@ def follow(engine, cluster: Follower) -> None:
   """A follower's life: run the leader's calls on this engine's table, in order, until the leader stops (then
   return) or dies (the reader thread ends the process). A call that raises here raised on the leader too (same
   program, same inputs): the leader's engine recovers (a reset), which comes next."""
+  import signal
   table = engine.table
   log.info("process %d: following process 0", cluster.me)
+  # SLURM and Kubernetes signal every process at once: process 0 drains, then stops the followers
+  signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: process %d stops when process 0 has drained",
+                                                    cluster.me))
   n = 0
   while True:
     msg = cluster.calls.get()
