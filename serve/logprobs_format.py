@@ -125,5 +125,4 @@ class Formatter:
 def prompt_entries(engine, prompt_ids: list, top: int) -> Optional[list]:
   """The prompt's raw logprobs, (logprob, rank, top ids, top values) per token (None for the first): one forward
   of the prompt beside the engine's loop (spec_jax/logprobs.py)."""
-  from spec_jax.logprobs import prompt_logprobs
-  return prompt_logprobs(engine.params["target"], engine.spec.config, prompt_ids, top)
+  return engine.table.prompt_logprobs(prompt_ids, top)  # through the table: mirrored on many hosts

@@ -274,6 +274,8 @@ class Follower:
       why = f"sent nothing for {self.beat_timeout:g} s (--heartbeat_timeout)"
     except (OSError, ConnectionError) as e:
       why = f"closed the channel ({e})"
+    except Exception as e:  # not a message of this code: a different version on this host?
+      why = f"sent a message this process cannot read ({type(e).__name__}: {e})"
     fatal(f"the leader (process 0) {why}: it died or hangs; stopping this follower")
 
   def _beat(self) -> None:
@@ -323,58 +325,58 @@ class MirrorTable(SlotTable):
 
 
 class LeaderTable(MirrorTable):
-  """Process 0's table: every call goes to the followers (name, host arguments) before it runs here."""
+  """Process 0's table: every call goes to the followers (name, host arguments) before it runs here. One lock
+  orders them: the engine thread and an HTTP thread (prompt logprobs) must dispatch in the order they sent."""
 
   channel = None  # set after construction: the constructor's reset runs on every process already
 
-  def _mirror(self, name: str, *args) -> None:
-    if self.channel is not None:
-      self.channel.send(("call", name, args))
+  def __init__(self, *args, **kw):
+    self._order = threading.RLock()
+    super().__init__(*args, **kw)
+
+  def _mirrored(self, name: str, args: tuple, run):
+    with self._order:
+      if self.channel is not None:
+        self.channel.send(("call", name, args))
+      return run(*args)
 
   def reset(self) -> None:
-    self._mirror("reset")
-    super().reset()
+    self._mirrored("reset", (), super().reset)
 
   def insert(self, holder, request, slot=None) -> int:
     request = host_tree(request)
-    slot = self._free[0] if slot is None else slot
-    self._mirror("insert", None, request, int(slot))
-    return super().insert(holder, request, slot)
+    with self._order:
+      slot = int(self._free[0] if slot is None else slot)
+      return self._mirrored("insert", (None, request, slot), lambda _, r, s: super(LeaderTable, self).insert(
+          holder, r, s))
 
   def run(self, steps: int, loop=None) -> tuple:
-    self._mirror("run", int(steps))
-    return super().run(steps, loop)
+    return self._mirrored("run", (int(steps),), lambda s: super(LeaderTable, self).run(s, loop))
 
   def release(self, slot: int) -> None:
-    self._mirror("release", int(slot))
-    super().release(slot)
+    self._mirrored("release", (int(slot),), super().release)
 
   def set_speculation(self, enabled: bool) -> None:
-    self._mirror("set_speculation", bool(enabled))
-    super().set_speculation(enabled)
+    self._mirrored("set_speculation", (bool(enabled),), super().set_speculation)
 
   def set_draft_caps(self, caps) -> None:
-    caps = np.asarray(caps, np.int32)
-    self._mirror("set_draft_caps", caps)
-    super().set_draft_caps(caps)
+    self._mirrored("set_draft_caps", (np.asarray(caps, np.int32),), super().set_draft_caps)
 
   def set_page_tables(self, table) -> None:
-    table = np.asarray(table, np.int32)
-    self._mirror("set_page_tables", table)
-    super().set_page_tables(table)
+    self._mirrored("set_page_tables", (np.asarray(table, np.int32),), super().set_page_tables)
 
   def fill_pages(self, pages) -> None:
-    pages = np.asarray(pages, np.int32)
-    self._mirror("fill_pages", pages)
-    super().fill_pages(pages)
+    self._mirrored("fill_pages", (np.asarray(pages, np.int32),), super().fill_pages)
 
   def forget_tenant(self, tenant: int) -> None:
-    self._mirror("forget_tenant", int(tenant))
-    super().forget_tenant(tenant)
+    self._mirrored("forget_tenant", (int(tenant),), super().forget_tenant)
+
+  def prompt_logprobs(self, prompt_ids, top: int) -> list:
+    return self._mirrored("prompt_logprobs", ([int(t) for t in prompt_ids], int(top)), super().prompt_logprobs)
 
 
 MIRRORED = ("reset", "insert", "run", "release", "set_speculation", "set_draft_caps", "set_page_tables",
-            "fill_pages", "forget_tenant")
+            "fill_pages", "forget_tenant", "prompt_logprobs")
 
 
 def table_class(cluster):

@@ -101,6 +101,11 @@ class SlotTable:
     """int32[n] page ids set to NaN (the test-only poisoning of freed pages)."""
     self.state = slots.fill_pages(self.state, np.asarray(pages, np.int32))
 
+  def prompt_logprobs(self, prompt_ids, top: int) -> list:
+    """The prompt's raw logprobs (spec_jax/logprobs.py prompt_logprobs): one forward beside the loop."""
+    from spec_jax.logprobs import prompt_logprobs
+    return prompt_logprobs(self.params["target"], self.spec.config, list(prompt_ids), top)
+
   def forget_tenant(self, tenant: int) -> None:
     """The proposer forgets tenant id `tenant`'s history (its id goes to another tenant: serve/tenants.py)."""
     self.state = self.spec.proposer.forget_tenant(self.state, tenant)

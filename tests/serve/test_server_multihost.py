@@ -103,8 +103,8 @@ def _metric(url: str, name: str) -> float:
 
 
 def workload(url: str) -> dict:
-  """A burst of concurrent greedy requests (the pool preempts), logprobs and n, then a prefix hit and a
-  structured output; -> every answer's text, tokens and logprobs, and the pool's counters."""
+  """A burst of concurrent greedy requests (the pool preempts), logprobs and n, then a prefix hit, a structured
+  output and the prompt's logprobs (echo); -> every answer's text, tokens and logprobs, and the pool's counters."""
   bodies = [{"prompt": " ".join([WORDS[i % 4]] * (1 + i % 2)), "max_tokens": 24} for i in range(6)]
   bodies[1].update(logprobs=2)
   bodies[2].update(n=2)
@@ -113,8 +113,10 @@ def workload(url: str) -> dict:
   doc = " ".join(WORDS[:2])
   prefix = [_complete(url, {"prompt": doc + tail, "max_tokens": 8}) for tail in (" the", " a dog")]
   choice = _complete(url, {"prompt": "pick", "max_tokens": 8, "guided_choice": ["left cat", "right dog"]})
+  echo = _complete(url, {"prompt": "the cat sat", "max_tokens": 4, "echo": True, "logprobs": 1})  # prompt logprobs
   keep = lambda r: [(c["text"], c.get("logprobs")) for c in r["choices"]]
   return {"burst": [keep(r) for r in burst], "prefix": [keep(r) for r in prefix], "choice": keep(choice),
+          "echo": keep(echo),
           "preemptions": _metric(url, "spec_jax:num_preemptions_total"),
           "prefix_hits": _metric(url, "spec_jax:prefix_cache_hits_total")}
 
