@@ -112,7 +112,7 @@ def workload(url: str) -> dict:
     burst = list(ex.map(lambda b: _complete(url, b), bodies))
   doc = " ".join(WORDS[:2])
   prefix = [_complete(url, {"prompt": doc + tail, "max_tokens": 8}) for tail in (" the", " a dog")]
-  choice = _complete(url, {"prompt": "pick", "max_tokens": 8, "guided_choice": ["left cat", "right dog"]})
+  choice = _complete(url, {"prompt": "pick", "max_tokens": 16, "guided_choice": ["left cat", "right dog"]})
   echo = _complete(url, {"prompt": "the cat sat", "max_tokens": 4, "echo": True, "logprobs": 1})  # prompt logprobs
   keep = lambda r: [(c["text"], c.get("logprobs")) for c in r["choices"]]
   return {"burst": [keep(r) for r in burst], "prefix": [keep(r) for r in prefix], "choice": keep(choice),
@@ -133,9 +133,10 @@ def test_two_processes_answer_what_one_process_with_eight_devices_answers(tiny, 
       logs.append([s.log(i) for i in range(n)])
     assert codes == [0] * n, "\n".join(l[-3000:] for l in logs[-1])
   one, two = results
+  assert two == one
   assert one["preemptions"] > 0 and one["prefix_hits"] > 0  # the workload reaches preemption and a prefix hit
   assert one["choice"][0][0] in ("left cat", "right dog")
-  assert two == one
+  assert one["echo"][0][1]["token_logprobs"][0] is None  # the prompt's logprobs came back (echo)
   assert "process 1 of 2 joined" in logs[1][1] and "following process 0" in logs[1][1]
   assert "the leader stopped after" in logs[1][1]  # the follower ran the leader's calls and ended with it
 
