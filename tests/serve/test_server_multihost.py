@@ -6,6 +6,7 @@ settings are refused with a message naming the difference."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -102,6 +103,25 @@ def _metric(url: str, name: str) -> float:
   return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ") or l.startswith(name + "{"))
 
 
+def _texts(tree):
+  """Everything but the logprob values."""
+  if isinstance(tree, dict):
+    return {k: _texts(v) for k, v in tree.items() if k not in ("token_logprobs", "top_logprobs")}
+  if isinstance(tree, (list, tuple)):
+    return [_texts(v) for v in tree]
+  return tree
+
+
+def _close(a, b, tol=1e-4) -> bool:
+  if isinstance(a, dict):
+    return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+  if isinstance(a, (list, tuple)):
+    return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+  if isinstance(a, float) and isinstance(b, float):
+    return abs(a - b) <= tol
+  return a == b
+
+
 def workload(url: str) -> dict:
   """A burst of concurrent greedy requests (the pool preempts), logprobs and n, then a prefix hit, a structured
   output and the prompt's logprobs (echo); -> every answer's text, tokens and logprobs, and the pool's counters."""
@@ -133,8 +153,12 @@ def test_two_processes_answer_what_one_process_with_eight_devices_answers(tiny, 
       logs.append([s.log(i) for i in range(n)])
     assert codes == [0] * n, "\n".join(l[-3000:] for l in logs[-1])
   one, two = results
-  assert two == one
-  assert one["preemptions"] > 0 and one["prefix_hits"] > 0  # the workload reaches preemption and a prefix hit
+  with open(tmp_path / "results.json", "w") as f:
+    json.dump(results, f)
+  for r in results:  # how often depends on timing; that both reach them does not
+    assert r.pop("preemptions") > 0 and r.pop("prefix_hits") > 0  # the workload preempts and hits the prefix cache
+  assert _texts(two) == _texts(one)  # the same tokens, exactly
+  assert _close(two, one)  # the same logprobs (float32 reductions may round apart between programs)
   assert one["choice"][0][0] in ("left cat", "right dog")
   assert one["echo"][0][1]["token_logprobs"][0] is None  # the prompt's logprobs came back (echo)
   assert "process 1 of 2 joined" in logs[1][1] and "following process 0" in logs[1][1]
