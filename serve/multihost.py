@@ -31,30 +31,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
-import queue
-import socket
-import struct
 import sys
 import threading
-import time
-from typing import Optional
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spec_jax import sharding
+from serve.multihost_channel import KEY, Follower, Leader, fatal, kv
+from spec_jax import sharding, slots
 from spec_jax.decode import decode_loop
-from spec_jax import slots
 from spec_jax.slot_table import SlotTable
 
 log = logging.getLogger("spec_jax.multihost")
 FLAGS = ("coordinator_address", "num_processes", "process_id", "initialization_timeout", "heartbeat_timeout")
 # Settings that may differ between hosts: where each one listens, logs and caches, and its place in the run.
 PER_HOST = {"host", "port", "process_id", "log_level", "compilation_cache_dir", "coordinator_address"}
-BEAT_S = 1.0  # heartbeat period on the channel, both ways
-_KEY = "spec_jax/serve/"
 
 
 # ------------------------------------------------------------------------------------------------ start-up
@@ -82,11 +74,6 @@ def join(cfg: dict):
   return cluster
 
 
-def _kv():
-  from jax._src import distributed
-  return distributed.global_state.client
-
-
 def settings_of(cfg: dict) -> dict:
   """The settings every host must share, as JSON-able values, plus what this host brings (devices, platform)."""
   out = {k: (v.to_json() if hasattr(v, "to_json") else v) for k, v in cfg.items() if k not in PER_HOST}
@@ -105,13 +92,13 @@ def differences(mine: dict, theirs: dict) -> list:
 def check_same_settings(cfg: dict, me: int, n: int, timeout_s: int) -> None:
   """ValueError naming every setting where this process differs from process 0 (process 0: where any follower
   differs from it). Every process publishes its own; the leader reads all, a follower reads the leader's."""
-  client = _kv()
+  client = kv()
   mine = settings_of(cfg)
-  client.key_value_set(f"{_KEY}settings/{me}", json.dumps(mine))
+  client.key_value_set(f"{KEY}settings/{me}", json.dumps(mine))
   peers = range(1, n) if me == 0 else [0]
   bad = []
   for p in peers:
-    theirs = json.loads(client.blocking_key_value_get(f"{_KEY}settings/{p}", timeout_s * 1000))
+    theirs = json.loads(client.blocking_key_value_get(f"{KEY}settings/{p}", timeout_s * 1000))
     diff = differences(theirs if me == 0 else mine, mine if me == 0 else theirs)
     if diff:
       f = p if me == 0 else me
@@ -119,176 +106,6 @@ def check_same_settings(cfg: dict, me: int, n: int, timeout_s: int) -> None:
                  + "; ".join(diff))
   if bad:
     raise ValueError("the processes were started with different settings, refused: " + " | ".join(bad))
-
-
-# ------------------------------------------------------------------------------------------------ the channel
-
-def _send(sock: socket.socket, payload: bytes) -> None:
-  sock.sendall(struct.pack("!Q", len(payload)) + payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-  buf = bytearray()
-  while len(buf) < n:
-    chunk = sock.recv(min(n - len(buf), 1 << 20))
-    if not chunk:
-      raise ConnectionError("connection closed")
-    buf += chunk
-  return bytes(buf)
-
-
-def _recv(sock: socket.socket) -> bytes:
-  (n,) = struct.unpack("!Q", _recv_exact(sock, 8))
-  return _recv_exact(sock, n)
-
-
-def fatal(message: str) -> None:
-  """Stop this process now with one clear line: a collective with a dead peer would never return, and
-  jax.distributed's exit barrier would wait for it."""
-  me = jax.process_index()
-  log.error("%s", message)
-  print(f"error: process {me}: {message}", file=sys.stderr, flush=True)
-  logging.shutdown()
-  os._exit(1)
-
-
-class Leader:
-  """Process 0's end: one connection per follower, calls out, heartbeats both ways."""
-
-  role = "leader"
-
-  def __init__(self, n: int, timeout_s: int, beat_timeout_s: float):
-    self.n, self.beat_timeout = n, beat_timeout_s
-    self._lock = threading.Lock()
-    self._last_sent = time.monotonic()
-    self.stopping = threading.Event()
-    self.sent = {"messages": 0, "calls": 0, "bytes": 0, "seconds": 0.0}  # the channel's cost (benchmarks/multihost.py)
-    srv = socket.create_server(("", 0), backlog=n)
-    host = (_kv_coordinator_host() or socket.gethostname())
-    _kv().key_value_set(f"{_KEY}channel", f"{host}:{srv.getsockname()[1]}")
-    srv.settimeout(timeout_s)
-    self.peers: dict[int, socket.socket] = {}
-    try:
-      while len(self.peers) < n - 1:
-        conn, _ = srv.accept()
-        conn.settimeout(timeout_s)
-        pid = json.loads(_recv(conn))["process"]
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.peers[pid] = conn
-    except socket.timeout:
-      raise ValueError(f"followers {sorted(set(range(1, n)) - set(self.peers))} did not connect to the leader's "
-                       f"channel within {timeout_s} s") from None
-    finally:
-      srv.close()
-    self._closed = set()
-    for pid, conn in self.peers.items():
-      conn.settimeout(beat_timeout_s)
-      threading.Thread(target=self._watch, args=(pid, conn), name=f"multihost-watch-{pid}", daemon=True).start()
-    threading.Thread(target=self._beat, name="multihost-beat", daemon=True).start()
-
-  def send(self, msg: tuple) -> None:
-    t0 = time.perf_counter()
-    payload = pickle.dumps(msg, protocol=5)
-    with self._lock:
-      for pid, conn in self.peers.items():
-        try:
-          _send(conn, payload)
-        except OSError as e:
-          fatal(f"follower process {pid} is gone ({type(e).__name__}: {e}); stopping the server")
-      self._last_sent = time.monotonic()
-      s = self.sent
-      s["messages"] += 1
-      s["calls"] += msg[0] == "call"
-      s["bytes"] += len(payload)
-      s["seconds"] += time.perf_counter() - t0
-
-  def _beat(self) -> None:
-    while not self.stopping.is_set():
-      time.sleep(BEAT_S / 2)
-      if time.monotonic() - self._last_sent >= BEAT_S:
-        self.send(("beat",))
-
-  def _watch(self, pid: int, conn: socket.socket) -> None:
-    """A follower's heartbeats; its connection closing or going silent stops the server."""
-    try:
-      while True:
-        _recv(conn)
-    except socket.timeout:
-      why = f"sent no heartbeat for {self.beat_timeout:g} s (--heartbeat_timeout)"
-    except (OSError, ConnectionError) as e:
-      why = f"closed its connection ({e})"
-    if self.stopping.is_set():
-      self._closed.add(pid)
-      return
-    fatal(f"follower process {pid} {why}: it died or hangs; stopping the server (process 0) so that no host "
-          f"waits in a collective forever")
-
-  def stop(self, wait_s: float = 30.0) -> None:
-    """A normal stop: the followers exit after the calls sent so far; wait (bounded) until they closed."""
-    self.stopping.set()
-    self.send(("stop",))
-    end = time.monotonic() + wait_s
-    while len(self._closed) < len(self.peers) and time.monotonic() < end:
-      time.sleep(0.05)
-    s = self.sent
-    log.info("channel: %d messages (%d calls), %.2f MiB, %.3f s sending", s["messages"], s["calls"],
-             s["bytes"] / 2**20, s["seconds"])
-
-
-def _kv_coordinator_host() -> Optional[str]:
-  from jax._src import distributed
-  addr = distributed.global_state.coordinator_address  # process 0 runs the coordinator service
-  return addr.rsplit(":", 1)[0].strip("[]") if addr else None
-
-
-class Follower:
-  """A follower's end: a reader thread (the watchdog) fills a queue that `follow` runs."""
-
-  role = "follower"
-
-  def __init__(self, me: int, timeout_s: int, beat_timeout_s: float):
-    self.me, self.beat_timeout = me, beat_timeout_s
-    addr = _kv().blocking_key_value_get(f"{_KEY}channel", timeout_s * 1000)
-    host, port = addr.rsplit(":", 1)
-    try:
-      self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except OSError as e:
-      raise ValueError(f"process {me} could not connect to the leader's channel at {addr}: {e}") from None
-    self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    _send(self.sock, json.dumps({"process": me}).encode())
-    self.sock.settimeout(beat_timeout_s)
-    self.calls: queue.Queue = queue.Queue()
-    self._lock = threading.Lock()
-    threading.Thread(target=self._read, name="multihost-read", daemon=True).start()
-    threading.Thread(target=self._beat, name="multihost-beat", daemon=True).start()
-
-  def _read(self) -> None:
-    try:
-      while True:
-        msg = pickle.loads(_recv(self.sock))
-        if msg[0] != "beat":
-          self.calls.put(msg)
-        if msg[0] == "stop":
-          return
-    except socket.timeout:
-      why = f"sent nothing for {self.beat_timeout:g} s (--heartbeat_timeout)"
-    except (OSError, ConnectionError) as e:
-      why = f"closed the channel ({e})"
-    except Exception as e:  # not a message of this code: a different version on this host?
-      why = f"sent a message this process cannot read ({type(e).__name__}: {e})"
-    fatal(f"the leader (process 0) {why}: it died or hangs; stopping this follower")
-
-  def _beat(self) -> None:
-    while True:
-      time.sleep(BEAT_S)
-      try:
-        with self._lock:
-          _send(self.sock, b"b")
-      except OSError:
-        return  # the reader names the failure
-
-  def stop(self, wait_s: float = 0.0) -> None:
-    self.sock.close()
 
 
 # ------------------------------------------------------------------------------------------------ the tables
