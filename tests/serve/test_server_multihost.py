@@ -36,7 +36,12 @@ WORDS = ["the cat sat on the mat", "a dog ran and the cat sat", "the mat is a ma
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   d = tmp_path_factory.mktemp("multihost")
-  return write_tiny_model(d / "tiny.gguf")
+  path = write_tiny_model(d / "tiny.gguf")
+  # the dequantized weights and the tokenizer are cached beside the file once: not by two processes at once
+  from spec_jax.checkpoints import gguf_loader, gguf_tokenizer
+  gguf_loader.load_gguf(path)
+  gguf_tokenizer.load(path)
+  return path
 
 
 def _env(devices: int) -> dict:
