@@ -44,7 +44,6 @@ from serve.tenants import TenantTable
 from spec_jax import slots
 from spec_jax.cache import DEFAULT_BLOCK_SIZE
 from spec_jax.controls import Controls
-from spec_jax.logprobs import prompt_logprobs
 from spec_jax.slot_table import SlotTable
 
 log = logging.getLogger("spec_jax.engine")
@@ -64,14 +63,17 @@ class Engine:
   def __init__(self, params, spec, tokenizer, *, max_num_seqs: int, capacity: int, max_queue: int = 64,
                steps_per_sync: int = 8, costs=None, spec_config=None, guardrails=None,
                request_timeout_s: float = 600.0, seed: int = 0, metrics: Optional[Metrics] = None,
-               timing_probe_s: float = 10.0, switchback=None, grammar_capacity=None, kv_pool=None):
-    """kv_pool: the paged KV pool's flags (serve/kv_scheduler.py plan); None: fixed slots."""
+               timing_probe_s: float = 10.0, switchback=None, grammar_capacity=None, kv_pool=None,
+               table_class=None):
+    """kv_pool: the paged KV pool's flags (serve/kv_scheduler.py plan); None: fixed slots. table_class: the slot
+    table's class (multi-host hook: serve/multihost.py's, which mirrors every device call; None: SlotTable)."""
     if max_num_seqs < 1 or max_queue < 0 or steps_per_sync < 1:
       raise ValueError("max_num_seqs and steps_per_sync must be >= 1, max_queue >= 0")
     pool = kv_scheduler.plan(params, spec, kv_pool, rows=SlotTable.rows(params, spec, max_num_seqs),
                              max_num_seqs=max_num_seqs, capacity=capacity, grammar_capacity=grammar_capacity)
     self.block_size = pool["block_size"] if pool else DEFAULT_BLOCK_SIZE
-    self.table = SlotTable(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed,
+    table = table_class or SlotTable  # multi-host hook (serve/multihost.py)
+    self.table = table(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed,
                            grammar_capacity=grammar_capacity, block_size=self.block_size,
                            num_pages=pool["num_pages"] if pool else None)
     self.tenants = TenantTable(num_slots=max_num_seqs)
@@ -145,8 +147,8 @@ class Engine:
 
   def prompt_logprobs(self, prompt_ids: list, top: int):
     """The prompt's raw logprobs, (logprob, rank, top ids, top values) per token (None for the first): one forward
-    of the prompt beside the engine's loop (spec_jax/logprobs.py)."""
-    return prompt_logprobs(self.params["target"], self.spec.config, prompt_ids, top)
+    of the prompt beside the engine's loop (spec_jax/logprobs.py), through the table: mirrored on many hosts."""
+    return self.table.prompt_logprobs(prompt_ids, top)
 
   def submit(self, req: EngineRequest) -> None:
     with self._lock:

@@ -29,7 +29,9 @@ SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "s
                 "warmup_prompt_lens", "log_level", "compilation_cache_dir", "strict", "max_logprobs", "logprobs_mode",
                 "grammar_capacity", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching",
                 "poison_freed_pages", "kv_speculation_yields", "extended_warmup",
-                "default_max_tokens")
+                "default_max_tokens",
+                # many hosts (serve/multihost.py): serve.evaluate's jax.distributed start-up flags
+                "coordinator_address", "num_processes", "process_id", "initialization_timeout", "heartbeat_timeout")
 
 
 def define_flags() -> None:
@@ -72,8 +74,9 @@ def default_model_name(model: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ the engine
 
-def build_engine(cfg: dict):
-  """-> (Engine, tokenizer, SpecConfig): loads the model and proposer (serve/setup.py), compiles nothing yet."""
+def build_engine(cfg: dict, table_class=None):
+  """-> (Engine, tokenizer, SpecConfig): loads the model and proposer (serve/setup.py), compiles nothing yet.
+  table_class: the engine's slot table class (serve/multihost.py's on many hosts)."""
   from serve import setup as setup_lib
   from serve.engine import Engine
   from serve.guardrails import GuardrailConfig
@@ -109,7 +112,8 @@ def build_engine(cfg: dict):
                   grammar_capacity=grammar_capacity(cfg["grammar_capacity"]),
                   kv_pool={k: cfg[k] for k in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes",
                                                "enable_prefix_caching", "poison_freed_pages",
-                                               "kv_speculation_yields")})
+                                               "kv_speculation_yields")},
+                  table_class=table_class)
   return engine, setup.tokenizer, sc
 
 
@@ -131,9 +135,20 @@ def grammar_capacity(value):
 def serve(cfg: dict) -> None:
   import uvicorn
 
+  from serve import multihost
   from serve.setup import use_compilation_cache
+  # Many hosts (serve/multihost.py): every process builds the same engine; process 0 serves, the others mirror it.
+  cluster = multihost.join(cfg)  # None: one process
+  if cluster is not None and cfg["timing_probe_s"]:
+    log.info("many hosts: the step timing probe is off (--timing_probe_s=0): its timed loop is not mirrored")
+    cfg["timing_probe_s"] = 0.0
   log.info("%s", use_compilation_cache(cfg["compilation_cache_dir"]))
-  engine, tokenizer, sc = build_engine(cfg)
+  engine, tokenizer, sc = build_engine(cfg, table_class=multihost.table_class(cluster))
+  if cluster is not None and cluster.role == "follower":
+    multihost.follow(engine, cluster)
+    multihost.exit_now(0)
+  if cluster is not None:
+    multihost.lead(engine, cluster)
   log_model_card(cfg, tokenizer)
   t0 = time.perf_counter()
   lens = [int(n) for n in cfg["warmup_prompt_lens"]]
@@ -177,7 +192,11 @@ def serve(cfg: dict) -> None:
   threading.Thread(target=announce, daemon=True).start()
   server.run()
   engine.shutdown(grace_s=1.0)  # what is left was cut at the drain's deadline
+  if cluster is not None:
+    cluster.stop()  # the followers end after the calls sent so far
   log.info("stopped")
+  if cluster is not None:
+    multihost.exit_now(0)  # not jax.distributed's exit barrier: the followers are gone already
 
 
 def extended_warmup(api, engine, cfg: dict) -> None:
@@ -212,7 +231,10 @@ def main(argv):
   try:
     serve(cfg)
   except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    from serve import multihost
+    if multihost.joined():
+      multihost.exit_now(2)  # no exit barrier of jax.distributed: the other processes may be gone
     sys.exit(2)
 
 

@@ -140,8 +140,9 @@ def prompt_logprobs(params, config, prompt_ids, top_n: int, *, block: int = 64):
   T = -(-n // block) * block
   tokens = np.zeros((1, T), np.int32)
   tokens[0, :n] = prompt_ids
-  chosen, rank, ids, vals = jax.device_get(_prompt_logprobs(params, jnp.asarray(tokens), config, max(top_n, 1),
-                                                            block))
+  from spec_jax import sharding
+  # to_host: on many hosts every process runs this (serve/multihost.py) and gathers the rows
+  chosen, rank, ids, vals = map(sharding.to_host, _prompt_logprobs(params, tokens, config, max(top_n, 1), block))
   # logits at position i predict token i + 1
   return [None] + [(float(chosen[0, i - 1]), int(rank[0, i - 1]), ids[0, i - 1, :top_n].tolist(),
                     vals[0, i - 1, :top_n].tolist()) for i in range(1, n)]

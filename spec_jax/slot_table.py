@@ -19,6 +19,7 @@ from spec_jax import backend, sharding, slots
 from spec_jax.cache import DEFAULT_BLOCK_SIZE
 from spec_jax.decode import LoopSpec, decode_loop
 from spec_jax.proposers.base import without_tenant
+from spec_jax.logprobs import prompt_logprobs
 
 
 class SlotTable:
@@ -93,6 +94,8 @@ class SlotTable:
     full[:len(caps)] = np.asarray(caps, np.int32)
     self.state = slots.set_draft_caps(self.state, full)
 
+  # The block manager's and the tenants' writes go through the table, so a multi-host leader mirrors every device
+  # call of the engine (serve/multihost.py).
   def set_page_tables(self, table) -> None:
     """int32[rows, pages_per_seq]: every KV cache's page table (the block manager's, between loop calls)."""
     self.state = slots.set_page_tables(self.state, table)
@@ -105,6 +108,10 @@ class SlotTable:
     """The proposer's shared history of tenant id `tenant` dropped, before the id goes to another tenant (a
     proposer without per-tenant state keeps its state: spec_jax/proposers/base.py)."""
     self.state = without_tenant(self.spec.proposer, self.state, tenant)
+
+  def prompt_logprobs(self, prompt_ids, top: int) -> list:
+    """The prompt's raw logprobs (spec_jax/logprobs.py prompt_logprobs): one forward beside the loop."""
+    return prompt_logprobs(self.params["target"], self.spec.config, list(prompt_ids), top)
 
   def lost(self) -> bool:
     """Whether the donated state is gone (a call failed after donating it): then only `reset` helps."""
