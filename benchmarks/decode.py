@@ -27,7 +27,7 @@ from spec_jax import flag_table
 
 from spec_jax.cache import KVCache
 from spec_jax.checkpoints.load import load_params
-from serve.runner import timed_generate
+from serve.jobs.runner import timed_generate
 from spec_jax import slots
 from spec_jax.backend import batch_rows
 from spec_jax.config import SamplingParams

@@ -1,5 +1,5 @@
 """What the multi-host mirror costs an engine iteration (issue 47's benchmark; overhead only, not scaling): the same
-8 simulated CPU devices and mesh served by one process, then by two processes of 4 (serve/multihost.py: process 0
+8 simulated CPU devices and mesh served by one process, then by two processes of 4 (serve/many_hosts/multihost.py: process 0
 sends every device call to process 1 before running it), at 1 and 16 running requests.
 
 For each (processes, running) point: start the server(s), send `running` concurrent greedy requests of

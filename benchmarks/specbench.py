@@ -26,9 +26,9 @@ from absl import app, flags
 
 from spec_jax import flag_table
 
-from serve.step_costs import load_costs, method_key
-from serve.prompts import Prompt, load_prompts
-from serve.runner import Arm, category_table, format_table, run_arms
+from serve.jobs.step_costs import load_costs, method_key
+from serve.jobs.prompts import Prompt, load_prompts
+from serve.jobs.runner import Arm, category_table, format_table, run_arms
 from spec_jax import adaptive, backend
 from spec_jax.checkpoints.load import load_model
 from spec_jax.proposers.base import NoneProposer

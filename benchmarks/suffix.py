@@ -42,7 +42,7 @@ from absl import app, flags
 
 from spec_jax import flag_table
 
-from serve.prompts import parse_record
+from serve.jobs.prompts import parse_record
 from spec_jax import slots
 from spec_jax.checkpoints.load import load_model
 from spec_jax.datasets import SPEC_BENCH, read_jsonl

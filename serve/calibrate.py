@@ -4,7 +4,7 @@
 
 A cost is the wall time of one loop step drafting k tokens over that of a k = 0 step, at a given number of busy
 slots. The library never reads a clock (a seeded run is reproducible); the serving harness and the server load
-these tables (the file's format: serve/step_costs.py). Timing is round-robin over the options with the best of `reps` kept, so a burst of other load hits
+these tables (the file's format: serve/jobs/step_costs.py). Timing is round-robin over the options with the best of `reps` kept, so a burst of other load hits
 every option alike. A drafting step also runs everything a k = 0 step runs, so a measured cost below 1 is noise:
 costs are clipped to be non-decreasing in k.
 """
@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from serve.step_costs import entry_key, method_key
+from serve.jobs.step_costs import entry_key, method_key
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "option"))
@@ -57,7 +57,8 @@ def measure_costs(params, spec, prompts, *, batch: int, occupancies=None, reps: 
 def main(argv):
   del argv
   from absl import flags
-  from serve import generate as gen, setup as setup_lib
+  from serve import generate as gen
+  from serve.jobs import setup as setup_lib
   from spec_jax import backend
   FLAGS = flags.FLAGS
   cfg = gen.settings()
@@ -84,7 +85,7 @@ def main(argv):
 
 if __name__ == "__main__":
   from absl import app
-  from serve import run_flags
+  from serve.jobs import run_flags
   import serve.generate  # noqa: F401  (its flags: --config, --method, --prompts, ...)
   run_flags.define("output_costs", "calibrate_batch", "calibrate_reps")
   app.run(main)

@@ -14,7 +14,7 @@
    --kv_cache_dtype the pair runs twice per temperature, with that cache and with `auto` (the activation dtype),
    and the table shows both taus and the change: acceptance is measured, not assumed (a reader that mis-scales the
    cache shows here as a tau drop, not as an error). tau_auto is the baseline the KV-dtype guardrail
-   (serve/guardrails.py kv_tau_baseline) compares the live tau against.
+   (serve/engine/guardrails.py kv_tau_baseline) compares the live tau against.
 3. The draft's cost: one propose() and one speculative step timed on a prefilled batch, and one plain decode step
    of the target alone (best of --cost_reps each). The draft's cost per drafted token is propose / k as a fraction
    of the plain step; the estimated speedup is tau * plain step / speculative step (decode only, at this batch).
@@ -29,7 +29,7 @@ import time
 
 from absl import app, flags
 
-from serve import run_flags
+from serve.jobs import run_flags
 
 OWN_FLAGS = ("prompts", "limit", "json_out", "strict", "check_temperatures", "cost_reps", "batch_size", "progress")
 run_flags.define(*OWN_FLAGS)
@@ -47,7 +47,7 @@ def static_part(cfg: dict, target, tokenizer) -> list:
 
 def sample_prompts(path, tokenizer, limit: int, max_len: int) -> tuple[list, list, int]:
   """The prompts (Spec-Bench by default) that fit the context with their new tokens: (prompts, ids, skipped)."""
-  from serve.prompts import load_prompts
+  from serve.jobs.prompts import load_prompts
   from spec_jax.datasets import SPEC_BENCH, resolve
   prompts = load_prompts(resolve(path) if path else SPEC_BENCH, tokenizer)
   keep, ids, skipped = [], [], 0
@@ -70,7 +70,7 @@ def draft_cost(setup, prompt_ids, max_new_tokens: int, seed: int, reps: int) -> 
   """Seconds of one propose(), of one speculative step and of one plain (target-only) step, best of `reps`, on a
   batch of the first prompts prefilled (the first decode steps: short contexts)."""
   import jax
-  from serve.timing_probe import time_propose
+  from serve.engine.timing_probe import time_propose
   from spec_jax import backend, sharding
   from spec_jax.batch import start
   from spec_jax.config import SamplingParams
@@ -114,7 +114,7 @@ def run_pair(cfg: dict, setup, prompts, prompt_ids, temperatures) -> list[dict]:
   """The pair at each temperature, draft length fixed at k, with the setup's KV cache: acceptance per position,
   rate and tau. An 8-bit cache adds tau_auto / acceptance_rate_auto (the same run with the cache in the activation
   dtype) and tau_change = tau / tau_auto - 1."""
-  from serve.runner import Arm, run_arms
+  from serve.jobs.runner import Arm, run_arms
   arm = Arm(setup.proposer.name, setup.proposer, setup.proposer_params)
 
   def once(t, kv):
@@ -162,7 +162,7 @@ def verdict_table(rows: list[dict], cost: dict | None) -> str:
 
 def run(cfg: dict, out=sys.stdout) -> dict:
   """The whole check; -> the JSON report ("verdict" "incompatible" when the static part failed)."""
-  from serve import setup as setup_lib
+  from serve.jobs import setup as setup_lib
   from spec_jax import pair_check
   from spec_jax.proposers.registry import build_proposer
   spec, strict = cfg["spec"], bool(cfg.get("strict"))

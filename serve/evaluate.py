@@ -24,7 +24,8 @@ import time
 
 from absl import app, flags
 
-from serve import generate, run_flags  # serve.generate's run flags, which this job takes too
+from serve import generate
+from serve.jobs import run_flags  # serve.generate's run flags, which this job takes too
 from spec_jax import distributed  # joining the run, failing it whole (shared with train.main)
 from spec_jax.proposers.registry import METHODS
 
@@ -41,8 +42,8 @@ def main(argv):
 def run() -> dict:
   import jax
 
-  from serve import setup as setup_lib
-  from serve.runner import Arm, category_table, run_arms
+  from serve.jobs import setup as setup_lib
+  from serve.jobs.runner import Arm, category_table, run_arms
   from spec_jax import sharding, spec_config
   from spec_jax.proposers.base import NoneProposer
   from spec_jax.spec_config import SpecConfig
@@ -97,7 +98,7 @@ def run() -> dict:
 
 
 def write_outputs(out_dir: str, summary: dict, arms, runs, elapsed: float) -> None:
-  from serve.runner import format_table
+  from serve.jobs.runner import format_table
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)

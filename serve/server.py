@@ -3,7 +3,7 @@
   python -m serve.server --config=configs/gemma3_270m.py --host=127.0.0.1 --port=8000
   python -m serve.server --speculative_config='{"method": "ngram", "num_speculative_tokens": 4}' --max_num_seqs=8
 
-Routes (serve/api.py): /v1/completions, /v1/chat/completions (the model's chat template), /v1/models, /health,
+Routes (serve/http/api.py): /v1/completions, /v1/chat/completions (the model's chat template), /v1/models, /health,
 /metrics (Prometheus), /openapi.json and POST /admin/speculation {"enabled": bool} (rollback without restart);
 `--api_key` guards /v1 and /admin.
 SIGTERM stops taking requests (a 503), lets running and queued ones finish for up to --drain_timeout_s, then ends
@@ -21,7 +21,7 @@ import time
 
 from absl import app, flags
 
-from serve import run_flags
+from serve.jobs import run_flags
 
 
 SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "steps_per_sync", "timing_probe_s",
@@ -30,7 +30,7 @@ SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "s
                 "grammar_capacity", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "enable_prefix_caching",
                 "poison_freed_pages", "kv_speculation_yields", "extended_warmup",
                 "default_max_tokens",
-                # many hosts (serve/multihost.py): serve.evaluate's jax.distributed start-up flags
+                # many hosts (serve/many_hosts/multihost.py): serve.evaluate's jax.distributed start-up flags
                 "coordinator_address", "num_processes", "process_id", "initialization_timeout", "heartbeat_timeout")
 
 
@@ -75,12 +75,12 @@ def default_model_name(model: str) -> str:
 # ------------------------------------------------------------------------------------------------ the engine
 
 def build_engine(cfg: dict, table_class=None):
-  """-> (Engine, tokenizer, SpecConfig): loads the model and proposer (serve/setup.py), compiles nothing yet.
-  table_class: the engine's slot table class (serve/multihost.py's on many hosts)."""
-  from serve import setup as setup_lib
-  from serve.engine import Engine
-  from serve.guardrails import GuardrailConfig
-  from serve.live_ab import SwitchbackConfig
+  """-> (Engine, tokenizer, SpecConfig): loads the model and proposer (serve/jobs/setup.py), compiles nothing yet.
+  table_class: the engine's slot table class (serve/many_hosts/multihost.py's on many hosts)."""
+  from serve.jobs import setup as setup_lib
+  from serve.engine.engine import Engine
+  from serve.engine.guardrails import GuardrailConfig
+  from serve.engine.live_ab import SwitchbackConfig
   from spec_jax import backend, sharding
 
   for name in ("max_num_seqs", "steps_per_sync", "max_model_len", "max_new_tokens"):
@@ -135,9 +135,9 @@ def grammar_capacity(value):
 def serve(cfg: dict) -> None:
   import uvicorn
 
-  from serve import multihost
-  from serve.setup import use_compilation_cache
-  # Many hosts (serve/multihost.py): every process builds the same engine; process 0 serves, the others mirror it.
+  from serve.many_hosts import multihost
+  from serve.jobs.setup import use_compilation_cache
+  # Many hosts (serve/many_hosts/multihost.py): every process builds the same engine; process 0 serves, the others mirror it.
   cluster = multihost.join(cfg)  # None: one process
   if cluster is not None and cfg["timing_probe_s"]:
     log.info("many hosts: the step timing probe is off (--timing_probe_s=0): its timed loop is not mirrored")
@@ -148,16 +148,16 @@ def serve(cfg: dict) -> None:
     multihost.follow(engine, cluster)
     multihost.exit_now(0)
   if cluster is not None:
-    multihost.lead(engine, cluster)
+    multihost.lead(engine.table, cluster)
   log_model_card(cfg, tokenizer)
   t0 = time.perf_counter()
   lens = [int(n) for n in cfg["warmup_prompt_lens"]]
-  # With the extended warm-up the engine thread compiles every length's bucket as traffic runs it (serve/warmup.py);
+  # With the extended warm-up the engine thread compiles every length's bucket as traffic runs it (serve/http/warmup.py);
   # Engine.start's own inserts (on a state placed differently) then need only one, for the loop.
   engine.start(warmup_prompt_lens=lens[:1] if cfg["extended_warmup"] else lens)
   log.info("engine warm in %.1f s (the loop, insert for prompt length %s)", time.perf_counter() - t0,
            lens[0] if cfg["extended_warmup"] else ",".join(map(str, lens)))
-  from serve.api import create_app
+  from serve.http.api import create_app
   api = create_app(engine, tokenizer, cfg)
   if cfg["extended_warmup"]:
     extended_warmup(api, engine, cfg)
@@ -200,8 +200,8 @@ def serve(cfg: dict) -> None:
 
 
 def extended_warmup(api, engine, cfg: dict) -> None:
-  """The requests clients send first, through the app before the port opens (serve/warmup.py), timed in the log."""
-  from serve import warmup
+  """The requests clients send first, through the app before the port opens (serve/http/warmup.py), timed in the log."""
+  from serve.http import warmup
   t0 = time.perf_counter()
   done = warmup.run(api, cfg, engine.spec.max_logprobs, engine.table.grammar_capacity is not None,
                     engine.spec.config.vocab_size)
@@ -213,7 +213,7 @@ def extended_warmup(api, engine, cfg: dict) -> None:
 def log_model_card(cfg: dict, tokenizer) -> None:
   """Say what a base model (no chat template of its own: Gemma 3 270M from the packaged GGUF) means for chat and
   tools, so a chat answer that continues the prompt does not look like a server bug."""
-  from serve import model_card
+  from serve.http import model_card
   note = model_card.base_model_note(cfg.get("model") or "", tokenizer)
   if note:
     log.warning("%s", note)
@@ -232,7 +232,7 @@ def main(argv):
     serve(cfg)
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    from serve import multihost
+    from serve.many_hosts import multihost
     if multihost.joined():
       multihost.exit_now(2)  # no exit barrier of jax.distributed: the other processes may be gone
     sys.exit(2)

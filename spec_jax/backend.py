@@ -5,7 +5,7 @@ measurement; on GPU/TPU none of them applies.
   a matrix-vector product), so a bfloat16 batch of one runs with a second, free slot.
 - The draft model re-feeds the last two committed tokens (T = 2) for its cache bookkeeping, which also keeps it
   off the 1-row path; its catch-up after k = 0 steps feeds CATCH_UP tokens per forward (proposers/draft.py).
-- Rows of similar prompt lengths share a batch (serve/runner.py), so padding stays small.
+- Rows of similar prompt lengths share a batch (serve/jobs/runner.py), so padding stays small.
 """
 
 from __future__ import annotations

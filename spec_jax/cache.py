@@ -2,7 +2,7 @@
 
 Row b's logical slot s (== its position) lives in page pages[b, s // block_size] at offset s % block_size. A
 contiguous cache is one page table (row b owns pages 1 + b * P .. in order); a serving pool hands pages out
-through serve/block_manager.py. Page 0 (of each data shard's share of the pool) is the null page: unassigned table
+through serve/engine/block_manager.py. Page 0 (of each data shard's share of the pool) is the null page: unassigned table
 entries point at it, and writes that no row will read (free rows, positions past a row's reservation or capacity)
 land there, so a write never reaches another row's page.
 

@@ -117,7 +117,7 @@ class SamplingParams:
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
   """Host-side check with an error that names the bad field."""
-  # The library's own, for direct callers; the server checks a request once, in serve/request_spec.py.
+  # The library's own, for direct callers; the server checks a request once, in serve/engine/request_spec.py.
   if not np.isfinite(temperature) or temperature < 0:
     raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
   if int(top_k) != top_k or not 0 <= top_k < 2 ** 31:

@@ -85,7 +85,7 @@ class Controls:
 def validate(*, presence=0.0, frequency=0.0, repetition=1.0, min_p=0.0, min_tokens=0, logit_bias=None,
              stop_token_ids=(), vocab_size=None) -> None:
   """Host-side checks, vLLM's ranges; the error names the field."""
-  # The library's own, for direct callers; the server checks a request once, in serve/request_spec.py.
+  # The library's own, for direct callers; the server checks a request once, in serve/engine/request_spec.py.
   for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
     if not np.isfinite(v) or not -2.0 <= v <= 2.0:
       raise ValueError(f"{name} must be in [-2, 2], got {v}")

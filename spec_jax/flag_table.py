@@ -111,9 +111,9 @@ ROWS: dict[str, Row] = {
     "api_key": Row("string", "When set, /v1 and /admin need 'Authorization: Bearer KEY'."),
     "served_model_name": Row("string", "The model id clients send (default: the --model file's or directory's name "
                              "without extension; gemma-3-270m for the packaged model)."),
-    "guardrails": Row("string", "Automatic rollback, JSON inline or a file (serve/guardrails.py)."),
+    "guardrails": Row("string", "Automatic rollback, JSON inline or a file (serve/engine/guardrails.py)."),
     "switchback": Row("string", "The live A/B: short speculation-off windows in a random order, JSON inline or a "
-                      "file, e.g. '{\"window_s\": 5, \"off_share\": 0.25}' (serve/live_ab.py); the report is GET "
+                      "file, e.g. '{\"window_s\": 5, \"off_share\": 0.25}' (serve/engine/live_ab.py); the report is GET "
                       "/admin/speculation/report."),
     "request_timeout_s": Row("float", "A request still unfinished after this long fails with 504."),
     "drain_timeout_s": Row("float", "SIGTERM: how long running and queued requests may take to finish; then each "
@@ -170,7 +170,7 @@ ROWS: dict[str, Row] = {
     "train_target_dtype": Row("enum", "The trainer's frozen target (train.main's config.dtype; the head trains in "
                               "float32 either way).", "float32", choices=("float32", "bfloat16")),
     "cost_table": Row("string", "Instead of the programs: write the compiler-estimated verify-cost table (JSON, "
-                      "serve/step_costs.py's format) here.", ""),
+                      "serve/jobs/step_costs.py's format) here.", ""),
     "cost_batches": Row("list", "Batch sizes of the cost table.", ["1", "4", "16", "64"]),
     "cost_ks": Row("list", "Chain draft lengths (0, plain decoding, always).", [str(k) for k in range(9)]),
     "cost_trees": Row("list", "Tree sizes (nodes, root included).", ["8", "16", "32"]),

@@ -141,7 +141,7 @@ def prompt_logprobs(params, config, prompt_ids, top_n: int, *, block: int = 64):
   tokens = np.zeros((1, T), np.int32)
   tokens[0, :n] = prompt_ids
   from spec_jax import sharding
-  # to_host: on many hosts every process runs this (serve/multihost.py) and gathers the rows
+  # to_host: on many hosts every process runs this (serve/many_hosts/multihost.py) and gathers the rows
   chosen, rank, ids, vals = map(sharding.to_host, _prompt_logprobs(params, tokens, config, max(top_n, 1), block))
   # logits at position i predict token i + 1
   return [None] + [(float(chosen[0, i - 1]), int(rank[0, i - 1]), ids[0, i - 1, :top_n].tolist(),

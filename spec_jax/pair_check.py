@@ -13,7 +13,7 @@ d2t) without building the proposer and returns a list of Findings, one per check
   loosely) and by architecture (the HF `architectures`, and heads.target_fingerprint where the head carries one or
   the verifier is a local directory). A difference is a warning: the output stays exact, the drafts may be poor.
 Levels: "pass", "info" (nothing to check), "warning", "error" (the pair cannot work). `enforce` raises on errors,
-and on warnings under strict; the run commands (serve/setup.py load) call it before they load the head, and
+and on warnings under strict; the run commands (serve/jobs/setup.py load) call it before they load the head, and
 `python -m serve.check_pair` prints the findings and then measures the pair.
 """
 

@@ -1,5 +1,5 @@
 """Names of the roles a loop step's work plays, as `jax.named_scope`s: they land in each HLO instruction's op_name
-metadata (free at run time), and serve/aot_breakdown.py attributes the compiled step's bytes and time by them."""
+metadata (free at run time), and serve/compiler/aot_breakdown.py attributes the compiled step's bytes and time by them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The host side of `spec_jax.slots`: which slots are free, who holds each, and the insert -> loop -> snapshot ->
-release cycle over one DecodeState. The server's engine (serve/engine.py, with its threads, queue and deadlines)
+release cycle over one DecodeState. The server's engine (serve/engine/engine.py, with its threads, queue and deadlines)
 and the distillation generator (train/distill.py) both schedule through it.
 
 A snapshot is taken with the holders of that moment (`run` returns both), so a slot released and refilled before
@@ -30,7 +30,7 @@ class SlotTable:
   def __init__(self, params, spec: LoopSpec, *, num_slots: int, capacity: int, costs=None, seed: int = 0,
                grammar_capacity=None, block_size: int = DEFAULT_BLOCK_SIZE, num_pages=None):
     """num_pages: a pool of that many pages of block_size tokens that requests bring pages of (their Request's
-    table row: serve/kv_scheduler.py); None: each slot owns its contiguous pages."""
+    table row: serve/engine/kv_scheduler.py); None: each slot owns its contiguous pages."""
     self.params, self.spec = params, spec
     self.block_size, self.num_pages = block_size, num_pages
     self.grammar_capacity = grammar_capacity  # (states, token classes) a slot's grammar may have; None: none
@@ -95,7 +95,7 @@ class SlotTable:
     self.state = slots.set_draft_caps(self.state, full)
 
   # The block manager's and the tenants' writes go through the table, so a multi-host leader mirrors every device
-  # call of the engine (serve/multihost.py).
+  # call of the engine (serve/many_hosts/multihost.py).
   def set_page_tables(self, table) -> None:
     """int32[rows, pages_per_seq]: every KV cache's page table (the block manager's, between loop calls)."""
     self.state = slots.set_page_tables(self.state, table)

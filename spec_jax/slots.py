@@ -52,7 +52,7 @@ class Request:
   controls: Controls
   logprobs: jax.Array
   logprobs_mode: jax.Array
-  pages: jax.Array  # int32[pages_per_seq]: the slot's page table (serve/block_manager.py); -1s: keep the slot's own
+  pages: jax.Array  # int32[pages_per_seq]: the slot's page table (serve/engine/block_manager.py); -1s: keep the slot's own
   cached: jax.Array  # int32[]: leading positions whose K/V `pages` already hold (a prefix-cache hit)
   known: jax.Array  # int32[capacity]: the prompt, then the tokens already streamed (a recomputed request)
   known_len: jax.Array  # int32[]

@@ -7,7 +7,7 @@
   {"per_concurrency": {"1": {"method": "ngram", "num_speculative_tokens": 4}, "16": {"num_speculative_tokens": 0}}}
 
 The same keys are a config file's `speculative_config` dict, the JSON of `--speculative_config` (inline or a
-file), one flag each (serve/run_flags.py; `model` and `quantization` are `--speculative_model` and
+file), one flag each (serve/jobs/run_flags.py; `model` and `quantization` are `--speculative_model` and
 `--speculative_quantization` there, beside the target's `--model` and `--quantize`), the load matrix's arms and
 the tuner's output.
 

@@ -58,7 +58,7 @@ def test_default_data_is_found_from_any_directory_and_only_inside_the_repository
   reads = _reads_during("""
 from train import data, distill, distill_shards
 from serve.loadtest import traffic
-from serve import prompts
+from serve.jobs import prompts
 from configs import loadtest
 from spec_jax.datasets import SPEC_BENCH
 n = len(data.load_examples())

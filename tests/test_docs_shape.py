@@ -111,7 +111,8 @@ def test_readme_names_only_files_that_exist():
 def test_the_checks_catch_what_they_are_for(tmp_path):
   """Each check on a small bad document, so a check that cannot fail is caught here."""
   (tmp_path / "serve").mkdir()
-  (tmp_path / "serve" / "engine.py").write_text("")
+  (tmp_path / "serve" / "engine").mkdir()
+  (tmp_path / "serve" / "engine" / "engine.py").write_text("")
   (tmp_path / "serve" / "loadtest").mkdir()
   (tmp_path / "serve" / "loadtest" / "__main__.py").write_text("")
   doc = "\n".join([
@@ -119,18 +120,18 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
       "## Trees #13",
       "| file | owns |",
       "|---|---|",
-      "| `serve/engine.py` | " + "x" * (MAX_CELL + 1) + " |",
+      "| `serve/engine/engine.py` | " + "x" * (MAX_CELL + 1) + " |",
       "| `a | b` | short |",
       "```bash",
       "# issue 7 inside a code block is a shell comment, not a heading",
       "```",
-      "`serve/engine.py`, `serve/loadtest/`, `python -m serve.loadtest` exist; `serve/engine/engine.py`,",
+      "`serve/engine/engine.py`, `serve/loadtest/`, `python -m serve.loadtest` exist; `serve/http/gone.py`,",
       "`spec_jax/gone.py`, `train/`, `python -m serve.nothing` do not.",
   ])
   assert len(long_cells(doc)) == 1
   assert "`a | b`" in table_cells(doc)  # a pipe inside a code span does not split the cell
   assert [h for h in headings(doc) if _ISSUE.search(h)] == ["# The KV pool (issue 35)", "## Trees #13"]
   assert issue_references(doc) == ["issue 35", "#13", "issue 7"]
-  assert missing_paths(doc, str(tmp_path)) == ["python -m serve.nothing", "serve/engine/engine.py",
+  assert missing_paths(doc, str(tmp_path)) == ["python -m serve.nothing", "serve/http/gone.py",
                                                "spec_jax/gone.py", "train/"]
-  assert not missing_paths("`serve/engine.py`, `serve/loadtest/`, python -m serve.loadtest", str(tmp_path))
+  assert not missing_paths("`serve/engine/engine.py`, `serve/loadtest/`, python -m serve.loadtest", str(tmp_path))

@@ -24,9 +24,9 @@ ALLOWED = {
 
 # (importer, imported) pairs allowed against ALLOWED, each with its reason.
 EXCEPTIONS = {
-    # AOT compiles the trainer's step: the program the trainer runs, traced from shapes (serve/aot_programs.py).
-    ("serve.aot_programs", "train.tasks"): "AOT compiles the trainer-step programs",
-    ("serve.aot_programs", "train.trainer"): "AOT compiles the trainer-step programs",
+    # AOT compiles the trainer's step: the program the trainer runs, traced from shapes (serve/compiler/aot_programs.py).
+    ("serve.compiler.aot_programs", "train.tasks"): "AOT compiles the trainer-step programs",
+    ("serve.compiler.aot_programs", "train.trainer"): "AOT compiles the trainer-step programs",
 }
 
 
@@ -155,7 +155,7 @@ def direction_violations(graph: dict) -> list:
 def test_graph_sees_imports_inside_functions():
   graph = import_graph()
   assert "spec_jax.decode" in graph["spec_jax.batch"]  # a top-level import
-  assert "spec_jax.proposers.registry" in graph["serve.setup"]  # inside a function
+  assert "spec_jax.proposers.registry" in graph["serve.jobs.setup"]  # inside a function
 
 
 def test_no_import_cycles():

@@ -189,10 +189,10 @@ def test_greedy_speculation_on_an_8_bit_cache_equals_plain_decoding_on_it(name, 
 
 @pytest.mark.parametrize("name", ["ngram", "draft"])
 def test_a_memory_budget_holds_about_twice_the_pages_of_a_bfloat16_cache(name):
-  """The server's pool sizing (serve/kv_scheduler.py) counts every cache of the decode state in 8 bits plus the
+  """The server's pool sizing (serve/engine/kv_scheduler.py) counts every cache of the decode state in 8 bits plus the
   scales: a byte budget holds 2 / (1 + 4 / head_dim) times the pages of a bfloat16 cache (head_dim 16 here: 1.6x;
   Gemma 3's 256: 1.97x)."""
-  from serve.kv_scheduler import page_bytes, pool_pages
+  from serve.engine.kv_scheduler import page_bytes, pool_pages
   from tests.proposers.test_medusa_eagle import CONFIG, _params
   from tests.test_slots import _proposer
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())

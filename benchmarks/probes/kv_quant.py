@@ -41,7 +41,7 @@ DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def prompts(tok, n):
-  from serve.prompts import load_prompts
+  from serve.jobs.prompts import load_prompts
   from spec_jax.datasets import SPEC_BENCH
   from train.eval_acceptance import held_out_prompts
   held = [tok.encode(t) for t in held_out_prompts(max(1, n // 2), 0)]

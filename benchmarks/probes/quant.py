@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve.prompts import load_prompts
-from serve.runner import timed_generate
+from serve.jobs.prompts import load_prompts
+from serve.jobs.runner import timed_generate
 from spec_jax import quant
 from spec_jax.checkpoints.load import load_model, load_params
 from spec_jax.config import SamplingParams

@@ -96,7 +96,7 @@ def main(argv):
   del argv
   import logging
   logging.getLogger("httpx").setLevel(logging.WARNING)
-  from serve.live_ab import SwitchbackConfig
+  from serve.engine.live_ab import SwitchbackConfig
   from serve.loadtest import loadgen
   from serve.loadtest.launcher import ServerProcess
   from serve.loadtest.traffic import LoadPoint, load_prompts, split_prompts

@@ -13,7 +13,7 @@ import json
 import random
 from typing import Optional
 
-from serve.prompts import DEFAULT_PROMPTS
+from serve.jobs.prompts import DEFAULT_PROMPTS
 from spec_jax.datasets import read_jsonl
 
 
@@ -76,7 +76,7 @@ class LoadPoint:
 def load_prompts(path, limit: int = 0, categories=()) -> list[PromptRec]:
   """JSONL with 'prompt' or 'turns' (Spec-Bench reads as is), optional 'response_format' (an OpenAI
   response_format object: the request asks for structured output); several paths (a list, or one string with
-  commas) read each in turn: a mix of traffic; '' = serve.prompts' built-in demo prompts."""
+  commas) read each in turn: a mix of traffic; '' = serve.jobs.prompts' built-in demo prompts."""
   paths = (path or "").split(",") if isinstance(path, str) or path is None else list(path)
   raw = []
   for p in paths:

@@ -58,7 +58,7 @@ class BuildArgs:
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-  """What an abstract builder gets (serve/aot_programs.py): the target's config and abstract params, the draft
+  """What an abstract builder gets (serve/compiler/aot_programs.py): the target's config and abstract params, the draft
   length, the kernel, the DynamicTree the registry built (topk > 1 and dynamic_tree) or None, the tree settings,
   and a draft model's config where the caller names one (None: the draft this project trains)."""
   config: ModelConfig
@@ -127,7 +127,7 @@ def dynamic_tree(entry: Method, k: int, topk: int, nodes: int):
 
 def build_abstract(method: str, config: ModelConfig, target: dict, *, k: int, topk: int, nodes: int, impl: str,
                    draft_config: Optional[ModelConfig] = None):
-  """-> (proposer, abstract params) for `method` from shapes alone (serve/aot_programs.py), with the shapes of
+  """-> (proposer, abstract params) for `method` from shapes alone (serve/compiler/aot_programs.py), with the shapes of
   the heads this project trains (or publishes in). topk > 1: a token tree of `nodes` nodes, depth k, where the
   method's abstract builder drafts trees."""
   entry = METHODS.get(method)

@@ -127,12 +127,12 @@ class SuffixProposer:
 
   def keep_history(self, prev: SuffixState, fresh: SuffixState) -> SuffixState:
     """A fresh batch's state (from init) whose slots keep `prev`'s rings, as `insert` keeps a slot's past: a
-    batch job (serve.runner) drafts from what its earlier batches wrote, as the server's long-lived slots do. Slot
+    batch job (serve.jobs.runner) drafts from what its earlier batches wrote, as the server's long-lived slots do. Slot
     b takes prev's slot b (a batch with fewer slots keeps the first ones only)."""
     return _keep_rings(prev, fresh, self.history)
 
   def forget_tenant(self, state, tenant):
-    """The DecodeState `state` without `tenant`'s history (the server reuses its id, serve/tenants.py)."""
+    """The DecodeState `state` without `tenant`'s history (the server reuses its id, serve/engine/tenants.py)."""
     return state if self.sharing == "global" else forget_tenant(state, tenant)
 
   def propose(self, params, state: SuffixState, ctx, k, key):

@@ -1,6 +1,6 @@
 """serve.aot's rule for what counts as a copy of the KV cache among a compiled program's temporaries."""
 
-from serve.aot_compile import cache_sized
+from serve.compiler.aot_compile import cache_sized
 
 
 def _t(shape, nbytes):

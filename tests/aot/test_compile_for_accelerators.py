@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from serve import aot_compile, aot_programs as progs
+from serve.compiler import aot_compile, aot_programs as progs
 from spec_jax.models.shapes import model_shape
 
 pytestmark = pytest.mark.aot
@@ -197,13 +197,13 @@ def test_the_command_reports_and_fails_on_what_does_not_fit(tmp_path):
 
 def test_the_cost_table_is_written_in_the_controllers_format(tmp_path):
   """serve.aot --cost_table end to end on a small model shape: every step compiles with a positive estimate, the
-  entries are what the adaptive controller loads (serve.step_costs.load_costs) and hold the estimates' ratios to a
+  entries are what the adaptive controller loads (serve.jobs.step_costs.load_costs) and hold the estimates' ratios to a
   plain step, labelled as the compiler's, and the plot is written beside the table."""
   _need("libtpu", "libtpu (the TPU compiler)")
   import json
   import subprocess
   import sys
-  from serve.step_costs import load_costs
+  from serve.jobs.step_costs import load_costs
   from tests.conftest import ROOT
   shape = dict(vocab_size=4096, d_model=256, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=128, mlp_dim=512,
                sliding_window=128, global_every=2, query_pre_attn_scalar=128.0, max_seq_len=1024, bos_id=2,

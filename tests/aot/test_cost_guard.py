@@ -1,6 +1,6 @@
 """The cost-regression guard: XLA:TPU's estimate of a loop step at small shapes, against a committed table.
 
-At small shapes (serve/aot_guard.py: a 2-layer, 32k-vocabulary model on one v5e, 512 tokens, batch 1) a plain step,
+At small shapes (serve/compiler/aot_guard.py: a 2-layer, 32k-vocabulary model on one v5e, 512 tokens, batch 1) a plain step,
 an n-gram k = 4 step and an EAGLE tree step are compiled; their ratios (the k = 4 step over plain, the tree over
 plain, plain over its first-principles floor) must not rise more than 10 % above configs/costs/guard_v5e_small.json.
 A CPU benchmark cannot see what this sees: work over the whole vocabulary at every verified position costs little
@@ -38,7 +38,7 @@ def test_step_costs_stay_within_the_committed_table():
     if os.environ.get("SPEC_JAX_AOT") == "required":
       raise
     pytest.skip("libtpu (the TPU compiler) is not installed: pip install -e '.[tpu-aot]'")
-  from serve import aot_guard
+  from serve.compiler import aot_guard
   measured = aot_guard.measure()
   relaid = {k: v for k, v in measured["weight_relayouts"].items() if v}
   assert not relaid, f"programs re-lay out a weight on every call (spec_jax/layouts.py places them): {relaid}"

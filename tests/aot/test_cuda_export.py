@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from serve import aot_compile, aot_programs as progs
+from serve.compiler import aot_compile, aot_programs as progs
 from spec_jax.models.shapes import model_shape
 
 METHODS = progs.METHODS  # every registered method

@@ -1,6 +1,6 @@
 """serve.aot's sizing of the largest KV page pool per chip from a compiled decode loop's memory."""
 
-from serve.aot_report import pool_fit, pool_section
+from serve.compiler.aot_report import pool_fit, pool_section
 
 
 def test_the_pool_grows_into_what_the_rest_leaves():

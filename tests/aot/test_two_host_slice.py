@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from serve import aot_compile, aot_programs as progs
+from serve.compiler import aot_compile, aot_programs as progs
 from spec_jax.models.shapes import model_shape
 
 pytestmark = pytest.mark.aot

@@ -1,4 +1,4 @@
-"""The paged KV pool on a mesh with a data axis (serve/sharded_pool.py): one block manager per data shard, each
+"""The paged KV pool on a mesh with a data axis (serve/engine/sharded_pool.py): one block manager per data shard, each
 shard's rows on pages of its own share. Eight slots over data:4,model:2 (two rows a shard) on 4 x 24 usable pages:
 six requests fight for pages, shards preempt among their own rows, and with freed pages poisoned every greedy
 output equals the request's output alone (a row reading a page of another shard's share, or a stale one, would

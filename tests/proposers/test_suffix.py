@@ -143,7 +143,7 @@ def test_the_server_keeps_tenants_apart(tiny_model):  # noqa: F811
 
 
 def test_tenant_table_reuses_the_least_recently_used_idle_id():
-  from serve.tenants import TenantTable
+  from serve.engine.tenants import TenantTable
   t = TenantTable(size=3, num_slots=2)
   assert t.acquire("a") == (0, None) and t.acquire("b") == (1, None) and t.acquire("c") == (2, None)
   t.release(1)

@@ -1,4 +1,4 @@
-"""A slow second opinion on serve/block_manager.py for its property test (tests/serve/test_block_manager.py).
+"""A slow second opinion on serve/engine/block_manager.py for its property test (tests/serve/test_block_manager.py).
 
 `Model` keeps, in plain lists and dicts, who holds which page and which (salt, token prefix) each cached page
 stands for (no hashing), and predicts every answer the block manager gives: whether an allocation fits, which
@@ -16,7 +16,7 @@ import collections
 
 import numpy as np
 
-from serve.block_manager import BlockManager
+from serve.engine.block_manager import BlockManager
 
 POISON = -1
 

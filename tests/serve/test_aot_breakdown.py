@@ -1,11 +1,11 @@
-"""serve/aot_breakdown.py: a compiled step's bytes and time by role, from its optimized HLO text (no compiler for
+"""serve/compiler/aot_breakdown.py: a compiled step's bytes and time by role, from its optimized HLO text (no compiler for
 a TPU needed: a hand-written module in XLA:TPU's notation, and a tiny loop step compiled for this CPU)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from serve import aot_breakdown as bd
+from serve.compiler import aot_breakdown as bd
 from spec_jax import scopes
 
 V5E = "TPU v5 lite"
@@ -121,7 +121,7 @@ def test_a_compiled_step_is_attributed_by_its_scopes():
   the target layers' at least their weights, the sampler and the drafter have instructions: the scopes reach the
   compiled program's metadata (XLA:CPU's hoisted float32 converts of the weights carry none, so 'rest' is not
   checked here). ~30 s on the shared 2-core host."""
-  from serve import aot_programs as progs
+  from serve.compiler import aot_programs as progs
   from tests.conftest import tiny_llama_config
   config = tiny_llama_config(vocab_size=4096, d_model=64, mlp_dim=128, num_heads=4, num_kv_heads=2, head_dim=16)
   dev = jax.devices("cpu")[0]

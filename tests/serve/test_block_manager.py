@@ -1,4 +1,4 @@
-"""serve/block_manager.py: pages, reservation, trimming, the prefix cache, preemption's choice, and a property test
+"""serve/engine/block_manager.py: pages, reservation, trimming, the prefix cache, preemption's choice, and a property test
 that drives random request lifetimes against a slow plain model and a simulated device (tests/serve/
 block_manager_model.py), which must catch each of a few planted bugs."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serve.block_manager import BlockManager, make_salt
+from serve.engine.block_manager import BlockManager, make_salt
 from tests.serve.block_manager_model import Bugs, run_random_ops
 
 
@@ -238,9 +238,9 @@ def test_the_property_test_catches_planted_bugs(bug):
 
 
 def test_one_block_manager_per_data_shard():
-  """serve/sharded_pool.py: each shard hands out pages of its own share in global ids (a row's table points at its
+  """serve/engine/sharded_pool.py: each shard hands out pages of its own share in global ids (a row's table points at its
   shard's null page past its pages), a prefix is cached on its shard only, and freed pages come back global."""
-  from serve.sharded_pool import ShardedPool
+  from serve.engine.sharded_pool import ShardedPool
   pool = ShardedPool(num_pages=27, block_size=4, capacity=16, shards=3)  # 27 // 3 = 9 a shard, 8 usable
   assert (pool.num_pages, pool.per_shard, pool.usable, pool.pages_per_seq) == (27, 9, 24, 4)
   np.testing.assert_array_equal(pool.null_row(2), [18] * 4)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from serve import check_pair
-from serve import setup as setup_lib
+from serve.jobs import setup as setup_lib
 from spec_jax import pair_check
 from spec_jax.checkpoints import safetensors_io
 from spec_jax.spec_config import SpecConfig
@@ -115,7 +115,7 @@ def test_planted_mismatches_are_reported(target, tmp_path):
 
 
 def test_the_run_commands_refuse_an_incompatible_pair(target, tmp_path):
-  """serve/setup.py load (the server's build_engine, serve.generate, serve.evaluate) runs the static check first."""
+  """serve/jobs/setup.py load (the server's build_engine, serve.generate, serve.evaluate) runs the static check first."""
   def far(t):
     t["d2t"] = t["d2t"].copy()
     t["d2t"][7] = -20
@@ -164,7 +164,7 @@ def test_an_8bit_cache_reports_tau_beside_auto(target, monkeypatch):
   """--kv_cache_dtype int8: each temperature runs the pair with the int8 cache and with `auto` (the real runner,
   recorded on the way), and the rows and the table put the two taus side by side (the run part alone: the cost
   timing is the same with any cache)."""
-  from serve import runner
+  from serve.jobs import runner
   calls, real = [], runner.run_arms
 
   def recorded(*a, **kw):

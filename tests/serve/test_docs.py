@@ -1,4 +1,4 @@
-"""BUILD.md against the code: its table of request fields matches serve/protocol.py's FIELDS (derived from the
+"""BUILD.md against the code: its table of request fields matches serve/http/protocol.py's FIELDS (derived from the
 code: a field added there needs its row here), and every curl example in it runs as written against a live tiny
 server (only the host and port substituted). The table check takes milliseconds; the curls about 20-40 s (the
 server's start).
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from serve.protocol import FIELDS, HARMLESS, HONOURED, ROUTES
+from serve.http.protocol import FIELDS, HARMLESS, HONOURED, ROUTES
 from tests.serve.test_server import ROOT, tiny_model, tiny_server  # noqa: F401 (a fixture)
 
 BUILD = os.path.join(ROOT, "BUILD.md")

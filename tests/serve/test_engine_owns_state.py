@@ -1,6 +1,6 @@
-"""The engine owns its state (issue 49): no module but serve/engine.py changes an Engine's attributes, and the
-queue's and the KV pool's decisions are values checked here without an engine or a model (serve/admission.py,
-serve/kv_scheduler.py)."""
+"""The engine owns its state (issue 49): no module but serve/engine/engine.py changes an Engine's attributes, and the
+queue's and the KV pool's decisions are values checked here without an engine or a model (serve/engine/admission.py,
+serve/engine/kv_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pathlib
 import numpy as np
 import pytest
 
-from serve import admission, kv_scheduler
-from serve.engine_request import EngineRequest
-from serve.metrics import Metrics
-from serve.output_stream import Output
+from serve.engine import admission, kv_scheduler
+from serve.engine.engine_request import EngineRequest
+from serve.engine.metrics import Metrics
+from serve.engine.output_stream import Output
 from spec_jax import slots
 from spec_jax.decode import make_spec
 from spec_jax.proposers.ngram import NgramProposer
@@ -30,10 +30,10 @@ def test_no_module_but_the_engine_changes_engine_state():
       if path.name == "engine.py" and rel.parts[0] == "serve":
         continue
       found += find(str(rel), path.read_text())
-  assert not found, "only serve/engine.py may change the engine's state:\n" + "\n".join(found)
+  assert not found, "only serve/engine/engine.py may change the engine's state:\n" + "\n".join(found)
 
 
-BAD = {  # what serve/admission.py and serve/kv_scheduler.py did before the engine owned its state
+BAD = {  # what serve/engine/admission.py and serve/engine/kv_scheduler.py did before the engine owned its state
     "def reap(e, now):\n  e._waiting = keep\n": "assigns",
     "def admit(e, now):\n  e._applied_caps = None\n": "assigns",
     "def admit(e, req):\n  e.iteration_tokens += len(req.prompt_ids)\n": "assigns",
@@ -67,7 +67,7 @@ def test_the_scan_leaves_other_objects_alone(source):
   assert find("x.py", source) == []
 
 
-# ---- the queue's decisions (serve/admission.py)
+# ---- the queue's decisions (serve/engine/admission.py)
 
 def _req(i: int, deadline=None, **kw) -> EngineRequest:
   return EngineRequest(id=f"r{i}", prompt_ids=[2, 5, 7], device_req=None, stop=(), output=Output(), arrival=0.0,
@@ -108,7 +108,7 @@ def test_preempted_requests_go_back_to_the_head_in_admission_order():
   assert list(admission.requeue([], [])) == []
 
 
-# ---- the KV pool's decisions (serve/kv_scheduler.py)
+# ---- the KV pool's decisions (serve/engine/kv_scheduler.py)
 
 def _running(slot: int, seq: int, segment: str = "default", drafted: int = 0, accepted: int = 0):
   r = _req(slot, segment=segment, drafted=drafted, accepted=accepted, admit_seq=seq)

@@ -1,4 +1,4 @@
-"""serve/api.py's EventStream: a client that walks away while the response is inside `send` (it stopped reading)
+"""serve/http/api.py's EventStream: a client that walks away while the response is inside `send` (it stopped reading)
 cancels the response outside the body generator; the request must still be aborted at once, not when the
 garbage collector finalizes the suspended generator (issue 50 item 9). No server, no JAX: ~0.1 s."""
 
@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from serve.api import EventStream
+from serve.http.api import EventStream
 
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])

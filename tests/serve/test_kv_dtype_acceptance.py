@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from serve.guardrails import OFF, ON, PROBE, GuardrailConfig, Guardrails, SpeculationSwitch
+from serve.engine.guardrails import OFF, ON, PROBE, GuardrailConfig, Guardrails, SpeculationSwitch
 from serve.loadtest import report_kv
 from serve.loadtest.analyze import fixed_settings
 from serve.loadtest.matrix import arm_flags, arm_kv_dtype, arm_list
-from serve.metrics import Metrics
+from serve.engine.metrics import Metrics
 
 
 def _feed(g, t, tau, k=4, drafts=4):

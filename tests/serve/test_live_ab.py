@@ -5,9 +5,9 @@ reset forgets, and the guardrails switch one segment off on a live roll-back."""
 import numpy as np
 import pytest
 
-from serve.guardrails import OFF, ON, PROBE, GuardrailConfig, Guardrails
-from serve.live_ab import CANARY, STABLE, LiveAB, Schedule, SwitchbackConfig, content_key
-from serve.request_spec import RequestSpec, Sampling
+from serve.engine.guardrails import OFF, ON, PROBE, GuardrailConfig, Guardrails
+from serve.engine.live_ab import CANARY, STABLE, LiveAB, Schedule, SwitchbackConfig, content_key
+from serve.engine.request_spec import RequestSpec, Sampling
 
 
 def test_schedule_holds_the_share_per_block_in_a_random_order():

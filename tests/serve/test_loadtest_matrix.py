@@ -50,14 +50,14 @@ class SlowNgram(NgramProposer):
 
 
 class InProcessServer:
-  """serve.server.build_engine + serve.api.create_app, served by uvicorn in a thread."""
+  """serve.server.build_engine + serve.http.api.create_app, served by uvicorn in a thread."""
 
   def __init__(self, model: str, speculative_config: dict, *, slow: bool = False, adaptive: bool = True):
     import uvicorn
 
     from configs.gemma3_270m import get_config
     from serve import server as S
-    from serve.api import create_app
+    from serve.http.api import create_app
     from spec_jax.spec_config import from_dict
     cfg = {**get_config().to_dict(), **S.SERVER_DEFAULTS}
     # One step per engine iteration: every token is its own event, so ITL is a step time, not a batch of them.

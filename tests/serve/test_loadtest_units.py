@@ -132,7 +132,7 @@ def test_noise_widens_the_neutral_band():
 
 
 def test_metrics_from_the_servers_registry():
-  from serve.metrics import Metrics
+  from serve.engine.metrics import Metrics
   m = Metrics(k_max=3)
   before = M.Scrape(m.render().decode())
   m.num_drafts.inc(10)
@@ -161,7 +161,7 @@ def test_crosscheck_reads_the_servers_own_view_of_a_run():
   """The cross-check's server-side columns: engine ITL and TTFT means and the server's CPU seconds, as deltas of
   /metrics over one tool's run (process_* from prometheus_client's process collector in the server's registry)."""
   from benchmarks.probes.crosscheck_loadgen import server_view
-  from serve.metrics import Metrics
+  from serve.engine.metrics import Metrics
   m = Metrics(k_max=2)
   before = M.Scrape(m.render().decode())
   for v in (0.02, 0.04, 0.06):

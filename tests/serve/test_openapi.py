@@ -1,4 +1,4 @@
-"""The server's published API (/openapi.json, from serve/protocol.py's pydantic models) and a schema-driven fuzz
+"""The server's published API (/openapi.json, from serve/http/protocol.py's pydantic models) and a schema-driven fuzz
 of it: schemathesis generates bodies from that schema, valid and invalid, against a live tiny-model server. No
 answer may be a 5xx, every 4xx must be an OpenAI error object, and every 2xx completion must be OpenAI-shaped."""
 
@@ -9,11 +9,11 @@ import json
 import httpx
 import pytest
 
-from serve.protocol import FIELDS, Refused
+from serve.http.protocol import FIELDS, Refused
 from tests.serve.test_server import MODEL, tiny_server, tiny_model  # noqa: F401 (a fixture)
 
 KEY = "fuzz-key"
-# the fields the server refuses unless at a no-op value (serve/protocol.py FIELDS), left out of the valid bodies
+# the fields the server refuses unless at a no-op value (serve/http/protocol.py FIELDS), left out of the valid bodies
 UNSUPPORTED = tuple(name for name, rule in FIELDS.items() if isinstance(rule, Refused))
 # Honoured, but a fuzzed schema, regex or tool list is nearly always a 400 and compiling one takes seconds at any
 # vocabulary: the generating half leaves them out (tests/serve/test_server_structured.py has their cases).

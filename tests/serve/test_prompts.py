@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from serve.prompts import load_prompts
+from serve.jobs.prompts import load_prompts
 
 
 class _Tok:

@@ -1,4 +1,4 @@
-"""Issue 36, item 1: nothing that changes the output is ever ignored. serve/protocol.py's FIELDS has every OpenAI
+"""Issue 36, item 1: nothing that changes the output is ever ignored. serve/http/protocol.py's FIELDS has every OpenAI
 and vLLM request field: honoured, harmless, or refused with a 400 naming it unless it has a value that changes
 nothing. These tests walk that table against a live tiny-model server, and check that it covers the named fields
 and every field the request models declare."""
@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from serve.protocol import (FIELDS, HARMLESS, HONOURED, ROUTES, ChatRequest, CompletionRequest, Refused,
+from serve.http.protocol import (FIELDS, HARMLESS, HONOURED, ROUTES, ChatRequest, CompletionRequest, Refused,
                             refuse_unsupported)
 from tests.serve.test_server import MODEL, tiny_server, tiny_model  # noqa: F401 (a fixture)
 

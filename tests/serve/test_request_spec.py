@@ -1,5 +1,5 @@
-"""The request path from a body to the engine (serve/request_spec.py): one frozen RequestSpec with named fields,
-built and checked once against the engine's limits (a value, not the engine); serve/api.py holds routes and
+"""The request path from a body to the engine (serve/engine/request_spec.py): one frozen RequestSpec with named fields,
+built and checked once against the engine's limits (a value, not the engine); serve/http/api.py holds routes and
 response shaping only, in functions short enough to read."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from serve.protocol import APIError, ChatRequest, CompletionRequest
-from serve.request_spec import EngineLimits, RequestSpec, ServerDefaults, request_spec
+from serve.http.protocol import APIError, ChatRequest, CompletionRequest
+from serve.engine.request_spec import EngineLimits, RequestSpec
+from serve.http.body_to_spec import ServerDefaults, request_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIMITS = EngineLimits(vocab_size=100, capacity=64, lookahead=4, max_logprobs=5, stop_ids=(1,), structured=True)
@@ -20,7 +21,7 @@ DEFAULTS = ServerDefaults(temperature=0.5, top_k=7, top_p=0.9, default_max_token
 
 
 def test_api_functions_are_short():
-  """Every function of serve/api.py (nested ones too) is at most 80 lines."""
+  """Every function of serve/http/api.py (nested ones too) is at most 80 lines."""
   with open(os.path.join(ROOT, "serve", "api.py")) as f:
     tree = ast.parse(f.read())
   long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
@@ -29,7 +30,7 @@ def test_api_functions_are_short():
 
 
 def test_the_engine_takes_one_spec():
-  from serve.engine import Engine
+  from serve.engine.engine import Engine
   params = list(inspect.signature(Engine.make_request).parameters)
   assert params == ["self", "spec", "output"], params
 

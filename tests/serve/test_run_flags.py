@@ -1,4 +1,4 @@
-"""The run flags are defined once (serve/run_flags.py) and every command takes them the same way."""
+"""The run flags are defined once (serve/jobs/run_flags.py) and every command takes them the same way."""
 
 import subprocess
 import sys

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from serve.guardrails import BASELINE, OFF, ON, PROBE, GuardrailConfig, Guardrails
-from serve.setup import FORBIDDEN_COST, cost_table
+from serve.engine.guardrails import BASELINE, OFF, ON, PROBE, GuardrailConfig, Guardrails
+from serve.jobs.setup import FORBIDDEN_COST, cost_table
 from spec_jax.spec_config import parse
 
 

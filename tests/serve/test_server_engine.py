@@ -23,7 +23,7 @@ flags.FLAGS(["server", f"--model={sys.argv[1]}", "--dtype=float32", "--max_model
              '--speculative_config={"method": "ngram", "num_speculative_tokens": 4}'])
 engine, tok, _ = server.build_engine(server.settings())
 engine.start(warmup_prompt_lens=[1])
-from serve.request_spec import RequestSpec
+from serve.engine.request_spec import RequestSpec
 make = lambda p, n: engine.make_request(RequestSpec(prompt_ids=tuple(tok.encode(p)), max_new=n))
 good = [make(p, 10) for p in ("the cat", "a dog ran")]
 bad = make("the mat", 10)

@@ -1,4 +1,4 @@
-"""serve.server on many hosts (serve/multihost.py): two real processes on loopback (jax.distributed, gloo, 4 CPU
+"""serve.server on many hosts (serve/many_hosts/multihost.py): two real processes on loopback (jax.distributed, gloo, 4 CPU
 devices each) serve one tiny model on one mesh and answer exactly what one process with the same 8 devices answers;
 a dead follower stops the leader with an error naming it, and no client hangs; hosts started with different
 settings are refused with a message naming the difference."""

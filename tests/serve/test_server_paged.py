@@ -1,4 +1,4 @@
-"""The engine on a paged KV pool far smaller than max_num_seqs x max_model_len (serve/kv_scheduler.py): it runs
+"""The engine on a paged KV pool far smaller than max_num_seqs x max_model_len (serve/engine/kv_scheduler.py): it runs
 more requests at once than the pool holds capacity-length ones, preempts when it must, loses none, every greedy
 output equals the request's output alone, freed pages filled with NaN change nothing (every method, chains and a
 tree), and the pool ends where it started. Each engine runs in a subprocess that shares the tiny servers'
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from serve.kv_scheduler import pool_pages
+from serve.engine.kv_scheduler import pool_pages
 from tests.serve.test_server import ROOT, tiny_model  # noqa: F401 (a fixture)
 
 HEADS = os.path.join(ROOT, "tests", "fixtures", "published_heads")
@@ -34,7 +34,7 @@ engine, tok, _ = server.build_engine(server.settings())
 kv = engine.kv
 out = {"pages": kv.bm.usable, "pages_per_seq": kv.bm.pages_per_seq,
        "proposer_bytes": kv.proposer_bytes_per_page, "kv_cache_dtype": engine.spec.kv_cache_dtype}
-from serve.request_spec import RequestSpec, Sampling
+from serve.engine.request_spec import RequestSpec, Sampling
 def make(prompt, max_new, seed=0, temperature=0.0, top_p=1.0, **kw):
   return engine.make_request(RequestSpec(prompt_ids=tuple(tok.encode(prompt)), max_new=max_new,
                                          sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed), **kw))
@@ -121,7 +121,7 @@ def test_a_small_pool_runs_more_requests_than_it_holds_preempts_and_loses_nothin
   assert free1 == free0 == out["pages"] and used == 0  # no tail leak
   assert out["metrics"]["spec_jax:kv_cache_pages"] == 48 and out["metrics"]["spec_jax:kv_cache_usage_perc"] == 0
   # The reservation past committed K/V: two calls in flight of T = 4 steps x 5 tokens each, plus a partly filled
-  # page, per row (serve/kv_scheduler.py's bound), at most 4 rows.
+  # page, per row (serve/engine/kv_scheduler.py's bound), at most 4 rows.
   st = out["status"]
   assert 0 < st["kv_over_reserved_pages_mean"] <= st["kv_over_reserved_pages_max"] <= 4 * (-(-2 * 20 // 4) + 1)
   field, msg = out["too_long"]  # 8 + 200 + 5 tokens fit max_model_len but need 54 pages: a 400 at once

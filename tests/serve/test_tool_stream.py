@@ -1,4 +1,4 @@
-"""serve/tool_stream.py: a tool call streamed as OpenAI's delta.tool_calls chunks, fed the answer's text in pieces
+"""serve/http/tool_stream.py: a tool call streamed as OpenAI's delta.tool_calls chunks, fed the answer's text in pieces
 of every size (no server: the API test is tests/serve/test_server_structured.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from serve import tools
-from serve.tool_stream import ToolCallStream
+from serve.http import tools
+from serve.http.tool_stream import ToolCallStream
 from tests.serve.test_server_structured import TIME, WEATHER
 
 LISTED = tools.check_tools([WEATHER, TIME])

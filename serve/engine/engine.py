@@ -10,10 +10,10 @@ JetStream's orchestrator shape over `spec_jax.slots`. Each iteration of the engi
    strings, merged into the request's `Output`.
 The HTTP layer talks to the engine only through `submit`, `abort` and each request's `Output`: a slow client cannot
 stall the device loop. A snapshot remembers who held each slot, so a refilled slot never gets its old tokens.
-The engine owns its state: serve/admission.py (the queue) and serve/kv_scheduler.py (the KV pool) return their
+The engine owns its state: serve/engine/admission.py (the queue) and serve/engine/kv_scheduler.py (the KV pool) return their
 decisions as values, and only this file applies them (tests/serve/test_engine_owns_state.py).
 
-Speculation per request: at admission a request gets its segment and draft cap (serve/segments.py). Before each
+Speculation per request: at admission a request gets its segment and draft cap (serve/engine/segments.py). Before each
 dispatch every row's cap is set: 0 where the admin switch, the segment's guardrails or a switchback "off" window
 say so, and at most the per-concurrency k. Hand-overs are credited to (segment, arm of the dispatch's window).
 An exception fails the requests it touched (HTTP 500) and the engine goes on: a failed insert fails its request,
@@ -33,14 +33,14 @@ from typing import Optional
 import jax
 import numpy as np
 
-from serve import admission, kv_scheduler, live_ab, timing_probe
-from serve.guardrails import SpeculationSwitch
-from serve.segments import Segments
-from serve.metrics import Metrics
-from serve.engine_request import EngineRequest
-from serve.output_stream import Output, TextStream
-from serve.request_spec import EngineLimits, RequestSpec
-from serve.tenants import TenantTable
+from serve.engine import admission, kv_scheduler, live_ab, timing_probe
+from serve.engine.guardrails import SpeculationSwitch
+from serve.engine.segments import Segments
+from serve.engine.metrics import Metrics
+from serve.engine.engine_request import EngineRequest
+from serve.engine.output_stream import Output, TextStream
+from serve.engine.request_spec import EngineLimits, RequestSpec
+from serve.engine.tenants import TenantTable
 from spec_jax import slots
 from spec_jax.cache import DEFAULT_BLOCK_SIZE
 from spec_jax.controls import Controls
@@ -65,14 +65,14 @@ class Engine:
                request_timeout_s: float = 600.0, seed: int = 0, metrics: Optional[Metrics] = None,
                timing_probe_s: float = 10.0, switchback=None, grammar_capacity=None, kv_pool=None,
                table_class=None):
-    """kv_pool: the paged KV pool's flags (serve/kv_scheduler.py plan); None: fixed slots. table_class: the slot
-    table's class (multi-host hook: serve/multihost.py's, which mirrors every device call; None: SlotTable)."""
+    """kv_pool: the paged KV pool's flags (serve/engine/kv_scheduler.py plan); None: fixed slots. table_class: the slot
+    table's class (multi-host hook: serve/many_hosts/multihost.py's, which mirrors every device call; None: SlotTable)."""
     if max_num_seqs < 1 or max_queue < 0 or steps_per_sync < 1:
       raise ValueError("max_num_seqs and steps_per_sync must be >= 1, max_queue >= 0")
     pool = kv_scheduler.plan(params, spec, kv_pool, rows=SlotTable.rows(params, spec, max_num_seqs),
                              max_num_seqs=max_num_seqs, capacity=capacity, grammar_capacity=grammar_capacity)
     self.block_size = pool["block_size"] if pool else DEFAULT_BLOCK_SIZE
-    table = table_class or SlotTable  # multi-host hook (serve/multihost.py)
+    table = table_class or SlotTable  # multi-host hook (serve/many_hosts/multihost.py)
     self.table = table(params, spec, num_slots=max_num_seqs, capacity=capacity, costs=costs, seed=seed,
                            grammar_capacity=grammar_capacity, block_size=self.block_size,
                            num_pages=pool["num_pages"] if pool else None)
@@ -118,7 +118,7 @@ class Engine:
   # ------------------------------------------------------------------------------------------ HTTP-facing side
 
   def make_request(self, spec: RequestSpec, output: Output | None = None) -> EngineRequest:
-    """The engine's request for a spec (serve/request_spec.py, which checked it against `limits()`); output: where
+    """The engine's request for a spec (serve/engine/request_spec.py, which checked it against `limits()`); output: where
     its tokens go. The checks below are spec_jax's and the pool's own, for direct callers (a ValueError)."""
     s = spec.sampling
     make = functools.partial(slots.make_request, spec=self.spec, capacity=self.capacity, temperature=s.temperature,
@@ -138,7 +138,7 @@ class Engine:
                          max_new=int(spec.max_new), cache_salt=spec.cache_salt)
 
   def limits(self) -> EngineLimits:
-    """What a request is checked against (serve/request_spec.py)."""
+    """What a request is checked against (serve/engine/request_spec.py)."""
     return EngineLimits(vocab_size=self.spec.config.vocab_size, capacity=self.capacity,
                         lookahead=self.spec.lookahead, max_logprobs=self.spec.max_logprobs,
                         stop_ids=tuple(self.spec.stop_ids), structured=self.table.grammar_capacity is not None,
@@ -168,7 +168,7 @@ class Engine:
       self._lock.notify()
 
   def set_speculation(self, enabled: bool) -> None:
-    """The admin switch (serve/guardrails.py SpeculationSwitch)."""
+    """The admin switch (serve/engine/guardrails.py SpeculationSwitch)."""
     with self._lock:
       if self.switch.set_admin(enabled, time.monotonic()):
         self._lock.notify()
@@ -179,7 +179,7 @@ class Engine:
             "k_max": self.spec.k_max, "ks": list(self.spec.ks)}
 
   def live_report(self) -> dict:
-    """GET /admin/speculation/report (serve/segments.py)."""
+    """GET /admin/speculation/report (serve/engine/segments.py)."""
     return self.segments.report(self.switch, self.spec.proposer.name, self.spec.k_max)
 
   @property
@@ -326,7 +326,7 @@ class Engine:
     self.probe.sample_memory(now)
     self.metrics.observe_occupancy(*self.counts())
 
-  # The queue and the KV pool decide (serve/admission.py, serve/kv_scheduler.py); only these apply what they return.
+  # The queue and the KV pool decide (serve/engine/admission.py, serve/engine/kv_scheduler.py); only these apply what they return.
 
   def _reap(self, now: float) -> None:
     """Free slots of finished, aborted and timed-out requests; drop aborted and timed-out waiting ones."""

@@ -247,7 +247,7 @@ class LiveAB:
 
 
 def content_key(spec) -> bytes:
-  """What a canary hashes: the request's content (serve/request_spec.py RequestSpec), not its seed, so a retry
+  """What a canary hashes: the request's content (serve/engine/request_spec.py RequestSpec), not its seed, so a retry
   lands in the same arm."""
   s = spec.sampling
   head = f"{int(spec.max_new)}|{float(s.temperature):.6g}|{int(s.top_k)}|{float(s.top_p):.6g}|{spec.tag}|".encode()

@@ -1,9 +1,9 @@
 """A request body's prompt, as vLLM reads it: truncate_prompt_tokens, the chat template's add_generation_prompt /
-continue_final_message, and chat echo. (Its output budget: serve/request_spec.py.)"""
+continue_final_message, and chat echo. (Its output budget: serve/engine/request_spec.py.)"""
 
 from __future__ import annotations
 
-from serve.protocol import APIError
+from serve.http.protocol import APIError
 
 
 def truncated(ids: list, body, limits) -> list:

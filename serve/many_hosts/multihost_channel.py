@@ -1,4 +1,4 @@
-"""The multi-host server's channel (serve/multihost.py): a TCP connection from each follower to process 0 (its port
+"""The multi-host server's channel (serve/many_hosts/multihost.py): a TCP connection from each follower to process 0 (its port
 published in jax.distributed's key-value store), length-prefixed pickles of (name, numpy arguments) from process 0,
 heartbeats both ways, and the watchdog threads that stop a process whose peer died or went silent (os._exit with
 one clear line: its engine may be stuck in a collective with the dead host)."""

@@ -9,7 +9,7 @@ Three trips, each optional (a key that is absent disables it):
 - latency: the p95 inter-token latency over the last `itl_window_s` exceeds `itl_p95_ratio` x the baseline's.
   The baseline's p95 is measured on the live traffic in short k = 0 windows (`baseline_window_s` long, every
   `baseline_every_s`), because a number measured at another load or on another day does not compare.
-- live A/B (`"live_ab": true`, with the server's `--switchback` windows, serve/live_ab.py): the segment's live
+- live A/B (`"live_ab": true`, with the server's `--switchback` windows, serve/engine/live_ab.py): the segment's live
   verdict says roll back.
 - KV dtype (`kv_tau_baseline`, with an 8-bit `--kv_cache_dtype`): the segment's live tau (1 + accepted / drafts,
   drafts = verify steps that drafted, over the last `acceptance_window_s`) stays below
@@ -180,7 +180,7 @@ class Guardrails:
 
   def decide(self, now: float, live: Optional[dict] = None):
     """-> (enabled, reason) when speculation should switch (or a probe passed), else None. live: the segment's
-    live A/B verdict (serve/live_ab.py), consulted with `live_ab`."""
+    live A/B verdict (serve/engine/live_ab.py), consulted with `live_ab`."""
     c = self.cfg
     if self.mode == ON and c.live_ab and live is not None and live["verdict"] == "roll back":
       return self._go(OFF, now, False, f"live_ab_{live['metric']}")

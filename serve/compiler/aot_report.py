@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve import aot_compile
+from serve.compiler import aot_compile
 
 
 def num(x, scale: float, digits: int) -> str:

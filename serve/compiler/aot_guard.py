@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-# First: the compilers' environment (serve/aot_compile.py) before JAX loads them.
-from serve import aot_compile  # noqa: I001
+# First: the compilers' environment (serve/compiler/aot_compile.py) before JAX loads them.
+from serve.compiler import aot_compile  # noqa: I001
 
 import jax.numpy as jnp
 
@@ -25,7 +25,7 @@ PROGRAMS = {"plain": ("ngram", 0, 1, 0), "ngram_k4": ("ngram", 4, 1, 0), "eagle_
 
 def measure() -> dict:
   """Compile the guard's programs; -> {shape, seconds, ratios, roles (microseconds per role of each program)}."""
-  from serve import aot_costs, aot_programs as progs
+  from serve.compiler import aot_costs, aot_programs as progs
   from spec_jax.config import ModelConfig
   from spec_jax.models.transformer import layers_unrolled
   tgt = aot_compile.target(TOPOLOGY)

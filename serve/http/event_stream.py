@@ -1,5 +1,5 @@
 """The SSE response of a streamed request: its choices' deltas as OpenAI's chunks (tool calls as delta.tool_calls,
-serve/tool_stream.py), the usage chunk and [DONE]; and freeing a request's slot when its client is gone."""
+serve/http/tool_stream.py), the usage chunk and [DONE]; and freeing a request's slot when its client is gone."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 from fastapi.responses import StreamingResponse
 
-from serve import choices as ch
-from serve.protocol import APIError, chat_chunk, completion_chunk, new_id, progress_usage, usage_chunk
-from serve.tool_stream import ToolCallStream, choice_chunks
+from serve.http import choices as ch
+from serve.http.protocol import APIError, chat_chunk, completion_chunk, new_id, progress_usage, usage_chunk
+from serve.http.tool_stream import ToolCallStream, choice_chunks
 
 
 def abort_unfinished(engine, choices: list) -> None:
@@ -43,7 +43,7 @@ def sse(obj) -> str:
 
 class ChoiceEvents:
   """The SSE events of one request's choices. event: set when any choice's output has news; ask, fmt: the
-  logprobs asked for and their formatter (serve/logprobs_format.py); plan: the structured output (its tools)."""
+  logprobs asked for and their formatter (serve/http/logprobs_format.py); plan: the structured output (its tools)."""
 
   def __init__(self, engine, model: str, choices: list, event, ask, fmt, *, chat: bool, include_usage: bool,
                with_ids: bool, plan, continuous: bool = False, echo: str = ""):
@@ -52,7 +52,7 @@ class ChoiceEvents:
                                                                                 continuous, echo)
     self.rid = new_id("chatcmpl" if chat else "cmpl")
     self.by_index = {c.index: c for c in choices}
-    # a chat answer that may be a tool call streams as delta.tool_calls (serve/tool_stream.py)
+    # a chat answer that may be a tool call streams as delta.tool_calls (serve/http/tool_stream.py)
     self.calls = ({c.index: ToolCallStream(plan.tools, plan.regex is not None) for c in choices} if plan.tools
                   else {})
 

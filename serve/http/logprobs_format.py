@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from serve.protocol import APIError
+from serve.http.protocol import APIError
 
 FLOOR = -9999.0
 

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from serve.multihost_channel import Follower, Leader, fatal
+from serve.many_hosts.multihost_channel import Follower, Leader, fatal
 from spec_jax import distributed, sharding, slots
 from spec_jax.decode import decode_loop
 from spec_jax.slot_table import SlotTable
@@ -177,9 +177,9 @@ def table_class(cluster):
   return None if cluster is None else (LeaderTable if cluster.role == "leader" else MirrorTable)
 
 
-def lead(engine, cluster) -> None:
+def lead(table: "LeaderTable", cluster) -> None:
   """Process 0: from now on the engine's table sends its calls to the followers."""
-  engine.table.channel = cluster
+  table.channel = cluster
 
 
 def follow(engine, cluster: Follower) -> None:

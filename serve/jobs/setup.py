@@ -2,7 +2,7 @@
 that jit compiles and the adaptive controller's step costs.
 
 `serve.generate`, the server, `serve.calibrate` and `serve.evaluate` build a Setup from their run settings
-(serve/run_flags.py); the SpecConfig (spec_jax/spec_config.py) is the only thing that names the method. The
+(serve/jobs/run_flags.py); the SpecConfig (spec_jax/spec_config.py) is the only thing that names the method. The
 loop's LoopSpec is what the speculative config compiles to: the proposer, the draft lengths the controller may
 pick, the stop ids, the kernel and the mesh.
 """
@@ -17,7 +17,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from serve.step_costs import load_costs, method_key
+from serve.jobs.step_costs import load_costs, method_key
 from spec_jax import adaptive as adaptive_lib, decode, pair_check, sharding
 from spec_jax.checkpoints.load import load_model
 from spec_jax.config import validate_sampling
@@ -90,7 +90,7 @@ def use_compilation_cache(path: Optional[str]) -> str:
 def load_target(cfg: dict):
   """-> (Target, tokenizer, mesh): cfg's model, dtype, quantize, attention_impl, kv_cache_dtype and mesh, without a
   proposer."""
-  validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])  # the flags; a request's: serve/request_spec.py
+  validate_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])  # the flags; a request's: serve/engine/request_spec.py
   if cfg["max_new_tokens"] < 1:
     raise ValueError(f"--max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
   mesh = sharding.make_mesh(cfg.get("mesh") or "")

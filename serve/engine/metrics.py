@@ -18,7 +18,7 @@ tokens dt after the previous one adds n samples of dt / n. Time per output token
 
 Per segment and arm (`spec_jax:segment_*{segment, arm}`): the same measurements split by the request's segment of
 the speculative config's policy (its rule's name, "default" without one; never request text, so the label set is
-bounded by the policy) and by the arm that produced them: "on" / "off" for switchback windows (serve/live_ab.py),
+bounded by the policy) and by the arm that produced them: "on" / "off" for switchback windows (serve/engine/live_ab.py),
 "on" when there are none; a request's TPOT is credited to one arm only when all its tokens came from it ("mixed"
 otherwise).
 """
@@ -103,7 +103,7 @@ class Metrics:
     self.host_time = Histogram(f"{p}engine_host_seconds",
                                "Host work per engine iteration (scheduling, dispatch, detokenizing), device waits "
                                "excluded.", buckets=_HOST, registry=r)
-    # Step time split, sampled by the engine's timing probe (serve/timing_probe.py): share = proposer / step.
+    # Step time split, sampled by the engine's timing probe (serve/engine/timing_probe.py): share = proposer / step.
     self.proposer_time = Counter(f"{p}proposer_time_seconds",
                                  "Sum over timing probes of one propose() on the live batch.", registry=r)
     self.step_time = Counter(f"{p}step_time_seconds",
@@ -121,7 +121,7 @@ class Metrics:
     self.waiting = Gauge(f"{p}num_requests_waiting", "Requests in the waiting queue.", registry=r)
     self.slots_in_use = Gauge(f"{p}num_slots_in_use", "Decode slots held by a request.", registry=r)
     self.slots_total = Gauge(f"{p}num_slots", "Decode slots (--max_num_seqs).", registry=r)
-    # The paged KV pool (serve/kv_scheduler.py), vLLM's names; the prefix counters count tokens.
+    # The paged KV pool (serve/engine/kv_scheduler.py), vLLM's names; the prefix counters count tokens.
     self.kv_cache_usage = Gauge(f"{p}kv_cache_usage_perc", "Fraction of the KV pool's pages requests hold (1 = full).",
                                 registry=r)
     self.num_preemptions = Counter(f"{p}num_preemptions", "Requests preempted for KV pages (resumed by recompute).",

@@ -1,5 +1,5 @@
 """A request as the engine sees it, and its hand-over: its row of each snapshot becomes tokens, text (cut at stop
-strings, serve/output_stream.py), metrics and, at the end, its finish or its error. Engine thread only, but for
+strings, serve/engine/output_stream.py), metrics and, at the end, its finish or its error. Engine thread only, but for
 `aborted`, which the HTTP layer sets when the client goes away."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from serve.metrics import Metrics
-from serve.output_stream import Output, TextStream, Usage
-from serve.request_spec import RequestSpec
+from serve.engine.metrics import Metrics
+from serve.engine.output_stream import Output, TextStream, Usage
+from serve.engine.request_spec import RequestSpec
 from spec_jax import slots
 from spec_jax.decode import FINISH_NAMES
 
@@ -31,7 +31,7 @@ class EngineRequest:
   arrival: float
   deadline: Optional[float]
   speculate: bool = True
-  tenant: str = ""  # whose shared history it may draft from (serve/tenants.py)
+  tenant: str = ""  # whose shared history it may draft from (serve/engine/tenants.py)
   spec: Optional[RequestSpec] = None  # what it was made from: the policy and the canary read its fields
   segment: str = "default"  # its rule of the speculative config's policy (set at admission)
   policy_k: int = 0  # that rule's draft cap
@@ -56,7 +56,7 @@ class EngineRequest:
   accepted_at: Optional[np.ndarray] = None
   accepted_from_history: int = 0
   logprobs: int = -1  # top logprobs per token it asked for (-1: none; spec_jax/logprobs.py)
-  # The paged KV pool (serve/kv_scheduler.py): a resume after preemption rebuilds the device request.
+  # The paged KV pool (serve/engine/kv_scheduler.py): a resume after preemption rebuilds the device request.
   remake: Optional[Callable] = None  # slots.make_request with this request's settings, but prompt and max_new
   max_new: int = 0
   cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission (usage's cached_tokens)
@@ -65,7 +65,7 @@ class EngineRequest:
   admissions: int = 0
   admit_seq: int = 0  # the engine's admission count when it was last admitted: the preemption order
   kv_key: Any = None  # its id in the block manager while it holds pages
-  kv_slot: Any = None  # the free slot of the data shard its pages were placed on (serve/kv_scheduler.py)
+  kv_slot: Any = None  # the free slot of the data shard its pages were placed on (serve/engine/kv_scheduler.py)
   kv_len: int = 0  # tokens with K/V at the last snapshot read
   inflight: list = dataclasses.field(default_factory=list)  # tokens of pages each dispatched, unread call needs
   prior: tuple = (0, 0, 0)  # (drafted, accepted, drafts) of its rows before the last preemption

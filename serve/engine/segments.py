@@ -1,6 +1,6 @@
 """The engine's view of traffic segments: which rule of the speculative config's policy (and which canary arm) a
 request falls in, the switchback window a loop is dispatched in, and the crediting of every hand-over to its
-(segment, arm) in the metrics and the live A/B (serve/live_ab.py). The engine thread writes; GET
+(segment, arm) in the metrics and the live A/B (serve/engine/live_ab.py). The engine thread writes; GET
 /admin/speculation/report reads under the lock."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from serve import live_ab
+from serve.engine import live_ab
 from spec_jax.spec_policy import Features
 
 

@@ -118,23 +118,23 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "stream": HONOURED, "stream_options": HONOURED,  # include_usage
     "speculate": HONOURED, "return_token_ids": HONOURED,  # our extension; vLLM's
     "tenant": HONOURED,  # ours: whose shared history the suffix method drafts from
-    "cache_salt": HONOURED,  # vLLM's: with the tenant, the prefix cache's salt (serve/block_manager.py)
+    "cache_salt": HONOURED,  # vLLM's: with the tenant, the prefix cache's salt (serve/engine/block_manager.py)
     "segment": HONOURED,  # ours: the traffic tag a speculative policy rule may match
     # what does not change the tokens
     "user": HARMLESS, "metadata": HARMLESS, "store": HARMLESS, "service_tier": HARMLESS,
     "prompt_cache_key": HARMLESS, "safety_identifier": HARMLESS, "request_id": HARMLESS,
     "priority": HARMLESS,  # scheduling order only
     "prediction": HARMLESS,  # OpenAI's predicted outputs: a latency hint, the tokens are the same
-    "parallel_tool_calls": HARMLESS,  # one call per answer either way (serve/tools.py)
+    "parallel_tool_calls": HARMLESS,  # one call per answer either way (serve/http/tools.py)
     "guided_decoding_backend": HARMLESS,  # there is one: spec_jax/grammar
     "length_penalty": HARMLESS,  # only scores beams; use_beam_search is refused
     "return_tokens_as_token_ids": HONOURED,  # the logprobs' token strings as "token_id:<id>"
     "include_reasoning": HARMLESS,  # no reasoning parser: nothing is split out of the text
     "mm_processor_kwargs": HARMLESS,  # content is text only
     # more than one choice, scores, echoes
-    "n": HONOURED,  # a choice per sample (serve/choices.py)
-    "best_of": Refused(noop=(1,), example=2, routes=("chat",)),  # honoured on completions (serve/choices.py)
-    "logprobs": HONOURED, "top_logprobs": HONOURED, "prompt_logprobs": HONOURED,  # serve/logprobs_format.py
+    "n": HONOURED,  # a choice per sample (serve/http/choices.py)
+    "best_of": Refused(noop=(1,), example=2, routes=("chat",)),  # honoured on completions (serve/http/choices.py)
+    "logprobs": HONOURED, "top_logprobs": HONOURED, "prompt_logprobs": HONOURED,  # serve/http/logprobs_format.py
     "echo": HONOURED,  # completions: the prompt and its logprobs; chat: a final assistant turn's content (vLLM's)
     "suffix": Refused(noop=("",), example="x"),
     # penalties and token constraints: exact at every verified position (spec_jax/controls.py)
@@ -151,7 +151,7 @@ FIELDS: dict[str, Union[str, Refused]] = {
     "spaces_between_special_tokens": Refused(noop=(True,), example=False),
     "add_special_tokens": Refused(noop=(True,), example=False, chat_noop=(False,), chat_example=True),
     # structured output, tools, other modalities and models
-    # (structured outputs: serve/structured.py and serve/tools.py, a grammar automaton stepped in the loop)
+    # (structured outputs: serve/http/structured.py and serve/http/tools.py, a grammar automaton stepped in the loop)
     "response_format": HONOURED, "guided_json": HONOURED, "guided_regex": HONOURED, "guided_choice": HONOURED,
     "structured_outputs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED,
     "guided_grammar": Refused(example='root ::= "a"', why=GRAMMAR_WHY),
@@ -252,7 +252,7 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
   """A turn; "model" is Gemma's name for the assistant. Only text content (a string or text parts); an assistant
-  turn may instead carry tool_calls and a tool turn answers one (serve/tools.py renders both)."""
+  turn may instead carry tool_calls and a tool turn answers one (serve/http/tools.py renders both)."""
   model_config = ConfigDict(extra="allow")
   role: Literal["system", "user", "assistant", "model", "tool"]
   content: Optional[Union[StrictStr, list[TextPart]]] = None

@@ -1,5 +1,5 @@
 """The engine's paged KV pool (issue 35): admission by pages, reservation before each loop call, trim after each
-snapshot, preemption, prefix reuse, and the pool's metrics, over serve/block_manager.py.
+snapshot, preemption, prefix reuse, and the pool's metrics, over serve/engine/block_manager.py.
 
 Pages are reserved after the target's K/V length (Snapshot.lengths - 1); pages are hashed only up to
 Snapshot.kv_lengths, the tokens whose K/V every cache of the row holds (a proposer's cache may lag). A loop call of s steps with draft cap c commits at most c + 1
@@ -21,9 +21,9 @@ has already streamed (`shortage` decides each move).
 The scheduler owns the block manager and the requests' page bookkeeping; it never changes the engine. It reads the
 slot table's view (free slots, holders) and the loop's spec as arguments, and returns decisions as values: a
 `Placement` for an admission and a `Reservation` for a loop call (the steps and caps it may run, the requests it
-preempted, the page table, the pages to poison), which serve/engine.py applies.
+preempted, the page table, the pages to poison), which serve/engine/engine.py applies.
 
-On a mesh with a `data` axis the pool is one block manager per data shard (serve/sharded_pool.py): a request is
+On a mesh with a `data` axis the pool is one block manager per data shard (serve/engine/sharded_pool.py): a request is
 placed on the shard of a free slot with the longest prefix hit, then the most pages to spare, and a shard that is
 short cuts speculation and preempts among its own rows only.
 """
@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve.block_manager import BlockManager, PrefixHit, make_salt
-from serve.sharded_pool import ShardedPool
+from serve.engine.block_manager import BlockManager, PrefixHit, make_salt
+from serve.engine.sharded_pool import ShardedPool
 from spec_jax import sharding, slots
 from spec_jax.cache import pool_bytes
 

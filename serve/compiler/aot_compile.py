@@ -1,6 +1,6 @@
 """Compiling one program for a chip this host does not have, and what the compiled program says: XLA:TPU (libtpu,
 Mosaic included) for an abstract TPU topology, deviceless XLA:GPU for a GPU target spec (configs/gpu_targets), and
-jax.export for CUDA. `serve.aot` (the command), `serve.aot_costs` (the cost table) and the tests marked aot use it.
+jax.export for CUDA. `serve.aot` (the command), `serve.compiler.aot_costs` (the cost table) and the tests marked aot use it.
 
 Per program: compiled or the compiler's error; HBM per chip (arguments, outputs, temporaries) against the chip's
 capacity; the compiler's flops, bytes accessed and optimal_seconds; the Pallas kernels inside; host callbacks; and
@@ -224,7 +224,7 @@ def compile_program(prog, device, capacity: int, cost: bool = True, breakdown: b
                     hlo_path: str = "") -> dict:
   """Compile `prog` for `device` and analyse it. `cost=False` skips the second compile that a program needs for a
   cost estimate when XLA:TPU's sliced prefetch leaves it without one (what a check of memory alone can spare).
-  `breakdown`: the step's bytes and time by role (serve/aot_breakdown.py), from the compile the cost came from;
+  `breakdown`: the step's bytes and time by role (serve/compiler/aot_breakdown.py), from the compile the cost came from;
   `hlo_path`: where to write that compile's optimized HLO text."""
   t0 = time.perf_counter()
   rec = {"name": prog.name, "note": prog.note, "pool_bytes": prog.pool_bytes, "pool_pages": prog.pool_pages}
@@ -261,7 +261,7 @@ def compile_program(prog, device, capacity: int, cost: bool = True, breakdown: b
     with open(hlo_path, "w", encoding="utf-8") as f:
       f.write(compiled.as_text())
   if breakdown and rec["compiled"]:
-    from serve import aot_breakdown
+    from serve.compiler import aot_breakdown
     rec["breakdown"] = aot_breakdown.breakdown(compiled.as_text(), device.device_kind, rec["optimal_seconds"])
   rec["compile_seconds"] = round(time.perf_counter() - t0, 1)
   return rec

@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from serve.protocol import APIError
-from serve.logprobs_format import Ask, Formatter
-from serve.output_stream import Output, Usage
+from serve.http.protocol import APIError
+from serve.http.logprobs_format import Ask, Formatter
+from serve.engine.output_stream import Output, Usage
 
 
 @dataclasses.dataclass

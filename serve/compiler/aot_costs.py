@@ -13,10 +13,10 @@ import time
 
 import jax.numpy as jnp
 
-from serve import aot_compile
+from serve.compiler import aot_compile
 
 # The chains every cost table holds, one per k and keyed by k alone: the adaptive controller's cost files
-# (serve/step_costs.py) read n-gram's as the step cost of drafting k tokens.
+# (serve/jobs/step_costs.py) read n-gram's as the step cost of drafting k tokens.
 BASE_CHAIN = "ngram"
 
 
@@ -26,7 +26,7 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   each batch size, with the cache read to the capacity. Written in the adaptive controller's format (serve.calibrate:
   per k_max, costs over a plain step, the same at every occupancy since all rows compute), labelled as an estimate,
   with the seconds behind it."""
-  from serve import aot_programs as progs
+  from serve.compiler import aot_programs as progs
   from spec_jax.models.shapes import model_shape
   from spec_jax.models.transformer import layers_unrolled
   tgt = aot_compile.target(flags_cfg["topology"])
@@ -94,7 +94,7 @@ def floor(prog, chip_kind: str, passes: int = 0) -> dict:
   at capacity, a drafter's weights once per drafting pass: `passes`) over the chip's bandwidth, its FLOPs (2 per
   weight per scored position) over the peak; the larger. Per chip: each array's shard. An embedding table that is
   not also the LM head is only gathered from (a few rows), so it is not among the bytes that must be read."""
-  from serve.aot_breakdown import chip_figures
+  from serve.compiler.aot_breakdown import chip_figures
   import numpy as np
   params, state = prog.args[0], prog.args[1]
   chip_shape = lambda a: (a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None
@@ -116,7 +116,7 @@ def floor(prog, chip_kind: str, passes: int = 0) -> dict:
 
 
 def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
-  from serve.step_costs import entry_key
+  from serve.jobs.step_costs import entry_key
   from spec_jax import adaptive
   out = {"source": f"compiler estimate: XLA:{tgt.platform.upper()} optimal_seconds of one loop step, its layers "
                    "unrolled (python -m serve.aot --cost_table), not a measurement",
@@ -175,12 +175,12 @@ def plot_costs(table: dict, path: str) -> None:
 
 def breakdown_md(table: dict) -> str:
   """The breakdown as markdown: per batch, per program its time against its floor, then per role ms and MB."""
-  from serve.aot_breakdown import ROLES
+  from serve.compiler.aot_breakdown import ROLES
   lines = [f"# Where each step's time goes: {table['model_shape']} on {table['topology']} ({table['mesh']}), "
            f"{table['context_tokens']} tokens", "",
            f"{table['source']}; {table['compiler']}; {table['date']}. Time: {table.get('time_source', '')}. "
            "Per role: the share of the step's time (its instructions' rooflines, scaled to the compiler's total) "
-           "and the HBM bytes its instructions move (serve/aot_breakdown.py). Floor: the bytes the step must read "
+           "and the HBM bytes its instructions move (serve/compiler/aot_breakdown.py). Floor: the bytes the step must read "
            "(weights once, the KV cache at capacity, a drafter's weights once per pass) over the bandwidth, or "
            "its FLOPs over the peak.", ""]
   for b, progs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0])):
@@ -213,7 +213,7 @@ def plot_breakdown(table: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from serve.aot_breakdown import ROLES
+  from serve.compiler.aot_breakdown import ROLES
   bars = [(b, key, d) for b, progs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0]))
           for key, d in progs.items()]
   if not bars:

@@ -1,8 +1,8 @@
 """The engine's queue decisions at each iteration, as values: which requests end (aborted by their client, past
 their deadline) and which slots that frees, which waiting requests stay, what becomes of the head of the queue once
 the KV pool has answered (it waits for pages, is inserted, or fails), and where preempted requests go back in the
-queue. Nothing here changes the engine: serve/engine.py reads its queue and slot table into these functions and
-applies what they return (serve/kv_scheduler.py decides which request to preempt and when).
+queue. Nothing here changes the engine: serve/engine/engine.py reads its queue and slot table into these functions and
+applies what they return (serve/engine/kv_scheduler.py decides which request to preempt and when).
 
 First come, first served: the head of the queue waits for pages and nobody overtakes it; a preempted request goes
 back to the head, before the ones that never ran."""
@@ -13,7 +13,7 @@ import collections
 import dataclasses
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-WAIT = "wait"  # the head of the queue waits for KV pages (serve/kv_scheduler.py); nobody overtakes it
+WAIT = "wait"  # the head of the queue waits for KV pages (serve/engine/kv_scheduler.py); nobody overtakes it
 
 
 @dataclasses.dataclass(frozen=True)

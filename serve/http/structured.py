@@ -1,6 +1,6 @@
 """Structured outputs: which grammar a request asks for, read from every spelling clients use, as one regular
 expression for spec_jax/grammar (OpenAI's `response_format`, vLLM's `structured_outputs` and `guided_*`, and the
-tool-call grammar of `tool_choice` required or named, serve/tools.py). At most one per request; a 400 names the
+tool-call grammar of `tool_choice` required or named, serve/http/tools.py). At most one per request; a 400 names the
 field whose value cannot be compiled."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import dataclasses
 import json
 from typing import Optional
 
-from serve import tools
-from serve.protocol import GRAMMAR_WHY, APIError
+from serve.http import tools
+from serve.http.protocol import GRAMMAR_WHY, APIError
 from spec_jax.grammar import formats
 from spec_jax.grammar.automaton import Compiler, GrammarError
 

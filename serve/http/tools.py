@@ -21,7 +21,7 @@ import re
 import uuid
 from typing import Optional
 
-from serve.protocol import APIError
+from serve.http.protocol import APIError
 from spec_jax.grammar import formats
 from spec_jax.grammar.automaton import GrammarError
 

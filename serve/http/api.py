@@ -1,7 +1,7 @@
 """The HTTP API over a started engine: OpenAI's /v1/completions and /v1/chat/completions, /v1/models, /health,
 /metrics and /admin/speculation (FastAPI).
 
-The request bodies are serve/protocol.py's pydantic models, so FastAPI validates them and publishes them at
+The request bodies are serve/http/protocol.py's pydantic models, so FastAPI validates them and publishes them at
 /openapi.json, as vLLM does. Every error is OpenAI's error object: a body that fails validation is a 400 naming
 its field, never FastAPI's 422. The API key (`--api_key`) is a dependency of the /v1 and /admin routes; /health,
 /metrics and /openapi.json stay open.
@@ -22,17 +22,17 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from serve import choices as ch
-from serve import structured, tool_stream, tools
-from serve.engine import EngineStopped, QueueFull
-from serve.event_stream import ChoiceEvents, EventStream, abort_unfinished  # noqa: F401 (tests import it here)
-from serve.logprobs_format import Formatter, ask_of
-from serve.output_stream import Output
-from serve.protocol import (APIError, ChatRequest, CompletionRequest, SpeculationSwitch, chat_body,
+from serve.http import choices as ch
+from serve.http import structured, tool_stream, tools
+from serve.engine.engine import EngineStopped, QueueFull
+from serve.http.event_stream import ChoiceEvents, EventStream, abort_unfinished  # noqa: F401 (tests import it here)
+from serve.http.logprobs_format import Formatter, ask_of
+from serve.engine.output_stream import Output
+from serve.http.protocol import (APIError, ChatRequest, CompletionRequest, SpeculationSwitch, chat_body,
                             completion_body, model_card, new_id, prompt_fields_on_top, server_version,
                             validation_error)
-from serve.request_prompt import chat_echo, chat_prompt, truncated
-from serve.request_spec import ServerDefaults, request_spec
+from serve.http.request_prompt import chat_echo, chat_prompt, truncated
+from serve.http.body_to_spec import ServerDefaults, request_spec
 
 log = logging.getLogger("spec_jax.server")
 MAX_CHOICES = 128  # prompts x n in one request: each choice is a request in the engine's queue
@@ -102,7 +102,7 @@ async def collect(request: Request, c, event) -> None:
 
 
 class Completions:
-  """The completion routes' one path: a body's prompts -> a spec per (prompt, sample) (serve/request_spec.py) ->
+  """The completion routes' one path: a body's prompts -> a spec per (prompt, sample) (serve/engine/request_spec.py) ->
   the engine -> a stream or the whole answer."""
 
   def __init__(self, engine, tokenizer, cfg: dict):

@@ -1,11 +1,11 @@
-"""The KV pool as the device holds it: one block manager (serve/block_manager.py) per data shard of the mesh.
+"""The KV pool as the device holds it: one block manager (serve/engine/block_manager.py) per data shard of the mesh.
 
 With a `data` axis of d, the pool's page axis is split in d equal shares and the decode state's rows in d equal
 runs; inside the loop each shard reads and writes only its own share (spec_jax/cache.py), so a row's pages must
 come from its shard's share, whose first page is that shard's null page. Each share is therefore a block manager
 of its own (local ids 0 .. per - 1, global id = shard * per + local), with its own free list, LRU and prefix cache:
 a prefix cached on one shard cannot serve a request placed on another. The scheduler places each request on a shard
-(serve/kv_scheduler.py: the longest prefix hit, then the most free pages) and preempts within the shard that is
+(serve/engine/kv_scheduler.py: the longest prefix hit, then the most free pages) and preempts within the shard that is
 short. Without a data axis, d = 1 and this is the one block manager.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from serve.block_manager import BlockManager, PrefixHit
+from serve.engine.block_manager import BlockManager, PrefixHit
 
 
 class ShardedPool:

@@ -1,4 +1,4 @@
-"""Streaming a chat answer that may be a tool call (serve/tools.py's format: one JSON object
+"""Streaming a chat answer that may be a tool call (serve/http/tools.py's format: one JSON object
 `{"name": ..., "arguments": {...}}`) as OpenAI streams it: `delta.tool_calls` chunks, first the call's index, id,
 type and function name with empty arguments, then argument fragments; finish_reason "tool_calls".
 
@@ -16,7 +16,7 @@ import json
 import re
 import uuid
 
-from serve import tools
+from serve.http import tools
 
 # The call's opening up to its arguments' value (the grammar puts "name" first; JSON whitespace at most one space)
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
