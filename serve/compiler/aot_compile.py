@@ -43,7 +43,8 @@ _KERNEL_NAME = re.compile(r'op_name="[^"]*?([\w-]+)/pallas_call"')
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([A-Za-z_][\w-]*?)(?:\.\d+)* = ')
 
 
-GPU_TARGETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "gpu_targets")
+GPU_TARGETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                           "gpu_targets")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from serve.compiler import aot_compile  # noqa: I001
 
 import jax.numpy as jnp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLE = os.path.join(ROOT, "configs", "costs", "guard_v5e_small.json")
 TOPOLOGY = "v5e:2x2"
 SHAPE = dict(vocab_size=32768, d_model=256, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=128, mlp_dim=512,

@@ -18,7 +18,7 @@ from spec_jax import flag_table
 # at every start of a command on a machine without that chip.
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_270m.py")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "gemma3_270m.py")
 
 
 # The target's, sampling's and speculation's rows of spec_jax/flag_table.py that every run command takes.

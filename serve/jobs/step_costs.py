@@ -37,7 +37,7 @@ def load_costs(path: str, method: str, dtype: str, ks, batch: int):
   has no entry for it. A missing file is an error: a config that names one expects it."""
   if not path or method == "none" or len(ks) < 2:  # one option: nothing to choose, no costs needed
     return None
-  repo_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", path)
+  repo_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", path)
   if not os.path.isabs(path) and not os.path.isfile(path) and os.path.isfile(repo_path):
     path = repo_path  # configs name files relative to the repository
   if not os.path.isfile(path):
