@@ -68,7 +68,7 @@ class Leader:
     self._lock = threading.Lock()
     self._last_sent = time.monotonic()
     self.stopping = threading.Event()
-    self.sent = {"messages": 0, "calls": 0, "bytes": 0, "seconds": 0.0}  # the channel's cost (benchmarks/multihost.py)
+    self.sent = {"messages": 0, "calls": 0, "bytes": 0, "seconds": 0.0}  # the channel's cost (benchmarks/probes/multihost.py)
     srv = socket.create_server(("", 0), backlog=n)
     host = (_kv_coordinator_host() or socket.gethostname())
     kv().key_value_set(f"{KEY}channel", f"{host}:{srv.getsockname()[1]}")

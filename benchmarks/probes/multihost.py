@@ -10,9 +10,9 @@ seconds spent sending) per iteration. The per-iteration cost of the broadcast is
 minus the one-process one at the same running count (it also holds gloo's cross-process collectives, which a real
 pod pays over its interconnect instead).
 
-  .venv/bin/python -m benchmarks.multihost --running=1,16 --max_tokens=64 --repeats=3 \\
+  .venv/bin/python -m benchmarks.probes.multihost --running=1,16 --max_tokens=64 --repeats=3 \\
       --json_out=benchmarks/reports/multihost.json
-  .venv/bin/python -m benchmarks.multihost --running=1 --max_tokens=8 --repeats=1   # a dry run
+  .venv/bin/python -m benchmarks.probes.multihost --running=1 --max_tokens=8 --repeats=1   # a dry run
 """
 
 from __future__ import annotations
