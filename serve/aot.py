@@ -31,12 +31,16 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import flags
+
+from serve.compiler import aot_programs as progs, aot_report
+from serve.compiler.aot_costs import breakdown_md, cost_table, plot_breakdown, plot_costs
+from serve.compiler.aot_programs import METHODS
+from spec_jax.models.shapes import model_shape
 
 
 def run(flags_cfg: dict, log=print, on_record=None) -> tuple[dict, list]:
   """Compile every program; on_record(run_info, records) after each (the report so far)."""
-  from serve.compiler import aot_programs as progs, aot_report
-  from spec_jax.models.shapes import model_shape
   tgt = target(flags_cfg["topology"])
   devices, chip, capacity = list(tgt.devices), tgt.chip, tgt.capacity_bytes
   mesh = mesh_of(devices, flags_cfg["mesh"])
@@ -80,8 +84,6 @@ def run(flags_cfg: dict, log=print, on_record=None) -> tuple[dict, list]:
 
 def main(argv):
   del argv
-  from absl import flags
-  from serve.compiler import aot_report
   F = flags.FLAGS
   cfg = dict(topology=F.topology, model_shape=F.model_shape, draft_model_shape=F.draft_model_shape, mesh=F.mesh,
              methods=F.methods, num_speculative_tokens=F.num_speculative_tokens, eagle_topk=F.eagle_topk,
@@ -89,7 +91,6 @@ def main(argv):
              dtype=F.dtype, kv_cache_dtype=F.kv_cache_dtype, attention_impl=F.attention_impl,
              insert_buckets=F.insert_buckets, train_kinds=F.train_kinds, train_batch=F.train_batch,
              train_seq_len=F.train_seq_len, train_target_dtype=F.train_target_dtype)
-  from serve.compiler.aot_programs import METHODS
   unknown = sorted(set(cfg["methods"]) - set(METHODS))
   if unknown:
     raise SystemExit(f"unknown --methods {unknown}")
@@ -98,7 +99,6 @@ def main(argv):
                cost_trees=[int(n) for n in F.cost_trees], cost_tree_method=F.cost_tree_method,
                cost_tree_depth=F.cost_tree_depth, cost_chains=list(F.cost_chains),
                cost_hlo_dir=F.cost_hlo_dir)
-    from serve.compiler.aot_costs import breakdown_md, cost_table, plot_breakdown, plot_costs
     os.makedirs(os.path.dirname(os.path.abspath(F.cost_table)), exist_ok=True)
 
     def write(table):
@@ -139,7 +139,6 @@ AOT_FLAGS = ("topology", "model_shape", "draft_model_shape", "mesh", "methods", 
 
 if __name__ == "__main__":
   from absl import app
-  from serve.compiler.aot_programs import METHODS
   from spec_jax import flag_table
   # The accelerator's settings: bfloat16, the target's Pallas kernel (attention_impl ''), trees of 16 nodes.
   flag_table.define(AOT_FLAGS, mesh="", methods=list(METHODS), num_speculative_tokens=4, eagle_topk=4,

@@ -18,13 +18,17 @@ import time
 
 import jax
 import numpy as np
+from absl import flags
 
+from serve import generate as gen  # and its flags: --config, --method, --prompts, ...
+from serve.jobs import setup as setup_lib
 from serve.jobs.step_costs import entry_key, method_key
+from spec_jax import backend, slots
+from spec_jax.decode import spec_step
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "option"))
 def _one_step(params, state, spec, option):
-  from spec_jax.decode import spec_step
   return spec_step(params, state, spec, option)
 
 
@@ -32,7 +36,6 @@ def measure_costs(params, spec, prompts, *, batch: int, occupancies=None, reps: 
                   clock=time.perf_counter) -> dict:
   """Costs [len(occupancies), len(ks)] measured on a state with a busy slots of `batch` (prompts cycled).
   A k > 0 step runs everything a k = 0 step runs, so a cost below a smaller k's is noise and is raised to it."""
-  from spec_jax import slots
   occupancies = sorted(set(occupancies or [a for a in (1, 2, 4, 8, 16, 32, 64) if a < batch] + [batch]))
   S = 512 * (1 + (max(len(p) for p in prompts) + max_new + spec.k_max) // 512)
   table = []
@@ -56,10 +59,6 @@ def measure_costs(params, spec, prompts, *, batch: int, occupancies=None, reps: 
 
 def main(argv):
   del argv
-  from absl import flags
-  from serve import generate as gen
-  from serve.jobs import setup as setup_lib
-  from spec_jax import backend
   FLAGS = flags.FLAGS
   cfg = gen.settings()
   setup = setup_lib.load(cfg)
@@ -86,6 +85,5 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app
   from serve.jobs import run_flags
-  import serve.generate  # noqa: F401  (its flags: --config, --method, --prompts, ...)
   run_flags.define("output_costs", "calibrate_batch", "calibrate_reps")
   app.run(main)

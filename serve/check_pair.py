@@ -27,9 +27,20 @@ import json
 import sys
 import time
 
+import jax
 from absl import app, flags
 
-from serve.jobs import run_flags
+from serve.engine.timing_probe import time_propose
+from serve.jobs import run_flags, setup as setup_lib
+from serve.jobs.prompts import load_prompts
+from serve.jobs.runner import Arm, run_arms
+from spec_jax import backend, pair_check, sharding
+from spec_jax.batch import start
+from spec_jax.config import SamplingParams
+from spec_jax.datasets import SPEC_BENCH, resolve
+from spec_jax.decode import decode_loop, make_spec
+from spec_jax.proposers.base import NoneProposer
+from spec_jax.proposers.registry import build_proposer
 
 OWN_FLAGS = ("prompts", "limit", "json_out", "strict", "check_temperatures", "cost_reps", "batch_size", "progress")
 run_flags.define(*OWN_FLAGS)
@@ -41,14 +52,11 @@ def settings() -> dict:
 
 
 def static_part(cfg: dict, target, tokenizer) -> list:
-  from spec_jax import pair_check
   return pair_check.static_check(cfg["spec"], target.config, tokenizer, cfg.get("model") or None)
 
 
 def sample_prompts(path, tokenizer, limit: int, max_len: int) -> tuple[list, list, int]:
   """The prompts (Spec-Bench by default) that fit the context with their new tokens: (prompts, ids, skipped)."""
-  from serve.jobs.prompts import load_prompts
-  from spec_jax.datasets import SPEC_BENCH, resolve
   prompts = load_prompts(resolve(path) if path else SPEC_BENCH, tokenizer)
   keep, ids, skipped = [], [], 0
   for p in prompts:
@@ -69,14 +77,6 @@ def sample_prompts(path, tokenizer, limit: int, max_len: int) -> tuple[list, lis
 def draft_cost(setup, prompt_ids, max_new_tokens: int, seed: int, reps: int) -> dict:
   """Seconds of one propose(), of one speculative step and of one plain (target-only) step, best of `reps`, on a
   batch of the first prompts prefilled (the first decode steps: short contexts)."""
-  import jax
-  from serve.engine.timing_probe import time_propose
-  from spec_jax import backend, sharding
-  from spec_jax.batch import start
-  from spec_jax.config import SamplingParams
-  from spec_jax.decode import decode_loop, make_spec
-  from spec_jax.proposers.base import NoneProposer
-
   n = len(prompt_ids)
   slots = sharding.pad_rows(backend.batch_rows(setup.params, n), setup.mesh)
   steps = max(1, min(8, max_new_tokens // (setup.proposer.k + 1)))
@@ -114,7 +114,6 @@ def run_pair(cfg: dict, setup, prompts, prompt_ids, temperatures) -> list[dict]:
   """The pair at each temperature, draft length fixed at k, with the setup's KV cache: acceptance per position,
   rate and tau. An 8-bit cache adds tau_auto / acceptance_rate_auto (the same run with the cache in the activation
   dtype) and tau_change = tau / tau_auto - 1."""
-  from serve.jobs.runner import Arm, run_arms
   arm = Arm(setup.proposer.name, setup.proposer, setup.proposer_params)
 
   def once(t, kv):
@@ -162,9 +161,6 @@ def verdict_table(rows: list[dict], cost: dict | None) -> str:
 
 def run(cfg: dict, out=sys.stdout) -> dict:
   """The whole check; -> the JSON report ("verdict" "incompatible" when the static part failed)."""
-  from serve.jobs import setup as setup_lib
-  from spec_jax import pair_check
-  from spec_jax.proposers.registry import build_proposer
   spec, strict = cfg["spec"], bool(cfg.get("strict"))
   target, tokenizer, mesh = setup_lib.load_target(cfg)
   findings = static_part(cfg, target, tokenizer)

@@ -22,12 +22,18 @@ import json
 import os
 import time
 
+import jax
 from absl import app, flags
 
 from serve import generate
 from serve.jobs import run_flags  # serve.generate's run flags, which this job takes too
+from serve.jobs import setup as setup_lib
+from serve.jobs.runner import Arm, category_table, format_table, run_arms
 from spec_jax import distributed  # joining the run, failing it whole (shared with train.main)
+from spec_jax import sharding, spec_config
+from spec_jax.proposers.base import NoneProposer
 from spec_jax.proposers.registry import METHODS
+from spec_jax.spec_config import SpecConfig
 
 run_flags.define("methods", "output_dir", "coordinator_address", "num_processes", "process_id",
                  "initialization_timeout", "heartbeat_timeout")
@@ -40,14 +46,6 @@ def main(argv):
 
 
 def run() -> dict:
-  import jax
-
-  from serve.jobs import setup as setup_lib
-  from serve.jobs.runner import Arm, category_table, run_arms
-  from spec_jax import sharding, spec_config
-  from spec_jax.proposers.base import NoneProposer
-  from spec_jax.spec_config import SpecConfig
-
   if not FLAGS.output_dir:
     raise ValueError("--output_dir is required")
   methods = FLAGS.methods or ["none", "ngram"]
@@ -98,7 +96,6 @@ def run() -> dict:
 
 
 def write_outputs(out_dir: str, summary: dict, arms, runs, elapsed: float) -> None:
-  from serve.jobs.runner import format_table
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)

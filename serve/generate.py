@@ -16,7 +16,11 @@ import numpy as np
 
 from absl import app, flags
 
-from serve.jobs import run_flags
+from serve.jobs import run_flags, setup as setup_lib
+from serve.jobs.prompts import load_prompts as read_prompts
+from serve.jobs.runner import Arm, category_table, format_table, run_arms
+from spec_jax import backend, sharding
+from spec_jax.proposers.base import NoneProposer
 
 # --config, the model, sampling and speculation flags (shared with the server), and generate's own rows.
 run_flags.define("prompts", "output", "summary_json", "limit", "categories", "compare", "repeats", "progress",
@@ -72,8 +76,7 @@ def main(argv):
 def load_prompts(cfg: dict, setup) -> tuple[list, list]:
   """--prompts (or the demo set) after --categories and --limit, and their token ids; each must fit the context
   with its new tokens and a step's drafts."""
-  from serve.jobs.prompts import load_prompts as read
-  prompts = read(FLAGS.prompts, setup.tokenizer)
+  prompts = read_prompts(FLAGS.prompts, setup.tokenizer)
   if FLAGS.categories:
     prompts = [p for p in prompts if p.category in FLAGS.categories]
   if FLAGS.limit:
@@ -91,20 +94,12 @@ def load_prompts(cfg: dict, setup) -> tuple[list, list]:
 
 def arm(cfg: dict, setup):
   """The runner's Arm of a setup: its proposer and step costs."""
-  from serve.jobs import setup as setup_lib
-  from serve.jobs.runner import Arm
-  from spec_jax import backend
   ks = setup_lib.draft_lengths(setup, cfg["adaptive"])
   costs = setup_lib.step_costs(cfg, setup, ks, backend.batch_rows(setup.params, cfg["batch_size"]))
   return Arm(setup.proposer.name, setup.proposer, setup.proposer_params, costs)
 
 
 def run(cfg: dict) -> dict:
-  from serve.jobs import setup as setup_lib
-  from serve.jobs.runner import Arm, category_table, format_table, run_arms
-  from spec_jax import sharding
-  from spec_jax.proposers.base import NoneProposer
-
   if FLAGS.repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {FLAGS.repeats}")
   _show_load_stages()

@@ -19,9 +19,18 @@ import sys
 import threading
 import time
 
+import uvicorn
 from absl import app, flags
 
-from serve.jobs import run_flags
+from serve.engine.engine import Engine
+from serve.engine.guardrails import GuardrailConfig
+from serve.engine.live_ab import SwitchbackConfig
+from serve.http import model_card, warmup
+from serve.http.api import create_app
+from serve.jobs import run_flags, setup as setup_lib
+from serve.jobs.setup import use_compilation_cache
+from serve.many_hosts import multihost
+from spec_jax import backend, sharding
 
 
 SERVER_FLAGS = ("host", "port", "max_num_seqs", "max_queue", "max_model_len", "steps_per_sync", "timing_probe_s",
@@ -77,12 +86,6 @@ def default_model_name(model: str) -> str:
 def build_engine(cfg: dict, table_class=None):
   """-> (Engine, tokenizer, SpecConfig): loads the model and proposer (serve/jobs/setup.py), compiles nothing yet.
   table_class: the engine's slot table class (serve/many_hosts/multihost.py's on many hosts)."""
-  from serve.jobs import setup as setup_lib
-  from serve.engine.engine import Engine
-  from serve.engine.guardrails import GuardrailConfig
-  from serve.engine.live_ab import SwitchbackConfig
-  from spec_jax import backend, sharding
-
   for name in ("max_num_seqs", "steps_per_sync", "max_model_len", "max_new_tokens"):
     if cfg[name] < 1:
       raise ValueError(f"--{name} must be >= 1, got {cfg[name]}")
@@ -133,10 +136,6 @@ def grammar_capacity(value):
 # ---------------------------------------------------------------------------------------------------- main
 
 def serve(cfg: dict) -> None:
-  import uvicorn
-
-  from serve.many_hosts import multihost
-  from serve.jobs.setup import use_compilation_cache
   # Many hosts (serve/many_hosts/multihost.py): every process builds the same engine; process 0 serves, the others mirror it.
   cluster = multihost.join(cfg)  # None: one process
   if cluster is not None and cfg["timing_probe_s"]:
@@ -157,7 +156,6 @@ def serve(cfg: dict) -> None:
   engine.start(warmup_prompt_lens=lens[:1] if cfg["extended_warmup"] else lens)
   log.info("engine warm in %.1f s (the loop, insert for prompt length %s)", time.perf_counter() - t0,
            lens[0] if cfg["extended_warmup"] else ",".join(map(str, lens)))
-  from serve.http.api import create_app
   api = create_app(engine, tokenizer, cfg)
   if cfg["extended_warmup"]:
     extended_warmup(api, engine, cfg)
@@ -201,7 +199,6 @@ def serve(cfg: dict) -> None:
 
 def extended_warmup(api, engine, cfg: dict) -> None:
   """The requests clients send first, through the app before the port opens (serve/http/warmup.py), timed in the log."""
-  from serve.http import warmup
   t0 = time.perf_counter()
   done = warmup.run(api, cfg, engine.spec.max_logprobs, engine.table.grammar_capacity is not None,
                     engine.spec.config.vocab_size)
@@ -213,7 +210,6 @@ def extended_warmup(api, engine, cfg: dict) -> None:
 def log_model_card(cfg: dict, tokenizer) -> None:
   """Say what a base model (no chat template of its own: Gemma 3 270M from the packaged GGUF) means for chat and
   tools, so a chat answer that continues the prompt does not look like a server bug."""
-  from serve.http import model_card
   note = model_card.base_model_note(cfg.get("model") or "", tokenizer)
   if note:
     log.warning("%s", note)
@@ -232,7 +228,6 @@ def main(argv):
     serve(cfg)
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    from serve.many_hosts import multihost
     if multihost.joined():
       multihost.exit_now(2)  # no exit barrier of jax.distributed: the other processes may be gone
     sys.exit(2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+from spec_jax.chat_template import JinjaTemplate
 from spec_jax.tokenizer import Tokenizer
 
 __all__ = ["BPETokenizer"]
@@ -23,8 +24,7 @@ class BPETokenizer(Tokenizer):
   whether the model expects BOS, and the chat template."""
 
   def __init__(self, spec: Mapping[str, object], source: str = "<memory>"):
-    import tokenizers
-    from spec_jax.chat_template import JinjaTemplate
+    import tokenizers  # lazy: heavy, only this path (tokenizers)
     self._json = str(spec["tokenizer_json"])
     try:
       self._tk = tokenizers.Tokenizer.from_str(self._json)
@@ -50,7 +50,7 @@ class BPETokenizer(Tokenizer):
   def _tk_plain(self):
     """The same pipeline with special tokens read as plain text (encode(parse_special=False), id_of)."""
     if self._plain is None:
-      import tokenizers
+      import tokenizers  # lazy: heavy, only this path (tokenizers)
       self._plain = tokenizers.Tokenizer.from_str(self._json)
       self._plain.encode_special_tokens = True
     return self._plain

@@ -70,8 +70,8 @@ class JinjaTemplate:
   """A checkpoint's own Jinja chat template, compiled once."""
 
   def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2  # lazy: heavy, only this path (jinja2)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # lazy: heavy, only this path (jinja2)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
@@ -84,7 +84,7 @@ class JinjaTemplate:
     self._special = dict(special_tokens or {})
 
   def render(self, turns, add_generation_prompt: bool = True) -> str:
-    import jinja2
+    import jinja2  # lazy: heavy, only this path (jinja2)
     messages = [{"role": r, "content": c} for r, c in normalize_turns(turns)]
     try:
       return self._template.render(messages=messages, tools=None, documents=None,
@@ -98,7 +98,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 def _raise(message):
-  import jinja2
+  import jinja2  # lazy: heavy, only this path (jinja2)
   raise jinja2.TemplateError(message)
 
 

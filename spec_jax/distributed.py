@@ -11,6 +11,7 @@ the one-line error a user should read is written by the supervising parent from 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import json
 import os
@@ -18,7 +19,10 @@ import re
 import signal
 import subprocess
 import sys
+import traceback
 from typing import Callable, Optional
+
+import numpy as np
 
 WORKER_ENV = "SPEC_JAX_DISTRIBUTED_WORKER"
 
@@ -60,7 +64,7 @@ def cluster_env() -> bool:
 def initialize(join: Join) -> None:
   """Join the run: with explicit flags, or by auto-detection on TPU pods / SLURM / MPI; a single process
   otherwise. A process that cannot join within the initialization timeout fails (named by supervise())."""
-  import jax
+  import jax  # lazy: heavy, only this path (jax: not in the supervising parent)
   if not join.multi_process:
     return
   if join.explicit and (join.coordinator_address is None or join.num_processes is None or join.process_id is None):
@@ -87,7 +91,7 @@ def main(module: str, body: Callable[[], object], join: Join) -> None:
     sys.exit(supervise(module, join))
   try:
     initialize(join)
-    import jax
+    import jax  # lazy: heavy, only this path (jax: not in the supervising parent)
     if jax.process_count() > 1:
       print(f"process {jax.process_index()} joined: {jax.process_count()} processes, {jax.device_count()} devices",
             file=sys.stderr, flush=True)
@@ -96,8 +100,7 @@ def main(module: str, body: Callable[[], object], join: Join) -> None:
     print(f"error: {e}", file=sys.stderr, flush=True)
     os._exit(2)  # no atexit: jax.distributed's shutdown barrier would wait for the processes that failed
   except Exception as e:  # a collective with a dead peer, or anything else mid-run: fail the whole run now
-    import traceback
-    import jax
+    import jax  # lazy: heavy, only this path (jax: not in the supervising parent)
     traceback.print_exc()  # where it failed, above the one line that says so
     print(f"error: process {jax.process_index()} of {jax.process_count()}: the run failed: "
           f"{type(e).__name__}: {str(e)[:800]}", file=sys.stderr, flush=True)
@@ -109,7 +112,6 @@ def supervise(module: str, join: Join) -> int:
   with this process (PR_SET_PDEATHSIG)."""
   def die_with_parent():
     try:
-      import ctypes
       ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux: the child may outlive a killed parent
       pass
@@ -160,11 +162,10 @@ def check_same_settings(settings: dict, what: str = "settings") -> None:
   """Every process must have been started with the same `settings` (a flat JSON-able dict: flags, config): each
   process gathers every process's copy through a collective and raises the same ValueError naming the keys that
   differ, so a mismatched host is refused at start on every host instead of deadlocking later. One process: no-op."""
-  import jax
-  import numpy as np
+  import jax  # lazy: heavy, only this path (jax: not in the supervising parent)
   if jax.process_count() == 1:
     return
-  from jax.experimental import multihost_utils
+  from jax.experimental import multihost_utils  # lazy: heavy, only this path (jax: not in the supervising parent)
   blob = np.frombuffer(json.dumps(settings, sort_keys=True, default=str).encode(), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(blob)))).reshape(-1)
   padded = np.zeros(int(sizes.max()), np.uint8)

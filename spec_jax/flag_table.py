@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from absl import flags
+
 
 class Row(NamedTuple):
   kind: str  # string | integer | float | bool | list | enum
@@ -236,14 +238,13 @@ def define_config(default=None, lock_config: bool = False):
   """--config (an ml_collections config file, `default` the command's); -> its FlagHolder."""
   global _config_holder
   if _config_holder is None:
-    from ml_collections import config_flags
+    from ml_collections import config_flags  # lazy: heavy, only this path (ml_collections: --config files)
     _config_holder = config_flags.DEFINE_config_file("config", default, ROWS["config"].help, lock_config=lock_config)
   return _config_holder
 
 
 def define(names, **defaults) -> None:
   """Define these rows as absl flags (a name already defined in this process is left as it is)."""
-  from absl import flags
   unknown = [n for n in list(names) + list(defaults) if n not in ROWS]
   if unknown:
     raise KeyError(f"flags not in spec_jax/flag_table.py: {unknown}")

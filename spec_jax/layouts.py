@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
 
 from spec_jax.param_axes import leaf_name, param_axes
 
@@ -41,7 +42,6 @@ def _platform(x) -> str:
 
 def _wanted(path, x, platforms):
   """The heads-major Layout for one leaf, or None (other parameters, other platforms, quantized weights)."""
-  from jax.experimental.layout import Layout
   if not hasattr(x, "shape") or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
     return None
   order = heads_major(leaf_name(path), len(x.shape))
@@ -54,7 +54,6 @@ def lay_out(params, platforms: Sequence[str] = HEADS_MAJOR_PLATFORMS):
   """Placed parameters -> the same values with the attention projections heads-major on the given platforms
   (an on-device relayout, once). A leaf already so laid out is kept; abstract leaves (jax.ShapeDtypeStruct with a
   sharding) get the layout in their sharding, as serve.aot compiles them."""
-  from jax.experimental.layout import Format
 
   def one(path, x):
     layout = _wanted(path, x, platforms)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from spec_jax import sharding
 from spec_jax.config import SamplingParams
 from spec_jax.models.transformer import forward, lm_head
 from spec_jax.sampling import warp_logits
@@ -140,7 +141,6 @@ def prompt_logprobs(params, config, prompt_ids, top_n: int, *, block: int = 64):
   T = -(-n // block) * block
   tokens = np.zeros((1, T), np.int32)
   tokens[0, :n] = prompt_ids
-  from spec_jax import sharding
   # to_host: on many hosts every process runs this (serve/many_hosts/multihost.py) and gathers the rows
   chosen, rank, ids, vals = map(sharding.to_host, _prompt_logprobs(params, tokens, config, max(top_n, 1), block))
   # logits at position i predict token i + 1

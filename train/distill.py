@@ -29,10 +29,16 @@ import os
 import sys
 import time
 
+import jax
 from absl import app, flags
 
-from spec_jax import flag_table
+from spec_jax import flag_table, slots
+from spec_jax.batch import capacity_for
+from spec_jax.checkpoints.load import load_model
 from spec_jax.datasets import DISTILL_DIR
+from spec_jax.decode import FINISH_NAMES, make_spec
+from spec_jax.prefill import bucket
+from spec_jax.slot_table import SlotTable
 from train import data as data_lib
 from train import distill_shards as shards
 
@@ -65,8 +71,6 @@ class Generator:
 
   def __init__(self, params, config, tokenizer, *, batch: int, max_new_tokens: int, capacity: int,
                steps_per_sync: int = 16):
-    from spec_jax.decode import make_spec
-    from spec_jax.slot_table import SlotTable
     self.spec = make_spec(config, adaptive_k=False, stop_ids=tokenizer.stop_ids if tokenizer else ())
     self.max_new = max_new_tokens
     self.capacity = capacity
@@ -75,9 +79,6 @@ class Generator:
 
   def run(self, jobs, on_done, log=print):
     """jobs: iterable of (key, prompt_ids, temperature, seed). on_done(key, new_ids, stopped)."""
-    import jax
-    from spec_jax import slots
-    from spec_jax.decode import FINISH_NAMES
     table = self.table
     it = iter(jobs)
     exhausted = False
@@ -182,14 +183,11 @@ def distill(params, config, tokenizer, *, out: str, batch: int, max_new_tokens: 
 
 
 def _capacity(max_prompt_tokens: int, max_new_tokens: int) -> int:
-  from spec_jax.batch import capacity_for
-  from spec_jax.prefill import bucket
   return capacity_for(bucket(max_prompt_tokens)[0], max_prompt_tokens + max_new_tokens + 2)
 
 
 def main(argv):
   del argv
-  from spec_jax.checkpoints.load import load_model
   config, params, tokenizer = load_model(FLAGS.model or None, FLAGS.dtype)
   distill(params, config, tokenizer, out=FLAGS.out, batch=FLAGS.batch, max_new_tokens=FLAGS.max_new_tokens,
           max_prompt_tokens=FLAGS.max_prompt_tokens, shard_size=FLAGS.shard_size, seed=FLAGS.seed,

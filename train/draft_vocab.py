@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 from absl import app, flags
 
 from spec_jax import flag_table
+from spec_jax.checkpoints import heads as head_ckpt
 from train.main import _CONFIG, _portable, build_data, load_target  # --config: a train.main config (model, data)
 
 flag_table.define(("size", "vocab_out"))
@@ -24,8 +26,6 @@ FLAGS = flags.FLAGS
 
 def build(cfg, size: int, out: str, log=None) -> dict:
   """Rank the ids of cfg's data, keep `size`, save; -> the metadata written."""
-  import numpy as np
-  from spec_jax.checkpoints import heads as head_ckpt
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
   if size < 1:
     raise ValueError(f"--size must be >= 1, got {size}")

@@ -18,6 +18,12 @@ import numpy as np
 from absl import app, flags
 
 from spec_jax import flag_table
+from spec_jax.batch import generate
+from spec_jax.checkpoints.load import load_model
+from spec_jax.proposers.registry import Target, build_proposer
+from spec_jax.spec_config import SpecConfig
+from spec_jax.stats import summarize
+from train.data import HELD_OUT, load_prompts, prompt_order
 
 flag_table.define(("methods", "num_prompts", "max_new_tokens", "num_speculative_tokens", "batch_size", "dtype",
                    "seed", "speculative_model", "output"), methods=["medusa", "eagle", "draft"], max_new_tokens=64,
@@ -26,7 +32,6 @@ FLAGS = flags.FLAGS
 
 
 def held_out_prompts(n: int, seed: int) -> list:
-  from train.data import HELD_OUT, load_prompts, prompt_order
   if n > HELD_OUT:
     raise ValueError(f"at most {HELD_OUT} held-out prompts")
   prompts = load_prompts()
@@ -36,7 +41,6 @@ def held_out_prompts(n: int, seed: int) -> list:
 
 def _timed(params, config, ids, **kw):
   """generate() over the prompts in batches, after one compiling run; -> (token ids, stats, seconds)."""
-  from spec_jax.batch import generate
   out, stats, wall = [], [], 0.0
   for i in range(0, len(ids), FLAGS.batch_size):
     batch = ids[i:i + FLAGS.batch_size]
@@ -51,10 +55,6 @@ def _timed(params, config, ids, **kw):
 
 def main(argv):
   del argv
-  from spec_jax.checkpoints.load import load_model
-  from spec_jax.proposers.registry import Target, build_proposer
-  from spec_jax.spec_config import SpecConfig
-  from spec_jax.stats import summarize
   if FLAGS.speculative_model and len(FLAGS.methods) != 1:
     raise ValueError("--speculative_model names one checkpoint: pass exactly one method")
   config, params, tok = load_model(None, FLAGS.dtype)

@@ -24,11 +24,22 @@ import os
 import sys
 import time
 
-from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
 
-from spec_jax import distributed, flag_table
+from spec_jax import distributed, flag_table, sharding
+from spec_jax.batch import generate
+from spec_jax.checkpoints import heads as head_ckpt
+from spec_jax.checkpoints.load import load_model
+from spec_jax.config import ModelConfig, SamplingParams
+from spec_jax.models.transformer import init_params
+from spec_jax.proposers.eagle import check_feature_layers
+from train import data as data_lib
 
 from train.tasks import build_task  # noqa: F401  (tests and benchmarks import it from here too)
+from train.trainer import TrainSpec, Trainer
 
 _CONFIG = flag_table.define_config(lock_config=True)  # the training config
 flag_table.define(("stop_after", "mesh", "coordinator_address", "num_processes", "process_id",
@@ -37,22 +48,13 @@ FLAGS = flags.FLAGS
 
 
 def load_target(cfg):
-  import jax
-  import jax.numpy as jnp
-  from spec_jax.config import ModelConfig
-  from spec_jax.models.transformer import init_params
   if cfg.model == "tiny":
     config = ModelConfig(**dict(cfg.tiny))
     return config, init_params(config, jax.random.PRNGKey(cfg.tiny_seed), jnp.float32), None
-  from spec_jax.checkpoints.load import load_model
   return load_model(cfg.model or None, cfg.dtype)
 
 
 def build_data(cfg, config, params, tokenizer, log):
-  import numpy as np
-  from spec_jax.config import SamplingParams
-  from spec_jax.batch import generate
-  from train import data as data_lib
   spec = data_lib.DataSpec(**dict(cfg.data))
 
   def generate_fn(batch, temperature, seed):
@@ -96,7 +98,6 @@ def _flat(d, prefix=""):
 def check_resume_config(cfg):
   """The first run writes its config to workdir/config.json (process 0, atomically); a later run in the same
   workdir (a resume) must have the same settings, or it would silently continue another experiment."""
-  import jax
   path = os.path.join(cfg.train.workdir, "config.json")
   now = _flat(json.loads(cfg.to_json()))
   if os.path.exists(path):
@@ -119,10 +120,6 @@ def warm_start(cfg, config, init, d2t):
   """-> (initial params, export meta): `init` itself, or with cfg.init_from set, the weights of that head
   checkpoint (a second epoch from where a shipped head stopped). The checkpoint must be of this kind, for this
   target, of the same shapes, EAGLE feature layers and draft vocabulary, else ValueError naming the difference."""
-  import jax
-  import numpy as np
-  from spec_jax.checkpoints import heads as head_ckpt
-  from spec_jax.proposers.eagle import check_feature_layers
   if not cfg.init_from:
     return init, {}
   where = f"init_from {cfg.init_from}"
@@ -154,11 +151,6 @@ def _portable(data: dict) -> dict:
 
 def run(cfg, stop_after=None, log=None, mesh=""):
   """`mesh`: a --mesh string or a Mesh (None or '' = one device)."""
-  import jax
-  import numpy as np
-  from spec_jax import sharding
-  from spec_jax.checkpoints import heads as head_ckpt
-  from train.trainer import Trainer, TrainSpec
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
   if jax.process_index() != 0:  # logs from process 0 only (errors still end on every host: spec_jax.distributed)
     log = lambda s: None
@@ -206,7 +198,6 @@ def run(cfg, stop_after=None, log=None, mesh=""):
 
 def main(argv):
   del argv
-  from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   distributed.main("train.main", lambda: run(_CONFIG.value, FLAGS.stop_after, mesh=FLAGS.mesh),
                    distributed.Join.from_flags(FLAGS))

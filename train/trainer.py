@@ -34,6 +34,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
 
 from spec_jax import sharding as shd
 from train import data as data_lib
@@ -346,7 +347,6 @@ class Trainer:
       self.log(f"cached features of {len(feats) + len(eval_feats)} sequences in {time.perf_counter() - t:.1f} s")
     bar = None
     if spec.progress and jax.process_index() == 0:
-      from tqdm import tqdm
       bar = tqdm(total=spec.steps, initial=start, desc=self.task.name, file=sys.stderr, unit="step")
     last_eval, t0 = None, time.perf_counter()
     for step in range(start, spec.steps):

@@ -25,9 +25,16 @@ import logging  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from importlib.metadata import PackageNotFoundError, version  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import export  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+
+from serve.compiler import aot_breakdown  # noqa: E402
+from spec_jax import sharding  # noqa: E402
+from spec_jax.kernels.common import lowering_for  # noqa: E402
 
 # Without the chips, jax's backend discovery fails on this host by design: the CUDA plugin (here for deviceless
 # compiles) logs a traceback and the TPU probe an error. Compiling needs neither backend.
@@ -65,7 +72,6 @@ def target(name: str) -> Target:
   """'v5e:2x2' (a TPU topology: jax.experimental.topologies) or 'h200' (configs/gpu_targets/h200.txtpb). A TPU
   topology may name its host count, 'v5e:4x4,hosts=2' (a v5e-16 slice of two 8-chip hosts; libtpu's own default for
   v5e:4x4 is four hosts of 4 chips): the programs then compile with collectives across those hosts."""
-  from jax.experimental import topologies
   full = name
   name, _, hosts = name.partition(",hosts=")
   spec = os.path.join(GPU_TARGETS, name.split(":")[0] + ".txtpb")
@@ -108,7 +114,6 @@ def _host_bounds(name: str, hosts: str) -> dict:
 
 def mesh_of(devices, text: str):
   """A ('data', 'model') mesh over the topology's devices; '' = one chip (no mesh)."""
-  from spec_jax import sharding
   sizes = sharding.parse_mesh(text)
   n = sizes["data"] * sizes["model"]
   if n == 1:
@@ -152,7 +157,6 @@ UNSLICED = {"xla_tpu_sliced_prefetch_max_slices": 1}
 
 
 def compiler_version(platform: str) -> str:
-  from importlib.metadata import PackageNotFoundError, version
   name = "libtpu" if platform == "tpu" else "jax-cuda12-plugin"
   try:
     return f"{name} {version(name)}"
@@ -262,7 +266,6 @@ def compile_program(prog, device, capacity: int, cost: bool = True, breakdown: b
     with open(hlo_path, "w", encoding="utf-8") as f:
       f.write(compiled.as_text())
   if breakdown and rec["compiled"]:
-    from serve.compiler import aot_breakdown
     rec["breakdown"] = aot_breakdown.breakdown(compiled.as_text(), device.device_kind, rec["optimal_seconds"])
   rec["compile_seconds"] = round(time.perf_counter() - t0, 1)
   return rec
@@ -275,8 +278,6 @@ def export_cuda(prog) -> dict:
   """jax.export of one program for CUDA from this host (no GPU, no CUDA plugin): the lowering, Pallas' Triton
   kernels included. Only the export's check that the module uses no custom calls outside its stable list is
   lifted, for the Triton call (a serialized Triton kernel is tied to the jaxlib that made it)."""
-  from jax import export
-  from spec_jax.kernels.common import lowering_for
   fn = getattr(prog.fn, "_program", prog.fn)  # the jitted function under sharding.settled
   rec = {"name": prog.name}
   try:

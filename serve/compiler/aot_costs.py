@@ -11,9 +11,16 @@ from __future__ import annotations
 import os
 import time
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from serve.compiler import aot_compile
+from serve.compiler import aot_compile, aot_programs as progs
+from serve.compiler.aot_breakdown import ROLES, chip_figures
+from serve.jobs.step_costs import entry_key
+from spec_jax import adaptive
+from spec_jax.models.shapes import model_shape
+from spec_jax.models.transformer import layers_unrolled
 
 # The chains every cost table holds, one per k and keyed by k alone: the adaptive controller's cost files
 # (serve/jobs/step_costs.py) read n-gram's as the step cost of drafting k tokens.
@@ -26,9 +33,6 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   each batch size, with the cache read to the capacity. Written in the adaptive controller's format (serve.calibrate:
   per k_max, costs over a plain step, the same at every occupancy since all rows compute), labelled as an estimate,
   with the seconds behind it."""
-  from serve.compiler import aot_programs as progs
-  from spec_jax.models.shapes import model_shape
-  from spec_jax.models.transformer import layers_unrolled
   tgt = aot_compile.target(flags_cfg["topology"])
   mesh = aot_compile.mesh_of(list(tgt.devices), flags_cfg["mesh"])
   place = progs.Placement(tgt.devices[0], mesh)
@@ -84,8 +88,6 @@ def _key(method: str, k: int, nodes: int) -> str:
 
 
 def _tree_bytes(tree, chip_shape) -> float:
-  import jax
-  import numpy as np
   return float(sum(np.prod(chip_shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
@@ -94,8 +96,6 @@ def floor(prog, chip_kind: str, passes: int = 0) -> dict:
   at capacity, a drafter's weights once per drafting pass: `passes`) over the chip's bandwidth, its FLOPs (2 per
   weight per scored position) over the peak; the larger. Per chip: each array's shard. An embedding table that is
   not also the LM head is only gathered from (a few rows), so it is not among the bytes that must be read."""
-  from serve.compiler.aot_breakdown import chip_figures
-  import numpy as np
   params, state = prog.args[0], prog.args[1]
   chip_shape = lambda a: (a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None
                           and hasattr(a.sharding, "shard_shape") else a.shape)
@@ -116,8 +116,6 @@ def floor(prog, chip_kind: str, passes: int = 0) -> dict:
 
 
 def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
-  from serve.jobs.step_costs import entry_key
-  from spec_jax import adaptive
   out = {"source": f"compiler estimate: XLA:{tgt.platform.upper()} optimal_seconds of one loop step, its layers "
                    "unrolled (python -m serve.aot --cost_table), not a measurement",
          "topology": flags_cfg["topology"], "chip": tgt.chip, "mesh": flags_cfg["mesh"] or "one chip",
@@ -150,9 +148,9 @@ def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
 def plot_costs(table: dict, path: str) -> None:
   """Verify cost over a plain step against batch, one line per draft length and tree: where batching eats the
   gain (a line at ratio r needs more than r tokens per step from its drafts to pay)."""
-  import matplotlib
+  import matplotlib  # lazy: heavy, only this path (matplotlib)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # lazy: heavy, only this path (matplotlib)
   batches = sorted(int(b) for b in table["seconds"])
   keys = sorted({k for row in table["seconds"].values() for k in row if k != "0"},
                 key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
@@ -175,7 +173,6 @@ def plot_costs(table: dict, path: str) -> None:
 
 def breakdown_md(table: dict) -> str:
   """The breakdown as markdown: per batch, per program its time against its floor, then per role ms and MB."""
-  from serve.compiler.aot_breakdown import ROLES
   lines = [f"# Where each step's time goes: {table['model_shape']} on {table['topology']} ({table['mesh']}), "
            f"{table['context_tokens']} tokens", "",
            f"{table['source']}; {table['compiler']}; {table['date']}. Time: {table.get('time_source', '')}. "
@@ -183,12 +180,12 @@ def breakdown_md(table: dict) -> str:
            "and the HBM bytes its instructions move (serve/compiler/aot_breakdown.py). Floor: the bytes the step must read "
            "(weights once, the KV cache at capacity, a drafter's weights once per pass) over the bandwidth, or "
            "its FLOPs over the peak.", ""]
-  for b, progs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0])):
+  for b, programs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0])):
     plain = table["seconds"].get(b, {}).get("0")
     lines += [f"## batch {b}", "", "| program | ms | over plain | per loop call ms | floor ms | over floor | GB moved | " +
               " | ".join(r for r in ROLES) + " | largest instructions |",
               "|---|" + "---|" * (len(ROLES) + 6)]
-    for key, d in progs.items():
+    for key, d in programs.items():
       ms = d["optimal_seconds"] * 1e3
       cells = []
       for r in ROLES:
@@ -210,12 +207,11 @@ def breakdown_md(table: dict) -> str:
 
 def plot_breakdown(table: dict, path: str) -> None:
   """Stacked bars: each program's step time by role, per batch, with its floor marked."""
-  import matplotlib
+  import matplotlib  # lazy: heavy, only this path (matplotlib)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from serve.compiler.aot_breakdown import ROLES
-  bars = [(b, key, d) for b, progs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0]))
-          for key, d in progs.items()]
+  import matplotlib.pyplot as plt  # lazy: heavy, only this path (matplotlib)
+  bars = [(b, key, d) for b, programs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0]))
+          for key, d in programs.items()]
   if not bars:
     return
   fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(bars) + 3), 5))

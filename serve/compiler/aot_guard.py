@@ -13,6 +13,10 @@ from serve.compiler import aot_compile  # noqa: I001
 
 import jax.numpy as jnp
 
+from serve.compiler import aot_costs, aot_programs as progs
+from spec_jax.config import ModelConfig
+from spec_jax.models.transformer import layers_unrolled
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLE = os.path.join(ROOT, "configs", "costs", "guard_v5e_small.json")
 TOPOLOGY = "v5e:2x2"
@@ -25,9 +29,6 @@ PROGRAMS = {"plain": ("ngram", 0, 1, 0), "ngram_k4": ("ngram", 4, 1, 0), "eagle_
 
 def measure() -> dict:
   """Compile the guard's programs; -> {shape, seconds, ratios, roles (microseconds per role of each program)}."""
-  from serve.compiler import aot_costs, aot_programs as progs
-  from spec_jax.config import ModelConfig
-  from spec_jax.models.transformer import layers_unrolled
   tgt = aot_compile.target(TOPOLOGY)
   place = progs.Placement(tgt.devices[0], None)
   config = ModelConfig(**SHAPE)

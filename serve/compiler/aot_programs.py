@@ -21,11 +21,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from configs.train_base import get_config
 from spec_jax import adaptive as adaptive_lib, sharding, slots
-from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache, contiguous_pages, pool_bytes
+from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache, contiguous_pages, kv_storage_dtype, pool_bytes
 from spec_jax.config import ModelConfig, SamplingParams
 from spec_jax.controls import Controls
 from spec_jax.decode import decode_loop, make_spec
 from spec_jax.kernels.common import lowering_for
+from spec_jax.layouts import lay_out  # the layouts shard_params places them in (heads-major Q/K/V on TPU)
 from spec_jax.models.transformer import param_shapes
 from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill_chunk
 from spec_jax.proposers import registry
@@ -60,7 +61,6 @@ class Program:
 def cache_of(config: ModelConfig, slots: int, capacity: int, dtype, mesh=None, kv_cache_dtype: str = "auto") -> dict:
   """The cache-copy check's shapes: per chip under the mesh's layout (a chip's own cache copied is a copy too).
   An 8-bit cache's pool holds 1-byte values (a dequantized copy then shows at twice a pool layer's bytes)."""
-  from spec_jax.cache import kv_storage_dtype
   store = kv_storage_dtype(kv_cache_dtype)
   rows, heads = slots, config.num_kv_heads
   if mesh is not None:
@@ -97,7 +97,6 @@ class Placement:
     return _with(tree, on_mesh)
 
   def params(self, tree):
-    from spec_jax.layouts import lay_out  # the layouts shard_params places them in (heads-major Q/K/V on TPU)
     return lay_out(self._place(tree, sharding.param_shardings(tree, self.mesh) if self.mesh is not None else None))
 
   def state(self, tree):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import streams
-from spec_jax.decode import choose_option, draft_keys, switch_in_place
+from spec_jax.decode import choose_option, decode_loop, draft_keys, switch_in_place
 from spec_jax.proposers.base import ProposeContext
 
 
@@ -85,7 +85,6 @@ class StepProbe:
   def timed_loop(self, params, state, spec, steps):
     """The iteration's loop call (SlotTable.run's `loop`), timed alone after one timed `propose` on the same
     state."""
-    from spec_jax.decode import decode_loop
     jax.block_until_ready(state)  # the loop in flight
     step0 = int(state.step)
     t_prop = time_propose(params, state, spec)

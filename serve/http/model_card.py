@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 import re
 
+from spec_jax.checkpoints.gguf_meta import read_metadata
+from spec_jax.checkpoints.load import resolve_model_path
+
 TUNED = re.compile(r"(^|[^a-z])(it|instruct|instruction|chat|sft|rlhf|dpo)([^a-z]|$)", re.I)
 
 NOTE = ("{name} is a base model (pretrained, not instruction-tuned: {why}). /v1/chat/completions still applies a chat "
@@ -23,8 +26,6 @@ NOTE = ("{name} is a base model (pretrained, not instruction-tuned: {why}). /v1/
 
 def base_model_note(model: str, tokenizer=None) -> str | None:
   """The start-up note for a base model, or None (instruction-tuned, or not judged)."""
-  from spec_jax.checkpoints.gguf_meta import read_metadata
-  from spec_jax.checkpoints.load import resolve_model_path
   path = resolve_model_path(model or None)
   if os.path.isdir(path) or not path.endswith(".gguf"):
     return None

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import time
 import uuid
+from importlib import metadata
 from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi.exceptions import RequestValidationError
@@ -360,7 +361,6 @@ def model_card(name: str, cfg: dict, capacity: int) -> dict:
 
 def server_version() -> str:
   """GET /version (vLLM's route): the installed spec_jax's version."""
-  from importlib import metadata
   try:
     return metadata.version("spec_jax")
   except metadata.PackageNotFoundError:  # run from a checkout that is not installed

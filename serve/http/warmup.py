@@ -46,7 +46,7 @@ def requests(cfg: dict, max_logprobs: int, structured: bool, vocab_size: int) ->
 def run(api, cfg: dict, max_logprobs: int, structured: bool, vocab_size: int) -> list:
   """Send the warm requests one after another through `api`; -> [(name, seconds, status)]. A failed one is logged
   and skipped: the warm-up never stops the server from starting."""
-  import httpx
+  import httpx  # lazy: heavy, only this path (httpx: the extended warm-up)
 
   headers = {"Authorization": f"Bearer {cfg['api_key']}"} if cfg.get("api_key") else {}
   logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise

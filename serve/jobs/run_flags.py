@@ -12,7 +12,7 @@ import os
 
 from absl import flags
 
-from spec_jax import flag_table
+from spec_jax import flag_table, spec_config
 
 # absl's default verbosity is INFO, which would print jax's backend probing ("Unable to initialize backend 'tpu'")
 # at every start of a command on a machine without that chip.
@@ -63,7 +63,6 @@ def settings(more: tuple = (), defaults: dict | None = None) -> dict:
 
 def speculative_config(config_file_spec: dict):
   """The SpecConfig of this run (see settings)."""
-  from spec_jax import spec_config
   values = flags.FLAGS
   text = values["speculative_config"].value
   if text is not None and text.strip():

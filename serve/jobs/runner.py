@@ -12,6 +12,8 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
 from spec_jax import backend, sharding
 from spec_jax.config import SamplingParams
@@ -113,7 +115,6 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
                 ks=None, warm_s=0.0) for _ in arms]
   bar = None
   if progress and jax.process_index() == 0:
-    from tqdm import tqdm
     bar = tqdm(total=len(batches) * repeats, desc="/".join(a.label for a in arms), file=sys.stderr, unit="batch")
   for r in range(repeats):
     for st in state:
@@ -147,7 +148,6 @@ def run_arms(arms, params, config, tokenizer, prompts, prompt_ids, *, batch_size
   if bar:
     bar.close()
   if jax.process_count() > 1:  # a run's time is its slowest host's (a collective: every host holds the max)
-    from jax.experimental import multihost_utils
     walls = np.asarray(multihost_utils.process_allgather(np.array([st["walls"] for st in state], np.float64)))
     for st, w in zip(state, walls.reshape(-1, len(state), repeats).max(0)):
       st["walls"] = w.tolist()

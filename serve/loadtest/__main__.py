@@ -14,12 +14,17 @@ few requests to judge; the reason is printed). Servers it starts listen on 127.0
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
 
 import httpx
 from absl import app, flags
 
+from serve.loadtest.analyze import analyze
+from serve.loadtest.launcher import parse_port_range
+from serve.loadtest.pipeline import inconclusive, output_dir, print_verdict, run
 from spec_jax import flag_table
 
 _CONFIG = flag_table.define_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "loadtest.py"))
@@ -30,15 +35,11 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  import logging
-  import signal
   logging.getLogger("httpx").setLevel(logging.WARNING)  # absl logs at INFO: one line per request otherwise
 
   def _interrupt(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the server of the running arm is stopped
     raise KeyboardInterrupt(f"signal {signum}")
   signal.signal(signal.SIGTERM, _interrupt)
-  from serve.loadtest.analyze import analyze
-  from serve.loadtest.pipeline import output_dir, print_verdict, run
   if FLAGS.analyze_only:
     summary = analyze(FLAGS.analyze_only, plots=FLAGS.plots)
     print_verdict(summary, FLAGS.analyze_only)
@@ -54,7 +55,6 @@ def main(argv):
   verify = cfg.get("verify_tuned", False) if FLAGS.verify_tuned is None else FLAGS.verify_tuned
   try:
     if FLAGS.port_range:
-      from serve.loadtest.launcher import parse_port_range
       parse_port_range(FLAGS.port_range)  # a bad range fails before any server starts
       cfg["port_range"] = FLAGS.port_range
     summary = run(cfg, out_dir, verify_tuned=verify, plots=FLAGS.plots)
@@ -66,7 +66,6 @@ def main(argv):
 
 
 def _exit_if_inconclusive(summary: dict) -> None:
-  from serve.loadtest.pipeline import inconclusive
   thin = inconclusive(summary)
   if thin:
     print(f"inconclusive: {', '.join(thin)} (too few finished requests at some load points to judge; see above)",

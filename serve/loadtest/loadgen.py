@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 import httpx
+import psutil
 
 from serve.loadtest import metrics as M
 from serve.loadtest.client import stream_request
@@ -34,7 +35,6 @@ def process_rss(pid: Optional[int]) -> Optional[int]:
   if not pid:
     return None
   try:
-    import psutil
     p = psutil.Process(pid)
     rss = p.memory_info().rss
     for c in p.children(recursive=True):

@@ -18,6 +18,8 @@ import os
 import time
 from typing import Optional
 
+import httpx
+
 from serve.loadtest import aggregate, loadgen
 from serve.loadtest import metrics as M
 from serve.loadtest.launcher import ServerProcess, parse_port_range
@@ -43,7 +45,7 @@ def arm_list(cfg: dict) -> list[dict]:
     a.setdefault("baseline", False)
     a["speculative_config"] = dict(a.get("speculative_config") or {})
     if a.get("kv_cache_dtype"):
-      from spec_jax.cache import kv_storage_dtype
+      from spec_jax.cache import kv_storage_dtype  # lazy: heavy, only this path (jax: not in the load-test client)
       kv_storage_dtype(a["kv_cache_dtype"])  # an unknown value is an error before any server starts
   return order
 
@@ -76,7 +78,6 @@ def arm_server(arm: dict, cfg: dict, out_dir: str):
 def server_reports(url: str, api_key: str = "") -> dict:
   """What the running server says it serves (/v1/models, GET /admin/speculation), so the report shows that each
   arm ran the method and k it was meant to. Missing routes are skipped."""
-  import httpx
   headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
   out = {}
   for key, path in (("models", "/v1/models"), ("speculation", "/admin/speculation")):

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
+
+from serve.loadtest.analyze import TUNED, analyze
+from serve.loadtest.matrix import run_matrix
 
 
 def run(cfg: dict, out_dir: str, *, verify_tuned: bool, plots: bool = True, log=print) -> dict:
   """-> the analysis summary. The tuned rerun needs arms the tool starts itself (not URLs)."""
-  from serve.loadtest.analyze import TUNED, analyze
-  from serve.loadtest.matrix import run_matrix
   run_matrix(cfg, out_dir, log=log)
   summary = analyze(out_dir, plots=plots)
   if verify_tuned:
@@ -30,7 +32,6 @@ def run(cfg: dict, out_dir: str, *, verify_tuned: bool, plots: bool = True, log=
 def output_dir(flag: str, configured: str, name: str = "loadtest") -> str:
   """--output_dir, else the config's output_dir, else a fresh folder under the working directory
   (<name>_<YYYYmmdd_HHMMSS>, suffixed if taken): a run never lands in the committed reports unless asked."""
-  import time
   if flag or configured:
     return flag or configured
   stem = os.path.join(os.getcwd(), f"{name}_{time.strftime('%Y%m%d_%H%M%S')}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import defaultdict
 
@@ -20,13 +21,12 @@ def _pooled_acceptance(res: dict) -> dict:
 
 
 def make_plots(out_dir: str, run: dict, results: dict, summary: dict, records: list) -> list[str]:
-  import logging
   # Its warnings at import (building the font cache, once per fresh HOME; a temporary cache directory where HOME
   # is not writable) are not about the load test.
   logging.getLogger("matplotlib").setLevel(logging.ERROR)
-  import matplotlib
+  import matplotlib  # lazy: heavy, only this path (matplotlib)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # lazy: heavy, only this path (matplotlib)
 
   stats, points = summary["stats"], summary["points"]
   arms = list(results)

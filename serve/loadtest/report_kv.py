@@ -7,6 +7,7 @@ beside the arm with the same speculative config under `auto`, per load point."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 
@@ -45,13 +46,12 @@ def plot(out_dir: str, results: dict, points: dict) -> list[str]:
   setting; -> the file names written (none without a paged pool)."""
   if not has_kv(results):
     return []
-  import logging
   # Its warnings at import (building the font cache, once per fresh HOME; a temporary cache directory where HOME
   # is not writable) are not about the load test.
   logging.getLogger("matplotlib").setLevel(logging.ERROR)
-  import matplotlib
+  import matplotlib  # lazy: heavy, only this path (matplotlib)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # lazy: heavy, only this path (matplotlib)
   samplings = sorted({p["sampling"] for p in points.values()})
   fig, axes = plt.subplots(1, len(samplings), figsize=(6 * len(samplings), 4), squeeze=False)
   for ax, smp in zip(axes[0], samplings):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -22,6 +23,10 @@ import time
 import httpx
 from absl import app, flags
 
+from serve.loadtest import loadgen
+from serve.loadtest.launcher import ServerProcess
+from serve.loadtest.pipeline import output_dir
+from serve.loadtest.traffic import LoadPoint, build_requests, load_prompts, split_prompts
 from spec_jax import flag_table
 
 _CONFIG = flag_table.define_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "loadtest.py"))
@@ -31,7 +36,6 @@ FLAGS = flags.FLAGS
 
 def mixed_requests(prompts, cfg: dict, n: int) -> list:
   """n requests alternating over the config's samplings (greedy, sampled, greedy, ...), each with its seed."""
-  from serve.loadtest.traffic import build_requests
   per = [build_requests(prompts, n, s, cfg["output_lengths"], seed=int(cfg.get("seed", 0)) + 31 * i)
          for i, s in enumerate(cfg["samplings"])]
   out = []
@@ -94,16 +98,12 @@ def write_markdown(path: str, report: dict, meta: dict, evidence: dict) -> None:
 
 def main(argv):
   del argv
-  import logging
   logging.getLogger("httpx").setLevel(logging.WARNING)
-  from serve.engine.live_ab import SwitchbackConfig
-  from serve.loadtest import loadgen
-  from serve.loadtest.launcher import ServerProcess
-  from serve.loadtest.traffic import LoadPoint, load_prompts, split_prompts
-  from spec_jax.spec_config import from_dict, read_json_arg
+  from serve.engine.live_ab import SwitchbackConfig  # lazy: heavy, only this path (jax: not in the load-test client)
+  from spec_jax.spec_config import (  # lazy: heavy, only this path (jax: not in the load-test client)
+      from_dict, read_json_arg)
 
   cfg = _CONFIG.value.to_dict()
-  from serve.loadtest.pipeline import output_dir
   out_dir = output_dir(FLAGS.output_dir, cfg.get("output_dir") or "", "steady")
   try:
     spec_path = FLAGS.speculative_config or os.path.join(out_dir, "speculative_config.json")

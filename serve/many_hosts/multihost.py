@@ -31,11 +31,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed
 from jax.sharding import NamedSharding, PartitionSpec
 
 from serve.many_hosts.multihost_channel import Follower, Leader, fatal
@@ -186,7 +188,6 @@ def follow(engine, cluster: Follower) -> None:
   """A follower's life: run the leader's calls on this engine's table, in order, until the leader stops (then
   return) or dies (the reader thread ends the process). A call that raises here raised on the leader too (same
   program, same inputs): the leader's engine recovers (a reset), which comes next."""
-  import signal
   table = engine.table
   log.info("process %d: following process 0", cluster.me)
   # SLURM and Kubernetes signal every process at once: process 0 drains, then stops the followers
@@ -218,5 +219,4 @@ def exit_now(code: int) -> None:
 
 def joined() -> bool:
   """Whether this process joined a jax.distributed run."""
-  from jax._src import distributed
-  return distributed.global_state.client is not None
+  return jax_distributed.global_state.client is not None

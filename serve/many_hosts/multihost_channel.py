@@ -18,6 +18,7 @@ import time
 from typing import Optional
 
 import jax
+from jax._src import distributed
 
 log = logging.getLogger("spec_jax.multihost")
 BEAT_S = 1.0  # heartbeat period on the channel, both ways
@@ -25,7 +26,6 @@ KEY = "spec_jax/serve/"
 
 
 def kv():
-  from jax._src import distributed
   return distributed.global_state.client
 
 
@@ -142,7 +142,6 @@ class Leader:
 
 
 def _kv_coordinator_host() -> Optional[str]:
-  from jax._src import distributed
   addr = distributed.global_state.coordinator_address  # process 0 runs the coordinator service
   return addr.rsplit(":", 1)[0].strip("[]") if addr else None
 

@@ -107,7 +107,7 @@ def _global_every(reader, arch: str, num_layers: int, path: str) -> int:
 def _dequantize_all(reader, config: ModelConfig, path: str) -> dict:
   """Every tensor dequantized to float32 straight into its place in the stacked params, one at a time, so the
   peak is about one float copy of the model (a 1.5B model is 7 GB in float32)."""
-  import gguf
+  import gguf  # lazy: heavy, only this path (gguf)
 
   c = config
   rows = {r.gguf: r for r in schema.top_rows(c)}

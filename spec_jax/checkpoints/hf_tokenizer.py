@@ -35,7 +35,7 @@ def _template(directory: str, cfg: dict, where: str):
 
 def spec(directory: str) -> dict:
   """-> the BPETokenizer spec of `directory` (its tokenizer.json; tokenizer_config.json when present)."""
-  import tokenizers
+  import tokenizers  # lazy: heavy, only this path (tokenizers)
   path = os.path.join(directory, "tokenizer.json")
   with open(path, encoding="utf-8") as f:
     text = f.read()

@@ -129,7 +129,7 @@ def _forced(table: np.ndarray, classes: np.ndarray, token_bytes: list, limit: in
 def from_regex(regex: str, token_bytes: list, stop_ids) -> TokenAutomaton:
   """Compile `regex` (outlines-core's dialect) for a vocabulary (`token_bytes`: bytes per id, None for specials;
   spec_jax/grammar/token_bytes.py). GrammarError on a pattern outlines-core rejects or one too large."""
-  from outlines_core import Index, Vocabulary
+  from outlines_core import Index, Vocabulary  # lazy: heavy, only this path (outlines_core)
   if len(regex) > MAX_REGEX_CHARS:
     raise GrammarError(f"the pattern has {len(regex)} characters; at most {MAX_REGEX_CHARS}")
   V = len(token_bytes)

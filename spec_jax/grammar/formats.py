@@ -22,7 +22,7 @@ def escape(text: str) -> str:
 
 
 def json_schema_regex(schema) -> str:
-  from outlines_core.json_schema import build_regex_from_schema
+  from outlines_core.json_schema import build_regex_from_schema  # lazy: heavy, only this path (outlines_core)
   if isinstance(schema, bool) or not isinstance(schema, dict):
     raise GrammarError("the JSON schema must be an object")
   try:

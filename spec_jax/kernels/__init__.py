@@ -7,7 +7,8 @@ import functools
 import jax.numpy as jnp
 
 from spec_jax.kernels.common import target_platform
-from spec_jax.kernels.reference import attention_xla, visibility
+from spec_jax.kernels.reference import attention_xla, layer_of, visibility
+from spec_jax.kernels.sharded import per_shard
 
 IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
 INTERPRET = ":interpret"  # "pallas_gpu:interpret" runs the kernel in Pallas interpret mode (CPU tests)
@@ -106,18 +107,16 @@ def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale,
     impl, interpret = impl.removesuffix(INTERPRET), True
   if impl == "xla":
     if k_scale is not None:  # one layer's cache, dequantized (what KVCache.layer_view hands the XLA path)
-      from spec_jax.kernels.reference import layer_of
       deq = lambda c, sc: (layer_of(c, layer).astype(jnp.float32) * layer_of(sc, layer)[..., None]).astype(q.dtype)
       k_cache, v_cache, layer = deq(k_cache, k_scale), deq(v_cache, v_scale), None
     return attention_xla(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, scale=scale, window=window,
                          tree_mask=tree_mask, layer=layer)
   if impl == "pallas_gpu":
-    from spec_jax.kernels.pallas_gpu import attention_pallas_gpu as kernel
+    from spec_jax.kernels.pallas_gpu import attention_pallas_gpu as kernel  # lazy: heavy, only this path (Triton)
   else:
-    from spec_jax.kernels.pallas_tpu import attention_pallas_tpu as kernel
+    from spec_jax.kernels.pallas_tpu import attention_pallas_tpu as kernel  # lazy: heavy, only this path (Mosaic)
   kernel = functools.partial(kernel, scale=scale, interpret=interpret)
   if mesh is not None:
-    from spec_jax.kernels.sharded import per_shard
     return per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask,
                      layer, pages, k_scale, v_scale)
   extra = {} if pages is None else {"pages": pages}
