@@ -129,8 +129,7 @@ class Guardrails:
     self._acc = collections.deque()  # (t, drafted, accepted, drafts) while speculation is on
     self._itl = collections.deque()  # (t, itl) while speculation is on
     self._base_itl: list = []
-    self._below_since: float | None = None
-    self._tau_below_since: float | None = None
+    self._below_since: dict = {}  # reason -> since when its condition has held (acceptance_floor, kv_dtype_tau)
 
   @property
   def speculation_on(self) -> bool:
@@ -159,6 +158,15 @@ class Guardrails:
       return None
     return 1.0 + sum(x[2] for x in recent) / drafts
 
+  def _held(self, reason: str, below, now: float) -> bool:
+    """Whether `below` (None: nothing measured, which neither starts nor ends a spell) has held for
+    acceptance_for_s since it first did."""
+    if below:
+      return now - self._below_since.setdefault(reason, now) >= self.cfg.acceptance_for_s
+    if below is not None:
+      self._below_since.pop(reason, None)
+    return False
+
   def _failing(self, now: float, acc_window: float, itl_window: float):
     """-> (acceptance too low, tau too far below the `auto` baseline, ITL too high); each None when unknown."""
     c = self.cfg
@@ -186,18 +194,9 @@ class Guardrails:
       return self._go(OFF, now, False, f"live_ab_{live['metric']}")
     if self.mode == ON:
       low, tau_low, high = self._failing(now, c.acceptance_window_s, c.itl_window_s)
-      if low:
-        self._below_since = now if self._below_since is None else self._below_since
-        if now - self._below_since >= c.acceptance_for_s:
-          return self._go(OFF, now, False, "acceptance_floor")
-      elif low is not None:
-        self._below_since = None
-      if tau_low:
-        self._tau_below_since = now if self._tau_below_since is None else self._tau_below_since
-        if now - self._tau_below_since >= c.acceptance_for_s:
-          return self._go(OFF, now, False, "kv_dtype_tau")
-      elif tau_low is not None:
-        self._tau_below_since = None
+      for reason, below in (("acceptance_floor", low), ("kv_dtype_tau", tau_low)):
+        if self._held(reason, below, now):
+          return self._go(OFF, now, False, reason)
       if high:
         return self._go(OFF, now, False, "itl_p95")
       traffic = any(t >= now - c.itl_window_s for t, _ in self._itl)
@@ -226,7 +225,7 @@ class Guardrails:
           return self._go(OFF, now, False, f"probe_failed_{why}")
         if low is None and tau_low is None and high is None and now - self.since < 10 * c.probe_s:
           return None  # nothing measured yet (no traffic): keep probing
-        self._below_since = self._tau_below_since = None
+        self._below_since.clear()
         self.next_baseline = max(self.next_baseline, now)
         self.mode, self.since = ON, now
         return (True, "probe_passed")

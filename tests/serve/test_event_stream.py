@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from serve.http.api import EventStream
+from serve.http.event_stream import EventStream
 
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
