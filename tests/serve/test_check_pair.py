@@ -164,15 +164,14 @@ def test_an_8bit_cache_reports_tau_beside_auto(target, monkeypatch):
   """--kv_cache_dtype int8: each temperature runs the pair with the int8 cache and with `auto` (the real runner,
   recorded on the way), and the rows and the table put the two taus side by side (the run part alone: the cost
   timing is the same with any cache)."""
-  from serve.jobs import runner
-  calls, real = [], runner.run_arms
+  calls, real = [], check_pair.run_arms
 
   def recorded(*a, **kw):
     out = real(*a, **kw)
     calls.append((kw["kv_cache_dtype"], out[0].summary["mean_acceptance_length"]))
     return out
 
-  monkeypatch.setattr(runner, "run_arms", recorded)
+  monkeypatch.setattr(check_pair, "run_arms", recorded)
   cfg = _cfg(target, SpecConfig("eagle3", 3, model=os.path.join(HERE, "speculators_eagle3")), kv_cache_dtype="int8",
              max_new_tokens=6)
   setup = setup_lib.load(cfg)
