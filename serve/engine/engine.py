@@ -22,9 +22,6 @@ a failed decode every running request, and the engine starts from a fresh state.
 
 from __future__ import annotations
 
-import collections
-import functools
-import itertools
 import logging
 import threading
 import time
@@ -37,24 +34,16 @@ from serve.engine import admission, kv_scheduler, live_ab, timing_probe
 from serve.engine.guardrails import SpeculationSwitch
 from serve.engine.segments import Segments
 from serve.engine.metrics import Metrics
-from serve.engine.engine_request import EngineRequest
+from serve.engine.engine_request import EngineRequest, RequestMaker
 from serve.engine.output_stream import Output, TextStream
+from serve.engine.request_queue import RequestQueue
 from serve.engine.request_spec import EngineLimits, RequestSpec
 from serve.engine.tenants import TenantTable
 from spec_jax import slots
 from spec_jax.cache import DEFAULT_BLOCK_SIZE
-from spec_jax.controls import Controls
 from spec_jax.slot_table import SlotTable
 
 log = logging.getLogger("spec_jax.engine")
-
-
-class QueueFull(Exception):
-  """The waiting queue is full: answer 429 with Retry-After."""
-
-
-class EngineStopped(Exception):
-  """The engine is draining or stopped: answer 503."""
 
 
 class Engine:
@@ -88,16 +77,12 @@ class Engine:
     self.switch = SpeculationSwitch(guardrails, spec_config, spec.k_max, self.metrics, self.segments.names, now,
                                     kv_cache_dtype=spec.kv_cache_dtype)
     self._applied_caps: Optional[np.ndarray] = None
-    self._lock = threading.Condition()
-    self._waiting: collections.deque = collections.deque()
-    self._draining = False
-    self._stop = False
+    self._lock = threading.Condition()  # the engine thread sleeps on it; the queue and the admin switch share it
+    self.queue = RequestQueue(self._lock, max_queue=max_queue, num_slots=max_num_seqs, metrics=self.metrics)
     self.iteration_tokens = 0  # this iteration's prompt tokens inserted and tokens handed over (metrics)
-    self._cut: Optional[str] = None  # set by cut_all: fail every request with this message at the next iteration
     self._applied_on: Optional[bool] = None  # the flag the device state holds
     self._pending = None  # (snapshot, {slot: request}, (window, arm)) of the loop dispatched last iteration
     self._last_uses = np.zeros(len(spec.ks), np.int64)
-    self._ids = itertools.count()
     self._thread: Optional[threading.Thread] = None
     self.iterations = 0
     self.kv = kv_scheduler.KVScheduler(spec_of=lambda: self.spec, capacity=capacity,
@@ -105,6 +90,9 @@ class Engine:
                                        **pool) if pool else None
     if self.kv is not None:
       log.info(self.kv.describe())
+    self.requests = RequestMaker(spec_of=lambda: self.spec, capacity=capacity, block_size=self.block_size,
+                                 grammar_capacity=self.table.grammar_capacity, kv=self.kv,
+                                 request_timeout_s=request_timeout_s)
 
   @property
   def spec(self):
@@ -118,32 +106,12 @@ class Engine:
   # ------------------------------------------------------------------------------------------ HTTP-facing side
 
   def make_request(self, spec: RequestSpec, output: Output | None = None) -> EngineRequest:
-    """The engine's request for a spec (serve/engine/request_spec.py, which checked it against `limits()`); output: where
-    its tokens go. The checks below are spec_jax's and the pool's own, for direct callers (a ValueError)."""
-    s = spec.sampling
-    make = functools.partial(slots.make_request, spec=self.spec, capacity=self.capacity, temperature=s.temperature,
-                             top_k=s.top_k, top_p=s.top_p, draft_cap=None if spec.speculate else 0, seed=s.seed,
-                             controls=Controls.make(1, vocab_size=self.spec.config.vocab_size,
-                                                    **spec.controls.kwargs()),
-                             logprobs=spec.logprobs.top, logprobs_mode=spec.logprobs.mode,
-                             block_size=self.block_size, grammar=(spec.grammar, self.table.grammar_capacity))
-    dev = make(list(spec.prompt_ids), max_new=spec.max_new)
-    if self.kv is not None:
-      self.kv.check_fits(len(spec.prompt_ids), spec.max_new)
-    now, timeout = time.monotonic(), self.request_timeout_s
-    return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(spec.prompt_ids), device_req=dev,
-                         stop=tuple(x for x in spec.stop if x), output=output or Output(), arrival=now,
-                         speculate=bool(spec.speculate), tenant=spec.tenant, logprobs=int(spec.logprobs.top),
-                         spec=spec, deadline=now + timeout if timeout else None, remake=make,
-                         max_new=int(spec.max_new), cache_salt=spec.cache_salt)
+    """The engine's request for a spec (serve/engine/engine_request.py RequestMaker); output: where its tokens go."""
+    return self.requests.make_request(spec, output)
 
   def limits(self) -> EngineLimits:
     """What a request is checked against (serve/engine/request_spec.py)."""
-    return EngineLimits(vocab_size=self.spec.config.vocab_size, capacity=self.capacity,
-                        lookahead=self.spec.lookahead, max_logprobs=self.spec.max_logprobs,
-                        stop_ids=tuple(self.spec.stop_ids), structured=self.table.grammar_capacity is not None,
-                        pool_room=self.kv.max_new_ever if self.kv is not None else None,
-                        pool_check=self.kv.check_fits if self.kv is not None else None)
+    return self.requests.limits()
 
   def prompt_logprobs(self, prompt_ids: list, top: int):
     """The prompt's raw logprobs, (logprob, rank, top ids, top values) per token (None for the first): one forward
@@ -151,21 +119,13 @@ class Engine:
     return self.table.prompt_logprobs(prompt_ids, top)
 
   def submit(self, req: EngineRequest) -> None:
-    with self._lock:
-      if self._draining or self._stop:
-        raise EngineStopped("the server is shutting down")
-      if len(self._waiting) >= self.max_queue + self.table.free:  # max_queue waits beyond the free slots
-        self.metrics.errors.labels(kind="overloaded").inc()
-        raise QueueFull(f"all {self.B} slots are busy and the waiting queue is full ({self.max_queue} requests)")
-      self._waiting.append(req)
-      self.metrics.waiting.set(len(self._waiting))
-      self._lock.notify()
+    """Onto the waiting queue (serve/engine/request_queue.py: QueueFull, EngineStopped)."""
+    self.queue.submit(req, self.table.free)
 
   def abort(self, req: EngineRequest) -> None:
     """The client is gone: the request's slot is freed at the next iteration."""
     req.aborted = True
-    with self._lock:
-      self._lock.notify()
+    self.queue.wake()
 
   def set_speculation(self, enabled: bool) -> None:
     """The admin switch (serve/engine/guardrails.py SpeculationSwitch)."""
@@ -184,7 +144,7 @@ class Engine:
 
   @property
   def draining(self) -> bool:
-    return self._draining
+    return self.queue.draining
 
   @property
   def alive(self) -> bool:
@@ -193,7 +153,7 @@ class Engine:
   def counts(self) -> tuple[int, int]:
     """(running, waiting)."""
     with self._lock:
-      return len(self.table.holders), len(self._waiting)
+      return len(self.table.holders), len(self.queue)
 
   # ---------------------------------------------------------------------------------------------- lifecycle
 
@@ -222,23 +182,17 @@ class Engine:
 
   def begin_drain(self) -> None:
     """Refuse new requests from now on; running and waiting ones go on."""
-    with self._lock:
-      self._draining = True
-      self._lock.notify()
+    self.queue.begin_drain()
 
   def cut_all(self, message: str) -> None:
-    """The drain's deadline: every running and waiting request ends with a 503 (`message`) at the next iteration,
-    so that each client gets an error (a stream: an error event and [DONE]) rather than a cut connection."""
-    with self._lock:
-      self._cut = message
-      self._lock.notify()
+    """The drain's deadline (serve/engine/request_queue.py): every request ends with a 503 at the next iteration."""
+    self.queue.cut_all(message)
 
   def _fail_all(self) -> None:
     """cut_all's work, on the engine thread (reap then frees the slots and pages)."""
     with self._lock:
-      message, self._cut = self._cut, None
+      message, waiting = self.queue.take_cut()
       running = [r for r in self.table.holders.values() if not r.finished]
-      waiting = [r for r in self._waiting if not r.finished]
     for r in running + waiting:
       r.fail(503, "shutdown", message, self.metrics)
     log.warning("drain deadline: cut %d running and %d waiting request(s) with a 503", len(running), len(waiting))
@@ -250,12 +204,10 @@ class Engine:
     while time.monotonic() < end and any(self.counts()):
       time.sleep(0.02)
     with self._lock:
-      left = list(self._waiting) + list(self.table.holders.values())
+      left = self.queue.requests() + list(self.table.holders.values())
     for r in left:
       r.aborted = True
-    with self._lock:
-      self._stop = True
-      self._lock.notify()
+    self.queue.stop()
     if self._thread is not None:
       self._thread.join(timeout=30)
 
@@ -273,12 +225,11 @@ class Engine:
   def _run(self) -> None:
     while True:
       with self._lock:
-        if self._stop and not self.table.holders and self._pending is None:
-          for r in self._waiting:
+        if self.queue.stopping and not self.table.holders and self._pending is None:
+          for r in self.queue.take_all():
             r.finish("abort", time.monotonic(), self.metrics)
-          self._waiting.clear()
           break
-        if not self._waiting and not self.table.holders and self._pending is None and not self._stop:
+        if not self.queue and not self.table.holders and self._pending is None and not self.queue.stopping:
           self._lock.wait(timeout=0.25)  # idle; wake now and then for guardrail timers
       try:
         self._iteration()
@@ -294,7 +245,7 @@ class Engine:
     with self._lock:  # the admin switch resets the guardrails from the HTTP thread
       events = self.switch.tick(now, self.segments.verdict_of)
     self.segments.restart(seg for seg, _, _ in events)  # switched off or probing: measured afresh
-    if self._cut is not None:
+    if self.queue.cut_pending:
       self._fail_all()
     self._reap(now)
     admitted = self._admit(now)
@@ -341,11 +292,8 @@ class Engine:
       if self.kv is not None:
         self.kv.release(req)
         self.kv.metrics_update()  # kv_cache_usage_perc drops now, not at the next loop call (there may be none)
-    with self._lock:
-      reap = admission.reap_waiting(self._waiting, now, self.request_timeout_s)
-      for end in reap.ends:
-        self._end(end, now)
-      self._waiting = collections.deque(reap.keep)
+    for end in self.queue.reap(now, self.request_timeout_s):
+      self._end(end, now)
 
   def _end(self, end: admission.End, now: float) -> None:
     if end.status is None:
@@ -357,17 +305,13 @@ class Engine:
     """Insert waiting requests into free slots, first come first served -> how many were inserted."""
     n = 0
     while self.table.free:
-      with self._lock:
-        while self._waiting and self._waiting[0].finished:  # preempted, then finished by the call in flight
-          self._waiting.popleft()
-        if not self._waiting:
-          return n
-        req = self._waiting[0]
+      req = self.queue.head()
+      if req is None:
+        return n
       step = admission.place(req, self._place(req))
       if step is admission.WAIT:
         return n
-      with self._lock:
-        self._waiting.popleft()
+      self.queue.pop_head()
       n += self._insert(step, now)
     return n
 
@@ -437,9 +381,7 @@ class Engine:
       self.table.release(req.slot)
       self.tenants.release(req.tenant_id)
       req.tenant_id = -1
-    if r.preempted:
-      with self._lock:
-        self._waiting = admission.requeue(self._waiting, r.preempted)
+    self.queue.requeue(r.preempted)
     if r.poison is not None:
       self.table.fill_pages(r.poison)
     self.table.set_page_tables(r.table)

@@ -1,18 +1,23 @@
 """A request as the engine sees it, and its hand-over: its row of each snapshot becomes tokens, text (cut at stop
 strings, serve/engine/output_stream.py), metrics and, at the end, its finish or its error. Engine thread only, but for
-`aborted`, which the HTTP layer sets when the client goes away."""
+`aborted`, which the HTTP layer sets when the client goes away. `RequestMaker` builds them from a `RequestSpec` (for
+`Engine.make_request`) and says what a spec is checked against (`Engine.limits`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from serve.engine.metrics import Metrics
 from serve.engine.output_stream import Output, TextStream, Usage
-from serve.engine.request_spec import RequestSpec
+from serve.engine.request_spec import EngineLimits, RequestSpec
 from spec_jax import slots
+from spec_jax.controls import Controls
 from spec_jax.decode import FINISH_NAMES
 
 # the loop's finish reasons as OpenAI names them
@@ -154,3 +159,47 @@ class EngineRequest:
     return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=self.n_tokens,
                  drafted_tokens=d + self.drafted, accepted_tokens=a + self.accepted, drafts=n + self.drafts,
                  cached_tokens=self.cached_tokens)
+
+
+class RequestMaker:
+  """The engine's requests from specs, and the limits a spec is checked against. spec_of: the loop's current
+  LoopSpec; kv: the KV scheduler (serve/engine/kv_scheduler.py), None: fixed slots. Owns the request ids."""
+
+  def __init__(self, *, spec_of: Callable, capacity: int, block_size: int, grammar_capacity, kv,
+               request_timeout_s: float):
+    self.spec_of, self.capacity, self.block_size = spec_of, capacity, block_size
+    self.grammar_capacity = grammar_capacity
+    self.kv, self.request_timeout_s = kv, request_timeout_s
+    self._ids = itertools.count()
+
+  @property
+  def spec(self):
+    return self.spec_of()
+
+  def make_request(self, spec: RequestSpec, output: Output | None = None) -> EngineRequest:
+    """The engine's request for a spec (serve/engine/request_spec.py, which checked it against `limits()`); output: where
+    its tokens go. The checks below are spec_jax's and the pool's own, for direct callers (a ValueError)."""
+    s = spec.sampling
+    make = functools.partial(slots.make_request, spec=self.spec, capacity=self.capacity, temperature=s.temperature,
+                             top_k=s.top_k, top_p=s.top_p, draft_cap=None if spec.speculate else 0, seed=s.seed,
+                             controls=Controls.make(1, vocab_size=self.spec.config.vocab_size,
+                                                    **spec.controls.kwargs()),
+                             logprobs=spec.logprobs.top, logprobs_mode=spec.logprobs.mode,
+                             block_size=self.block_size, grammar=(spec.grammar, self.grammar_capacity))
+    dev = make(list(spec.prompt_ids), max_new=spec.max_new)
+    if self.kv is not None:
+      self.kv.check_fits(len(spec.prompt_ids), spec.max_new)
+    now, timeout = time.monotonic(), self.request_timeout_s
+    return EngineRequest(id=f"req-{next(self._ids)}", prompt_ids=list(spec.prompt_ids), device_req=dev,
+                         stop=tuple(x for x in spec.stop if x), output=output or Output(), arrival=now,
+                         speculate=bool(spec.speculate), tenant=spec.tenant, logprobs=int(spec.logprobs.top),
+                         spec=spec, deadline=now + timeout if timeout else None, remake=make,
+                         max_new=int(spec.max_new), cache_salt=spec.cache_salt)
+
+  def limits(self) -> EngineLimits:
+    """What a request is checked against (serve/engine/request_spec.py)."""
+    return EngineLimits(vocab_size=self.spec.config.vocab_size, capacity=self.capacity,
+                        lookahead=self.spec.lookahead, max_logprobs=self.spec.max_logprobs,
+                        stop_ids=tuple(self.spec.stop_ids), structured=self.grammar_capacity is not None,
+                        pool_room=self.kv.max_new_ever if self.kv is not None else None,
+                        pool_check=self.kv.check_fits if self.kv is not None else None)

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from serve.http import choices as ch
 from serve.http import structured, tool_stream, tools
-from serve.engine.engine import EngineStopped, QueueFull
+from serve.engine.request_queue import EngineStopped, QueueFull
 from serve.http.event_stream import ChoiceEvents, abort_unfinished
 from serve.http.logprobs_format import Formatter, ask_of
 from serve.engine.output_stream import Output
