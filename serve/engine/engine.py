@@ -11,7 +11,8 @@ JetStream's orchestrator shape over `spec_jax.slots`. Each iteration of the engi
 The HTTP layer talks to the engine only through `submit`, `abort` and each request's `Output`: a slow client cannot
 stall the device loop. A snapshot remembers who held each slot, so a refilled slot never gets its old tokens.
 The engine owns its state: serve/engine/admission.py (the queue) and serve/engine/kv_scheduler.py (the KV pool) return their
-decisions as values, and only this file applies them (tests/serve/test_engine_owns_state.py).
+decisions as values, and only this file applies them (tests/serve/test_engine_owns_state.py). The waiting queue
+itself is an object it owns (serve/engine/request_queue.py) whose methods change only the queue.
 
 Speculation per request: at admission a request gets its segment and draft cap (serve/engine/segments.py). Before each
 dispatch every row's cap is set: 0 where the admin switch, the segment's guardrails or a switchback "off" window
