@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
+import uuid
 
 _SAMPLE = 1 << 20  # bytes hashed from each end of the file
 
@@ -38,11 +38,10 @@ def cache_path(source: str, suffix: str) -> str:
 
 
 def unique_temp_path(path: str) -> str:
-  """A new empty file beside `path`, named for it: each writer (process or thread) gets its own, so writers that
-  race to build the same cache never write into one temporary file, and the last rename wins whole."""
-  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path) or ".")
-  os.close(fd)
-  return tmp
+  """A name beside `path` that no other writer (process or thread) uses, so writers that race to build the same
+  cache never write into one temporary file, and the last rename wins whole. Only a name: the writer creates the
+  file, with the usual permissions (mkstemp's would be 0600)."""
+  return f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
 
 
 def replace_from(tmp: str, path: str, write) -> None:
