@@ -31,6 +31,25 @@ def sample_plain_and_speculative(params, config, proposer, proposer_params, *, n
   return np.array(plain), np.array(specd), rates
 
 
+def assert_commits_plain_tokens(params, config, proposer, proposer_params, *, n: int, sampling=None, **kw):
+  """Deterministic drafts (n-gram, suffix): the verifier commits the target's own draw at every position, and each
+  draw is keyed by the seed, the row and the position (spec_jax/streams.py), so a speculative run must commit the
+  very tokens plain sampling draws with the same seed, row for row. Stronger than a chi-square between the two
+  (a distribution can match while tokens do not, never the reverse) and at one run each way, not six.
+  -> (acceptance rate, plain tokens [n, 3]). Keywords as sample_plain_and_speculative."""
+  samp = sampling if sampling is not None else SamplingParams.make(n, temperature=1.0, top_k=6, top_p=0.95)
+  both = {k: v for k, v in kw.items() if k in ("controls", "kv_cache_dtype")}
+  plain = np.array(generate(params, config, [PROMPT] * n, max_new_tokens=3, sampling=samp, seed=100,
+                            **both).token_ids)
+  out = generate(params, config, [PROMPT] * n, max_new_tokens=3, sampling=samp, seed=100, proposer=proposer,
+                 proposer_params=proposer_params, adaptive_k=False, **kw)
+  specd = np.array(out.token_ids)
+  assert len({tuple(r) for r in plain}) > 10, "the rows barely vary: the comparison would say little"
+  same = (specd == plain).all(axis=1)
+  assert same.all(), f"{int((~same).sum())} of {n} rows differ from plain sampling's with the same seed"
+  return out.stats["acceptance_rate"], plain
+
+
 def assert_same_distribution(plain, specd):
   """Two-sample chi-square on 5 comparisons (3 positions, 2 adjacent pairs), each at 1e-4: a family-wise level of
   5e-4 per call (Bonferroni). Only the first 3 tokens: assert_conditional_law below checks more positions."""

@@ -147,13 +147,15 @@ def test_min_tokens_and_stop_token_ids_and_ignore_eos_end_rows_as_asked():
 
 
 def test_sampled_with_penalties_bias_and_min_p_keeps_the_distribution():
-  """Chi-square, the first 3 sampled tokens: plain against a sampling draft model (verification with its q) and
-  n-gram, with penalties, a logit bias and min_p together on a vocabulary small enough to fill every cell."""
+  """With penalties, a logit bias and min_p together on a vocabulary small enough to fill every cell: a sampling
+  draft model (verification with its q) by chi-square on the first 3 sampled tokens against plain sampling; n-gram
+  (deterministic drafts) by token identity with plain sampling (tests/distribution.py)."""
   from spec_jax.config import SamplingParams
   from spec_jax.models.transformer import init_params
   from spec_jax.proposers.draft import DraftModelProposer
   from tests.conftest import tiny_gemma_config
-  from tests.distribution import assert_same_distribution, sample_plain_and_speculative
+  from tests.distribution import PROMPT, assert_commits_plain_tokens, assert_same_distribution
+  from tests.distribution import sample_plain_and_speculative
   import jax
   config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))
   params = init_params(config, jax.random.PRNGKey(3))
@@ -162,12 +164,14 @@ def test_sampled_with_penalties_bias_and_min_p_keeps_the_distribution():
   c = Controls.stack([Controls.make(1, presence=0.7, frequency=0.5, repetition=1.4, min_p=0.08,
                                     logit_bias={"3": 1.5}, vocab_size=8)] * n)
   samp = SamplingParams.make(n, temperature=1.0)
-  for proposer, pparams in ((DraftModelProposer(config=dcfg, k=2), init_params(dcfg, jax.random.PRNGKey(4))),
-                            (NgramProposer(k=2), {})):
-    plain, specd, rates = sample_plain_and_speculative(params, config, proposer, pparams, n=n, calls=6,
-                                                       sampling=samp, controls=c)
-    assert np.mean(rates) > 0.02  # some drafts accepted: both paths of verification run
-    assert_same_distribution(plain, specd)
+  draft = DraftModelProposer(config=dcfg, k=2)
+  plain, specd, rates = sample_plain_and_speculative(params, config, draft, init_params(dcfg, jax.random.PRNGKey(4)),
+                                                     n=n, calls=6, sampling=samp, controls=c)
+  assert np.mean(rates) > 0.02  # some drafts accepted: both paths of verification run
+  assert_same_distribution(plain, specd)
+  rate, _ = assert_commits_plain_tokens(params, config, NgramProposer(k=2), {}, n=n, sampling=samp, controls=c)
+  assert rate > 0.02
   # and the controls do change this distribution (else the check above would not be about them)
-  free = sample_plain_and_speculative(params, config, NgramProposer(k=2), {}, n=n, calls=2, sampling=samp)[0]
+  free = np.array(sum((generate(params, config, [PROMPT] * n, max_new_tokens=3, sampling=samp, seed=100 + i).token_ids
+                       for i in range(2)), []))
   assert abs(np.mean(free[:, 1] == free[:, 0]) - np.mean(plain[:, 1] == plain[:, 0])) > 0.05

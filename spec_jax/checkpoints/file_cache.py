@@ -5,8 +5,10 @@ A cache entry records the source's fingerprint, so a changed source invalidates 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import uuid
 
 _SAMPLE = 1 << 20  # bytes hashed from each end of the file
 
@@ -35,8 +37,27 @@ def cache_path(source: str, suffix: str) -> str:
   return os.path.join(alt, name)
 
 
+def unique_temp_path(path: str) -> str:
+  """A name beside `path` that no other writer (process or thread) uses, so writers that race to build the same
+  cache never write into one temporary file, and the last rename wins whole. Only a name: the writer creates the
+  file, with the usual permissions (mkstemp's would be 0600)."""
+  return f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+def replace_from(tmp: str, path: str, write) -> None:
+  """write(tmp), then rename tmp over path (atomic), so a reader sees the old file or the new one, never half;
+  the temporary file is removed if writing fails."""
+  try:
+    write(tmp)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "wb") as f:
-    f.write(data)
-  os.replace(tmp, path)
+  def write(tmp):
+    with open(tmp, "wb") as f:
+      f.write(data)
+  replace_from(unique_temp_path(path), path, write)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.checkpoints import safetensors_io
-from spec_jax.checkpoints.file_cache import cache_path, fingerprint
+from spec_jax.checkpoints.file_cache import atomic_write_bytes, cache_path, fingerprint
 from spec_jax.checkpoints.gguf_meta import DEFAULT_MODEL_FILE, default_model_path, field, open_reader
 from spec_jax.config import FAMILIES, ModelConfig, family_config
 from spec_jax.models import schema
@@ -220,10 +220,11 @@ def load_gguf(path: str | None = None, dtype=jnp.float32, use_cache: bool = True
     flat = _flatten(_dequantize_all(reader, config, path))
     del reader
     if use_cache:
+      # Two processes loading a new file at once both build it: each writes its own temporary files and renames
+      # them over the cache (identical bytes), so neither fails and a reader never finds half a file.
       safetensors_io.write(cpath, flat)
-      with open(meta_path + ".tmp", "w") as f:
-        json.dump({"fingerprint": fp, "format": CACHE_FORMAT, "config": _config_to_json(config)}, f)
-      os.replace(meta_path + ".tmp", meta_path)
+      meta = {"fingerprint": fp, "format": CACHE_FORMAT, "config": _config_to_json(config)}
+      atomic_write_bytes(meta_path, json.dumps(meta).encode())
   converted = {}
   for k in list(flat):  # one leaf at a time, dropping the float32 source as we go (peak: model + one leaf)
     converted[k] = jnp.asarray(flat.pop(k), dtype)

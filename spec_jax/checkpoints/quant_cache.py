@@ -18,7 +18,7 @@ import numpy as np
 
 from spec_jax import quant
 from spec_jax.checkpoints import safetensors_io
-from spec_jax.checkpoints.file_cache import cache_path, fingerprint
+from spec_jax.checkpoints.file_cache import atomic_write_bytes, cache_path, fingerprint
 from spec_jax.models.transformer import param_shapes
 
 FORMAT = "3"
@@ -67,10 +67,7 @@ def write_cache(source: str, mode: str, params: dict) -> str:
   safetensors_io.write(cpath, arrays)
   meta = {"format": FORMAT, "mode": mode, "source": fingerprint(source), "sha256": _sha256(cpath),
           "statics": statics}
-  tmp = cpath + ".json.tmp"
-  with open(tmp, "w") as f:
-    json.dump(meta, f)
-  os.replace(tmp, cpath + ".json")
+  atomic_write_bytes(cpath + ".json", json.dumps(meta).encode())  # its own temporary file: writers may race
   return cpath
 
 

@@ -6,12 +6,12 @@ ml_dtypes has registered it with numpy (imported here for that).
 
 from __future__ import annotations
 
-import os
-
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so BF16 tensors read as ml_dtypes.bfloat16)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
+
+from spec_jax.checkpoints import file_cache
 
 
 class SafetensorsFile:
@@ -42,6 +42,5 @@ def write(path: str, arrays: dict[str, np.ndarray], metadata: dict[str, str] | N
   """Writes atomically (a temporary file, then a rename), so a reader never sees half a file."""
   # The package writes raw buffers: a transposed (non C-contiguous) array would be saved scrambled.
   arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-  tmp = f"{path}.tmp{os.getpid()}"
-  save_file(arrays, tmp, metadata=metadata)
-  os.replace(tmp, path)
+  file_cache.replace_from(file_cache.unique_temp_path(path), path,
+                          lambda tmp: save_file(arrays, tmp, metadata=metadata))

@@ -51,6 +51,58 @@ def test_cache_is_exact_and_notices_a_changed_file(tiny, tmp_path):
   _assert_params_equal(reloaded, other)
 
 
+def _load_racing(path, barrier, results):
+  """A spawned process: load_gguf with its cache, holding the cache's last rename (the record's) until the other
+  process reaches its own, so that both builds overlap where the race was (one shared temporary name: the second
+  rename found nothing to rename). -> (None or the error, sha256 of the params) on `results`."""
+  import hashlib
+  import threading
+  real = os.replace
+
+  def replace(src, dst):
+    if str(dst).endswith(".json"):
+      try:
+        barrier.wait(timeout=30)
+      except threading.BrokenBarrierError:  # a writer that serializes the two (a lock) never meets the other here
+        pass
+    real(src, dst)
+
+  os.replace = replace
+  try:
+    _, params = load_gguf(path)
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+      h.update(np.asarray(leaf).tobytes())
+    results.put((None, h.hexdigest()))
+  except Exception as e:  # reported to the test, not lost in the child
+    results.put((f"{type(e).__name__}: {e}", None))
+
+
+def test_two_processes_loading_a_new_file_at_once_both_succeed(tiny, tmp_path):
+  import hashlib
+  import multiprocessing
+  path, params = tiny
+  ctx = multiprocessing.get_context("spawn")  # not fork: JAX's threads are running in this process
+  barrier, results = ctx.Barrier(2), ctx.Queue()
+  procs = [ctx.Process(target=_load_racing, args=(str(path), barrier, results)) for _ in range(2)]
+  for p in procs:
+    p.start()
+  got = [results.get(timeout=300) for _ in procs]
+  for p in procs:
+    p.join(timeout=60)
+  want = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    want.update(np.asarray(leaf, np.float32).tobytes())
+  assert got == [(None, want.hexdigest())] * 2, got
+  assert sorted(os.listdir(tmp_path)) == ["tiny.gguf", "tiny.gguf" + gguf_loader.CACHE_SUFFIX,
+                                          "tiny.gguf" + gguf_loader.CACHE_SUFFIX + ".json"]  # no temporary left
+  cache_file = str(path) + gguf_loader.CACHE_SUFFIX
+  built = os.stat(cache_file).st_mtime_ns
+  _, cached = load_gguf(str(path))  # the cache they left is whole: read, not rebuilt
+  assert os.stat(cache_file).st_mtime_ns == built
+  _assert_params_equal(cached, params)
+
+
 def test_bfloat16_load(tiny):
   path, params = tiny
   _, p16 = load_gguf(str(path), dtype=jnp.bfloat16, use_cache=False)

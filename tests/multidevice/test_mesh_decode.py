@@ -50,10 +50,13 @@ def _alone(name, batch):
 
 
 # Every proposer at batch 8 on the mesh that splits both axes; batch 1 (rows padded to the data axis) and the
-# other two meshes on a subset: each case is a compile of the whole loop, the cost of this file.
+# other two meshes on a subset: each case is a compile of the whole loop (two with its one-device reference), the
+# cost of this file. Batch 1 pads the prompts (spec_jax/batch.py), before any proposer state exists, so one
+# stateless and one stateful proposer cover it (EAGLE at batch 1 on data:8 was dropped: no path of its own; EAGLE
+# runs on data:2,model:4 here and on data:4,model:2 with an 8-bit cache below).
 CASES = ([("data:2,model:4", name, 8) for name in ("none", "ngram", "suffix", "draft", "medusa", "eagle",
                                                                   "eagle_tree")]
-         + [("data:8", "none", 1), ("data:8", "eagle", 1), ("data:4,model:2", "draft", 1)])
+         + [("data:8", "none", 1), ("data:4,model:2", "draft", 1)])
 
 
 @pytest.mark.parametrize("mesh_text,name,batch", CASES)

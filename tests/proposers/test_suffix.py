@@ -15,7 +15,7 @@ from spec_jax.models.transformer import init_params
 from spec_jax.proposers.ngram import NgramProposer
 from spec_jax.proposers.suffix import SuffixProposer, forget_tenant
 from tests.conftest import tiny_gemma_config, tiny_llama_config
-from tests.distribution import assert_same_distribution, sample_plain_and_speculative
+from tests.distribution import assert_commits_plain_tokens
 
 CONFIG = tiny_gemma_config(eos_ids=(1,))
 CAPACITY = 128
@@ -48,13 +48,12 @@ def test_greedy_is_lossless(seed):
   assert spec.stats["drafted_tokens"] > 0
 
 
-def test_sampling_matches_plain_distribution():
+def test_sampling_commits_the_plain_samplers_tokens():
+  # Its drafts are deterministic: token identity with plain sampling (tests/distribution.py), not a chi-square.
   config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))  # a tiny vocab: repeats, so the history drafts
   params = init_params(config, jax.random.PRNGKey(3))
-  plain, specd, rates = sample_plain_and_speculative(params, config, SuffixProposer(k=2, history=32), {}, n=500,
-                                                     calls=6)
-  assert 0.0 < np.mean(rates) < 0.95
-  assert_same_distribution(plain, specd)
+  rate, _ = assert_commits_plain_tokens(params, config, SuffixProposer(k=2, history=32), {}, n=500)
+  assert 0.0 < rate < 0.95
 
 
 def _serial(proposer, requests, *, batch=2):
