@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from spec_jax import sharding as shd
+from spec_jax.param_axes import leaf_name, param_axes
 from train import data as data_lib
 
 
@@ -212,12 +213,13 @@ class Trainer:
       return self.param_shardings(params)
     m = shd.axis_size(self.mesh, "model")
 
-    def one(x, s):
+    def one(path, x, s):
       shape = np.shape(x)
-      if len(shape) < 2 or m == 1 or shape[-1] % m or any(a is not None for a in s.spec):
-        return s
+      axes = param_axes(leaf_name(path), len(shape))
+      if axes.count("embed") < 2 or m == 1 or shape[-1] % m or any(a is not None for a in s.spec):
+        return s  # not an [embed, embed] matrix of the proposer's own (the table's layers keep its layout)
       return NamedSharding(self.mesh, P(*([None] * (len(shape) - 1)), "model"))
-    return jax.tree.map(one, params, self.param_shardings(params))
+    return jax.tree_util.tree_map_with_path(one, params, self.param_shardings(params))
 
   def state_shardings(self, state: TrainState) -> TrainState:
     ps = self.trainable_shardings(state.params)
