@@ -26,6 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 from absl import app, flags, logging
 
@@ -87,7 +88,6 @@ def token_counts(data, vocab_size):
   n = jax.process_count()
   if n == 1:
     return data.token_counts(vocab_size)
-  from jax.experimental import multihost_utils  # lazy: only on many processes
   mine = data.token_counts(vocab_size, share=(jax.process_index(), n)).astype(np.int32)
   return np.asarray(multihost_utils.process_allgather(mine)).astype(np.int64).sum(0)
 

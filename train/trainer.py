@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -299,7 +300,6 @@ class Trainer:
     for j, r in enumerate(range(p, n, count)):
       mine[j] = np.frombuffer(hashlib.sha256(np.ascontiguousarray(tokens[[r]]).tobytes()).digest(), np.uint8)
     if count > 1:
-      from jax.experimental import multihost_utils  # lazy: only on many processes
       mine = np.asarray(multihost_utils.process_allgather(mine))
     else:
       mine = mine[None]
