@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, TINY_MODEL_XLA_FLAGS
+from train.data import batch_indices
 
 pytestmark = pytest.mark.many_devices
 STEPS = 4
@@ -86,7 +87,6 @@ def _expected_reads(p, n_train, n_eval, steps, cached, evaluated, bs=8):
   """The rows process p of 2 must tokenize, and no others: its rows of every batch it feeds (train steps, eval,
   and with cached features the feature pass over every row), plus with cached features its share (rows p, p + 2,
   ...) of the feature cache's fingerprint (which is also the token count's share: draft_vocab is on)."""
-  from train.data import batch_indices
   chunks = lambda n: [i + np.arange(bs) % min(bs, n - i) for i in range(0, n, bs)]  # Trainer.precompute's
   train = set().union(*(_own(batch_indices(n_train, s, bs, 0), p) for s in steps))
   ev = set().union(_own(np.resize(np.arange(bs) % n_eval, bs), p)) if evaluated else set()
