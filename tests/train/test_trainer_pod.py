@@ -1,8 +1,9 @@
 """train.main on many hosts: two real processes on loopback (jax.distributed, gloo, 4 simulated CPU devices each)
 train a tiny EAGLE and a tiny Medusa head on one 'data:4,model:2' mesh; their loss curves and final params are
 those of one process with 8 devices (float32 rounding), a checkpoint the two processes wrote resumes in one
-process on one device and continues as the uninterrupted run did, and hosts started with different flags are
-refused at start with an error naming the flag."""
+process on one device and continues as the uninterrupted run did, each process tokenizes exactly the rows it
+feeds (workdir/data_reads), and hosts started with different flags are refused at start with an error naming the
+flag."""
 
 import json
 import os
