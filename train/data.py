@@ -19,6 +19,7 @@ would have read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -111,15 +112,69 @@ class DataSpec:
   distill_dir: str = ""
 
 
+class LazySeqs:
+  """n sequences, each made (tokenized: make[i]() -> ids) and packed to seq_len on its first read only, then kept:
+  on many hosts a host reads just the rows it feeds. `read` holds the indices made so far."""
+
+  def __init__(self, make: Sequence[Callable[[], Sequence[int]]], seq_len: int):
+    self.make, self.seq_len, self.rows, self.read = list(make), seq_len, {}, set()
+
+  def __len__(self):
+    return len(self.make)
+
+  def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    if i not in self.rows:
+      toks, mask = pack([self.make[i]()], self.seq_len)
+      self.rows[i] = (toks[0], mask[0])
+      self.read.add(i)
+    return self.rows[i]
+
+
+class RowView:
+  """One column (0 tokens, 1 mask) of the rows `order` of a LazySeqs, indexed like an [n, seq_len] array by row
+  index arrays or slices; np.asarray reads (makes) every row."""
+
+  def __init__(self, seqs: LazySeqs, order: np.ndarray, col: int):
+    self.seqs, self.order, self.col = seqs, np.asarray(order), col
+
+  def __len__(self):
+    return len(self.order)
+
+  @property
+  def shape(self):
+    return (len(self.order), self.seqs.seq_len)
+
+  def __getitem__(self, idx):
+    idx = np.arange(len(self))[idx] if isinstance(idx, slice) else np.asarray(idx)
+    if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
+      raise TypeError(f"rows are read by a 1-D array of row indices or a slice, got {idx.dtype} {idx.shape}")
+    dtype = np.int32 if self.col == 0 else bool
+    return np.stack([self.seqs.row(int(self.order[i]))[self.col] for i in idx]) if len(idx) else \
+        np.zeros((0, self.seqs.seq_len), dtype)
+
+  def __array__(self, dtype=None, copy=None):
+    a = self[np.arange(len(self))]
+    return a if dtype is None else a.astype(dtype)
+
+  def rows_read(self) -> list:
+    """The rows of this view made so far (by this process)."""
+    where = {int(s): r for r, s in enumerate(self.order)}
+    return sorted(where[s] for s in self.seqs.read if s in where)
+
+
 @dataclasses.dataclass
 class Dataset:
-  tokens: np.ndarray  # int32 [N, T], padded with 0
+  tokens: np.ndarray  # int32 [N, T], padded with 0 (or a RowView: made on read)
   mask: np.ndarray  # bool [N, T], real tokens
   eval_tokens: np.ndarray
   eval_mask: np.ndarray
 
-  def token_counts(self, vocab_size: int) -> np.ndarray:
-    return np.bincount(self.tokens[self.mask], minlength=vocab_size)
+  def token_counts(self, vocab_size: int, share: tuple = (0, 1)) -> np.ndarray:
+    """Counts of every token id over the training rows; share=(p, P): over rows p, p + P, ... only (process p's
+    part of a count summed over P processes)."""
+    rows = np.arange(share[0], len(self.tokens), share[1])
+    toks, mask = np.asarray(self.tokens[rows]), np.asarray(self.mask[rows], bool)
+    return np.bincount(toks[mask], minlength=vocab_size)
 
 
 def self_distill(generate_fn: Callable, prompts: Sequence[Sequence[int]], spec: DataSpec) -> list:
@@ -144,12 +199,22 @@ def pack(seqs: Sequence[Sequence[int]], seq_len: int) -> tuple[np.ndarray, np.nd
   return toks, mask
 
 
+def split_order(n: int, spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
+  """-> (train, eval) sequence indices: a seeded permutation, its head held out for eval."""
+  order = np.random.default_rng(spec.seed).permutation(n)
+  n_eval = max(1, int(round(n * spec.eval_fraction)))
+  return order[n_eval:], order[:n_eval]
+
+
 def split(toks, mask, spec: DataSpec) -> Dataset:
-  rng = np.random.default_rng(spec.seed)
-  order = rng.permutation(len(toks))
-  n_eval = max(1, int(round(len(toks) * spec.eval_fraction)))
-  ev, tr = order[:n_eval], order[n_eval:]
+  tr, ev = split_order(len(toks), spec)
   return Dataset(toks[tr], mask[tr], toks[ev], mask[ev])
+
+
+def split_lazy(seqs: LazySeqs, spec: DataSpec) -> Dataset:
+  """split() over sequences made on read: the same rows in the same order, none made yet."""
+  tr, ev = split_order(len(seqs), spec)
+  return Dataset(RowView(seqs, tr, 0), RowView(seqs, tr, 1), RowView(seqs, ev, 0), RowView(seqs, ev, 1))
 
 
 def cache_key(spec: DataSpec, target_name: str, extra: str = "") -> str:
@@ -188,16 +253,20 @@ def _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, c
   prompt_ids.sort(key=len)
   seqs = self_distill(generate_fn, prompt_ids, spec)
   toks, mask = pack(seqs, spec.seq_len)
-  np.savez(path, tokens=toks, mask=mask)
+  tmp = f"{path}.{os.getpid()}.tmp.npz"
+  np.savez(tmp, tokens=toks, mask=mask)
+  os.replace(tmp, path)  # atomic: another host answering the same prompts never reads half a file
   return seqs
 
 
 def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_text: Callable,
           generate_fn: Callable, cache_dir: str, prompts: Optional[list] = None, texts: Optional[list] = None,
-          transcripts: Optional[list] = None, data_dir: str = TRAIN_DIR, log=print) -> Dataset:
+          transcripts: Optional[list] = None, data_dir: str = TRAIN_DIR, log=print, lazy: bool = False) -> Dataset:
   """The full pipeline; the self-distilled sequences (the slow part) are cached as .npz. `encode_prompt(text)
   -> ids` (BOS and chat template included); `encode_text(text) -> ids` (BOS included) for plain-text chunks;
-  `transcripts` are token lists (built from the reference answers when None)."""
+  `transcripts` are token lists (built from the reference answers when None). lazy: the Dataset's arrays are
+  RowViews, each transcript and text chunk tokenized when a row of it is first read (a host of many reads only
+  its own rows); otherwise numpy arrays of every row."""
   if spec.distill_dir and spec.num_prompts:
     raise ValueError("distill_dir replaces the generated self-distilled answers: set num_prompts to 0")
   examples = order = None
@@ -221,16 +290,27 @@ def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_t
       prompts = [examples[i][0] for i in order[:spec.num_prompts]]
     seqs = _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, cache_dir, log)
     n_distilled = len(prompts)
+  # Every sequence is a thunk: tokenized (and packed) only when a row of it is read.
+  ids = lambda x: (lambda: x)
   if transcripts is None:
     picked = order[first_transcript:first_transcript + spec.num_transcripts]
-    transcripts = [encode_prompt((examples[i][0], examples[i][1])) for i in picked if examples[i][1].strip()]
+    transcripts = [functools.partial(encode_prompt, (examples[i][0], examples[i][1])) for i in picked
+                   if examples[i][1].strip()]
+  else:
+    transcripts = [ids(t) for t in transcripts]
   if texts is None:
     texts = stdlib_texts(spec.num_text, spec.text_chars, spec.seed)
-  seqs = list(seqs) + list(transcripts) + [encode_text(t) for t in texts]
-  toks, mask = pack(seqs, spec.seq_len)
-  log(f"data: {len(seqs)} sequences ({n_distilled} self-distilled, {len(transcripts)} reference transcripts, "
-      f"{len(texts)} text chunks), {int(mask.sum())} tokens")
-  return split(toks, mask, spec)
+  seqs = LazySeqs([ids(s) for s in seqs] + transcripts + [functools.partial(encode_text, t) for t in texts],
+                  spec.seq_len)
+  data = split_lazy(seqs, spec)
+  what = (f"data: {len(seqs)} sequences ({n_distilled} self-distilled, {len(transcripts)} reference transcripts, "
+          f"{len(texts)} text chunks)")
+  if lazy:
+    log(f"{what}, tokenized as read")
+    return data
+  data = Dataset(*(np.asarray(a) for a in (data.tokens, data.mask, data.eval_tokens, data.eval_mask)))
+  log(f"{what}, {int(data.mask.sum() + data.eval_mask.sum())} tokens")
+  return data
 
 
 def batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:

@@ -26,6 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 from absl import app, flags, logging
 
@@ -54,7 +55,8 @@ def load_target(cfg):
   return load_model(cfg.model or None, cfg.dtype)
 
 
-def build_data(cfg, config, params, tokenizer, log):
+def build_data(cfg, config, params, tokenizer, log, lazy=False):
+  """The run's Dataset; lazy: rows tokenized as read (data_lib.build), as the trainer on many hosts reads them."""
   spec = data_lib.DataSpec(**dict(cfg.data))
 
   def generate_fn(batch, temperature, seed):
@@ -70,14 +72,36 @@ def build_data(cfg, config, params, tokenizer, log):
     texts = [rng.integers(3, config.vocab_size, spec.text_chars).tolist() for _ in range(spec.num_text)]
     return data_lib.build(spec, target_name=config.name, encode_prompt=lambda p: [config.bos_id] + p,
                           encode_text=lambda t: [config.bos_id] + t, generate_fn=generate_fn,
-                          cache_dir=cfg.cache_dir, prompts=prompts, texts=texts, transcripts=[], log=log)
+                          cache_dir=cfg.cache_dir, prompts=prompts, texts=texts, transcripts=[], log=log, lazy=lazy)
   def encode_prompt(t):  # a prompt (ends with the model's turn opening) or a (prompt, answer) transcript
     if isinstance(t, tuple):
       return tokenizer.encode(tokenizer.apply_chat_template(list(t), add_generation_prompt=False))
     return tokenizer.encode(tokenizer.apply_chat_template([t]))
   return data_lib.build(spec, target_name=config.name, encode_prompt=encode_prompt,
                         encode_text=lambda t: tokenizer.encode(t, parse_special=False),
-                        generate_fn=generate_fn, cache_dir=cfg.cache_dir, log=log)
+                        generate_fn=generate_fn, cache_dir=cfg.cache_dir, log=log, lazy=lazy)
+
+
+def token_counts(data, vocab_size):
+  """The training rows' token counts; on many processes each counts its share of the rows and the parts are
+  summed, so no host reads every row."""
+  n = jax.process_count()
+  if n == 1:
+    return data.token_counts(vocab_size)
+  mine = data.token_counts(vocab_size, share=(jax.process_index(), n)).astype(np.int32)
+  return np.asarray(multihost_utils.process_allgather(mine)).astype(np.int64).sum(0)
+
+
+def record_reads(workdir, data):
+  """workdir/data_reads/process<i>.json: the training and eval rows this process tokenized (what a host of many
+  reads: its rows of each batch and its share of the token count)."""
+  if not isinstance(data.tokens, data_lib.RowView):
+    return
+  path = os.path.join(workdir, "data_reads", f"process{jax.process_index()}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({"train": data.tokens.rows_read(), "eval": data.eval_tokens.rows_read(),
+               "train_rows": len(data.tokens), "eval_rows": len(data.eval_tokens)}, f)
 
 
 # Settings a resumed run may change: they do not change what is trained. (data_parallel: an old config key,
@@ -160,9 +184,9 @@ def run(cfg, stop_after=None, log=None, mesh=""):
   check_resume_config(cfg)
   t0 = time.time()
   config, params, tokenizer = load_target(cfg)
-  data = build_data(cfg, config, params, tokenizer, log)
+  data = build_data(cfg, config, params, tokenizer, log, lazy=True)  # each host reads only its own rows
   t_data = time.time() - t0
-  d2t = head_ckpt.make_d2t(data.token_counts(config.vocab_size), cfg.draft_vocab) if cfg.draft_vocab else None
+  d2t = head_ckpt.make_d2t(token_counts(data, config.vocab_size), cfg.draft_vocab) if cfg.draft_vocab else None
   task, init, frozen, meta = build_task(cfg, config, params, d2t)
   init, start_meta = warm_start(cfg, config, init, d2t)
   if mesh is None or isinstance(mesh, str):
@@ -170,6 +194,7 @@ def run(cfg, stop_after=None, log=None, mesh=""):
   spec = TrainSpec(**dict(cfg.train), feature_dir=os.path.join(cfg.cache_dir, "features"))
   trainer = Trainer(task, spec, mesh=mesh, log=log)
   final, ev = trainer.fit(init, frozen, data, stop_after=stop_after)
+  record_reads(cfg.train.workdir, data)
   if stop_after is not None and int(trainer.ckpt.latest_step() or 0) < cfg.train.steps:
     return final, None
   # Collectives (restores, gathers) on every process; files written by process 0 only.

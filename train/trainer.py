@@ -7,7 +7,8 @@ run resumed from a checkpoint reads exactly the batches an uninterrupted run wou
 bitwise equal.
 
 With a ('data', 'model') Mesh (spec_jax.sharding.make_mesh) the trainable params and the frozen target get the
-shardings of spec_jax.sharding's logical-axis table (tensor parallel over 'model'), each optimizer-state leaf the
+shardings of spec_jax.sharding's logical-axis table (tensor parallel over 'model'; a trainable matrix the table
+leaves whole, such as Medusa's heads, split over 'model' on its last dimension), each optimizer-state leaf the
 sharding of the param it mirrors (replicated when it mirrors none: counts, scalars), and every batch is split over
 'data'. On several processes (train.main on many hosts) each process reads only the rows of a batch that its own
 devices hold (put_local_rows) and the step is one SPMD program over every host's devices. The step pins its
@@ -29,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -37,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from spec_jax import sharding as shd
+from spec_jax.param_axes import leaf_name, param_axes
 from train import data as data_lib
 
 
@@ -203,8 +206,24 @@ class Trainer:
       return jax.tree.map(lambda _: self._one_device(), params)
     return shd.param_shardings(params, self.mesh)
 
+  def trainable_shardings(self, params):
+    """The table's shardings, except that a matrix it leaves whole (Medusa's heads [K, D, D], EAGLE's fc) is split
+    over 'model' on its last dimension when that divides, as the table splits the MLP's outputs: replicated, those
+    params and Adam's two copies of them do not fit a 70B target's chips (BENCHMARKS.md, the 70B table)."""
+    if self.mesh is None:
+      return self.param_shardings(params)
+    m = shd.axis_size(self.mesh, "model")
+
+    def one(path, x, s):
+      shape = np.shape(x)
+      axes = param_axes(leaf_name(path), len(shape))
+      if axes.count("embed") < 2 or m == 1 or shape[-1] % m or any(a is not None for a in s.spec):
+        return s  # not an [embed, embed] matrix of the proposer's own (the table's layers keep its layout)
+      return NamedSharding(self.mesh, P(*([None] * (len(shape) - 1)), "model"))
+    return jax.tree_util.tree_map_with_path(one, params, self.param_shardings(params))
+
   def state_shardings(self, state: TrainState) -> TrainState:
-    ps = self.param_shardings(state.params)
+    ps = self.trainable_shardings(state.params)
     rep = self._one_device() if self.mesh is None else NamedSharding(self.mesh, P())
     return TrainState(ps, mirror_shardings(state.opt, state.params, ps, rep), rep, rep)
 
@@ -267,29 +286,45 @@ class Trainer:
     step = self.best.best_step()
     if step is None:
       return None
-    abstract = self._abstract({"params": like}, {"params": self.param_shardings(like)})
+    abstract = self._abstract({"params": like}, {"params": self.trainable_shardings(like)})
     return self.best.restore(step, args=ocp.args.StandardRestore(abstract))["params"]
 
   # ------------------------------------------------------------------------------------------- loops
+  def _fingerprint(self, tokens) -> bytes:
+    """What the feature cache is keyed on: the bytes of every row; for rows made on read (RowView), a digest per
+    row, each process hashing its share (rows p, p + P, ...) and all gathered, so no host reads every row."""
+    if not isinstance(tokens, data_lib.RowView):
+      return np.ascontiguousarray(tokens).tobytes()
+    n, p, count = len(tokens), jax.process_index(), jax.process_count()
+    mine = np.zeros((-(-n // count), 32), np.uint8)
+    for j, r in enumerate(range(p, n, count)):
+      mine[j] = np.frombuffer(hashlib.sha256(np.ascontiguousarray(tokens[[r]]).tobytes()).digest(), np.uint8)
+    if count > 1:
+      mine = np.asarray(multihost_utils.process_allgather(mine))
+    else:
+      mine = mine[None]
+    # mine[q, j] is row q + j * count: put them back in row order.
+    return b"rows:" + np.ascontiguousarray(mine.transpose(1, 0, 2).reshape(-1, 32)[:n]).tobytes()
+
   def precompute(self, frozen, tokens) -> np.ndarray:
     """The frozen target's features for every sequence in `feature_dtype`, computed in batches and written
     straight into the result (a memory-mapped .npy under `feature_dir`, reused by later runs on the same tokens;
-    host memory otherwise), so no float32 copy of the whole set is ever held."""
+    host memory otherwise), so no float32 copy of the whole set is ever held. Each process reads only its own
+    rows of each batch (the features come back whole to every process)."""
     dtype = _storage_dtype(self.spec.feature_dtype)
     path = None
     if self.spec.feature_dir and self.task.features_id:
       key = f"{self.task.features_id}:{self.spec.feature_dtype}".encode()
-      h = hashlib.sha256(key + np.ascontiguousarray(tokens).tobytes()).hexdigest()[:16]
+      h = hashlib.sha256(key + self._fingerprint(tokens)).hexdigest()[:16]
       path = os.path.join(self.spec.feature_dir, f"features-{h}.npy")
       if os.path.exists(path):
         return np.load(path, mmap_mode="r").view(dtype)
     bs = self.spec.batch_size
     out = tmp = None
     for i in range(0, len(tokens), bs):
-      chunk = tokens[i:i + bs]
-      pad = bs - len(chunk)
-      chunk = chunk[np.arange(bs) % len(chunk)]  # the last chunk padded to a batch, however short it is
-      f = shd.to_host(self.features(frozen, self._put_batch(chunk)))
+      pad = max(i + bs - len(tokens), 0)
+      idx = i + np.arange(bs) % (bs - pad)  # the last chunk padded to a batch, however short it is
+      f = shd.to_host(self.features(frozen, self._put_rows(lambda r: np.asarray(tokens[idx[r]]), bs)))
       if out is None:
         shape = (len(tokens),) + f.shape[1:]
         if path:

@@ -48,12 +48,18 @@ def _recv(sock: socket.socket) -> bytes:
   return _recv_exact(sock, n)
 
 
+_LEADERS: list = []  # this process's Leader, once connected: fatal() tells its followers why first
+
+
 def fatal(message: str) -> None:
   """Stop this process now with one clear line: a collective with a dead peer would never return, and
-  jax.distributed's exit barrier would wait for it."""
+  jax.distributed's exit barrier would wait for it. On the leader, the live followers get the reason and exit
+  with it before this process (and with it the coordination service) goes, so their last line is always ours."""
   me = jax.process_index()
   log.error("%s", message)
   print(f"error: process {me}: {message}", file=sys.stderr, flush=True)
+  for leader in _LEADERS:
+    leader.abort(message)
   logging.shutdown()
   os._exit(1)
 
@@ -65,7 +71,7 @@ class Leader:
 
   def __init__(self, n: int, timeout_s: int, beat_timeout_s: float):
     self.n, self.beat_timeout = n, beat_timeout_s
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()  # re-entrant: send() failing on a dead follower calls fatal(), then abort()
     self._last_sent = time.monotonic()
     self.stopping = threading.Event()
     self.sent = {"messages": 0, "calls": 0, "bytes": 0, "seconds": 0.0}  # the channel's cost (benchmarks/probes/multihost.py)
@@ -91,6 +97,28 @@ class Leader:
       conn.settimeout(beat_timeout_s)
       threading.Thread(target=self._watch, args=(pid, conn), name=f"multihost-watch-{pid}", daemon=True).start()
     threading.Thread(target=self._beat, name="multihost-beat", daemon=True).start()
+    _LEADERS.append(self)
+
+  def abort(self, why: str, wait_s: float = 3.0) -> None:
+    """Tell every live follower that the leader stops and why, then wait (bounded) until they closed. Best
+    effort: a send stuck on a dead follower's full socket holds the lock, and then the followers learn it from the
+    channel closing instead."""
+    self.stopping.set()  # the followers closing is expected now: no second fatal() from _watch
+    if not self._lock.acquire(timeout=1.0):
+      return
+    try:
+      payload = pickle.dumps(("abort", why), protocol=5)
+      for conn in self.peers.values():
+        try:
+          conn.settimeout(1.0)
+          _send(conn, payload)
+        except OSError:
+          pass  # that follower is the dead one
+    finally:
+      self._lock.release()
+    end = time.monotonic() + wait_s
+    while len(self._closed) < len(self.peers) and time.monotonic() < end:
+      time.sleep(0.02)
 
   def send(self, msg: tuple) -> None:
     t0 = time.perf_counter()
@@ -123,8 +151,8 @@ class Leader:
       why = f"sent no heartbeat for {self.beat_timeout:g} s (--heartbeat_timeout)"
     except (OSError, ConnectionError) as e:
       why = f"closed its connection ({e})"
+    self._closed.add(pid)
     if self.stopping.is_set():
-      self._closed.add(pid)
       return
     fatal(f"follower process {pid} {why}: it died or hangs; stopping the server (process 0) so that no host "
           f"waits in a collective forever")
@@ -171,6 +199,8 @@ class Follower:
     try:
       while True:
         msg = pickle.loads(_recv(self.sock))
+        if msg[0] == "abort":
+          fatal(f"the leader (process 0) stopped: {msg[1]}")
         if msg[0] != "beat":
           self.calls.put(msg)
         if msg[0] == "stop":

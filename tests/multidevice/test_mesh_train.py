@@ -95,8 +95,12 @@ def test_mesh_steps_match_one_device_and_are_sharded(runs):
   for x in (layer["gate"], adam.mu["layer"]["gate"], adam.nu["layer"]["gate"]):  # [embed, mlp]
     assert _has(x, mesh, P(None, "model")), x.sharding
   assert _has(layer["down"], mesh, P("model", None)) and _has(adam.nu["layer"]["down"], mesh, P("model", None))
-  # ... while its single K/V head, [2D, D] input projection, norms and the Adam count stay whole.
-  for x in (layer["k"], meshed.params["fc"], adam.mu["fc"], meshed.params["out_norm"], adam.count, meshed.rng):
+  # The [2D, D] input projection, which the table leaves whole, is split on its outputs in training (with
+  # Adam's copies: Trainer.trainable_shardings) ...
+  for x in (meshed.params["fc"], adam.mu["fc"], adam.nu["fc"]):
+    assert _has(x, mesh, P(None, "model")), x.sharding
+  # ... while its single K/V head, norms and the Adam count stay whole.
+  for x in (layer["k"], meshed.params["out_norm"], adam.count, meshed.rng):
     assert _has(x, mesh, P()), x.sharding
   # The frozen target: vocabulary and heads split over 'model'; a batch splits over 'data'.
   placed = tr.place_frozen(frozen)
@@ -128,7 +132,24 @@ def test_checkpoint_restores_on_another_mesh(runs, target):
     assert _has(x, mesh, P(None, "model", None)), x.sharding
     assert x.addressable_shards[0].data.shape == (32, 1, 8)  # 4 heads over model:4
   assert _has(restored.params["layer"]["gate"], mesh, P(None, "model"))
-  assert _has(adam.count, mesh, P()) and _has(restored.params["fc"], mesh, P())
+  assert _has(adam.count, mesh, P()) and _has(restored.params["fc"], mesh, P(None, "model"))
   # Every restored leaf has the layout this trainer would give it.
   for (path, x), s in zip(_leaves(restored), jax.tree.leaves(tr.state_shardings(restored))):
     assert x.sharding.is_equivalent_to(s, x.ndim), jax.tree_util.keystr(path)
+
+
+def test_medusa_heads_and_their_adam_state_split_over_model(tmp_path):
+  """Medusa's heads [K, D, D] (left whole by the serving table) and Adam's two copies of them are split over
+  'model' on the output dimension in training, so a 70B target's heads are not replicated on every chip."""
+  cfg = get_config("medusa")
+  config, params, _ = load_target(cfg)
+  task, init, _, _ = build_task(cfg, config, params, None)
+  tr = _trainer(task, tmp_path, "data:4,model:2")
+  state = tr.place_state(tr.init_state(init))
+  mesh, adam = tr.mesh, _adam(state)
+  k, d, _ = state.params["w"].shape
+  for x in (state.params["w"], adam.mu["w"], adam.nu["w"]):
+    assert _has(x, mesh, P(None, None, "model")), x.sharding
+    assert x.addressable_shards[0].data.shape == (k, d, d // 2)
+  for x in (state.params["b"], adam.mu["b"], adam.count):  # vectors and counts stay whole
+    assert _has(x, mesh, P()), x.sharding

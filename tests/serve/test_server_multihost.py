@@ -29,8 +29,13 @@ METHODS = {
     "ngram": (None, '{"method": "ngram", "num_speculative_tokens": 3}'),
     "eagle": (os.path.join(HEADS, "target"),
               '{"method": "eagle", "num_speculative_tokens": 3, "model": "%s"}' % os.path.join(HEADS, "eagle1")),
+    "none": (None, '{"method": "none"}'),  # the dead-process tests: plain decoding compiles the fewest programs
 }
 WORDS = ["the cat sat on the mat", "a dog ran and the cat sat", "the mat is a mat", "dog and cat and dog"]
+# What a follower whose leader died prints last: the channel's line, or jax.distributed's own abort when its
+# client sees the coordination service (in process 0) go first; both name the leader.
+STOP_CAUSES = ("error: process 1: the leader (process 0) closed the channel",
+               "the JAX distributed service detected fatal errors. This most likely indicates that another task died")
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +55,12 @@ def _env(devices: int) -> dict:
               PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR="")
 
 
-def _flags(model: str, method: str, *extra) -> list:
+def _flags(model: str, method: str, *extra, grammar: bool = True) -> list:
+  """grammar=False: no structured outputs (--grammar_capacity='': none of their programs compiled)."""
   heads_model, spec = METHODS[method]
   return [f"--model={heads_model or model}", "--dtype=float32", "--served_model_name=tiny", "--steps_per_sync=4",
           "--warmup_prompt_lens=1", "--costs_file=", "--extended_warmup=false", "--compilation_cache_dir=",
-          "--grammar_capacity=64,32", f"--speculative_config={spec}", MESH, *POOL, *extra]
+          f"--grammar_capacity={'64,32' if grammar else ''}", f"--speculative_config={spec}", MESH, *POOL, *extra]
 
 
 class Servers:
@@ -178,7 +184,7 @@ def test_two_processes_answer_what_one_process_with_eight_devices_answers(tiny, 
 def test_a_dead_process_stops_the_server_and_no_client_hangs(tiny, tmp_path, dead):
   """Process `dead` (1: the follower, 0: the leader) is killed mid-burst: the other one exits with an error naming
   it within seconds, and every client gets an answer or a connection error."""
-  s = Servers(_flags(tiny, "ngram"), 2, str(tmp_path))
+  s = Servers(_flags(tiny, "none", grammar=False), 2, str(tmp_path))  # what it checks needs no speculation
   other = s.procs[1 - dead]
   try:
     def ask(i):
@@ -203,9 +209,11 @@ def test_a_dead_process_stops_the_server_and_no_client_hangs(tiny, tmp_path, dea
   assert other.returncode not in (0, None)
   assert took < 30, took
   assert all(a == 200 or a == "connection error" for a in answers), answers
-  want = ("error: process 0: follower process 1 closed its connection" if dead == 1 else
-          "error: process 1: the leader (process 0) closed the channel")
-  assert want in s.log(1 - dead), s.log(1 - dead)[-3000:]
+  log = s.log(1 - dead)
+  if dead == 1:  # the leader's coordination service waits --heartbeat_timeout; the channel notices at once
+    assert "error: process 0: follower process 1 closed its connection" in log, log[-3000:]
+  else:  # the leader's death closes the channel and the coordination service at once: either may stop it first
+    assert any(why in log for why in STOP_CAUSES), log[-3000:]
 
 
 def test_different_settings_between_hosts_are_refused(tiny, tmp_path):

@@ -1,8 +1,9 @@
 """train.main on many hosts: two real processes on loopback (jax.distributed, gloo, 4 simulated CPU devices each)
 train a tiny EAGLE and a tiny Medusa head on one 'data:4,model:2' mesh; their loss curves and final params are
 those of one process with 8 devices (float32 rounding), a checkpoint the two processes wrote resumes in one
-process on one device and continues as the uninterrupted run did, and hosts started with different flags are
-refused at start with an error naming the flag."""
+process on one device and continues as the uninterrupted run did, each process tokenizes exactly the rows it
+feeds (workdir/data_reads), and hosts started with different flags are refused at start with an error naming the
+flag."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, TINY_MODEL_XLA_FLAGS
+from train.data import batch_indices
 
 pytestmark = pytest.mark.many_devices
 STEPS = 4
@@ -77,6 +79,34 @@ def _final(workdir):
   return {k: z[k] for k in z.files}
 
 
+def _own(idx, p):
+  """The rows of a batch of global rows `idx` that process p's devices hold (MESH: positions 4p .. 4p + 3)."""
+  return {int(r) for r in np.asarray(idx)[4 * p:4 * p + 4]}
+
+
+def _expected_reads(p, n_train, n_eval, steps, cached, evaluated, bs=8):
+  """The rows process p of 2 must tokenize, and no others: its rows of every batch it feeds (train steps, eval,
+  and with cached features the feature pass over every row), plus with cached features its share (rows p, p + 2,
+  ...) of the feature cache's fingerprint (which is also the token count's share: draft_vocab is on)."""
+  chunks = lambda n: [i + np.arange(bs) % min(bs, n - i) for i in range(0, n, bs)]  # Trainer.precompute's
+  train = set().union(*(_own(batch_indices(n_train, s, bs, 0), p) for s in steps))
+  ev = set().union(_own(np.resize(np.arange(bs) % n_eval, bs), p)) if evaluated else set()
+  if cached:
+    train |= set().union(*(_own(c, p) for c in chunks(n_train))) | set(range(p, n_train, 2))
+    ev |= set().union(*(_own(c, p) for c in chunks(n_eval))) | set(range(p, n_eval, 2))
+  return sorted(train), sorted(ev)
+
+
+def _assert_reads(workdir, **kw):
+  """Each process tokenized exactly the rows it feeds: a process reading any other row fails."""
+  for p in range(2):
+    with open(os.path.join(workdir, "data_reads", f"process{p}.json")) as f:
+      got = json.load(f)
+    want = _expected_reads(p, got["train_rows"], got["eval_rows"], **kw)
+    assert (got["train"], got["eval"]) == want, (p, got, want)
+  return got
+
+
 def _assert_close_runs(a, b):
   ca, cb = _curve(a), _curve(b)
   assert sorted(ca) == sorted(cb) and len([k for k in ca if k[1] == "train"]) == STEPS
@@ -91,30 +121,36 @@ def _assert_close_runs(a, b):
 
 def test_eagle_on_two_processes_then_resumed_on_one_device(tmp_path):
   """Two processes train 2 of 4 steps (a checkpoint at step 2) and stop; one process on one device resumes and
-  finishes; loss curve and final params equal one process with 8 devices running all 4 steps."""
-  cache = str(tmp_path / "data")
+  finishes; loss curve and final params equal one process with 8 devices running all 4 steps. Each run makes its
+  own data and cached features (the two processes' feature pass, each reading its own rows, is checked too)."""
   one = str(tmp_path / "one")
-  _one(_cmd("eagle", one, cache, MESH), 8)
-  two = str(tmp_path / "two")
+  _one(_cmd("eagle", one, str(tmp_path / "data_one"), MESH), 8)
+  two, cache = str(tmp_path / "two"), str(tmp_path / "data")
   runs = _two(_cmd("eagle", two, cache, MESH, "--stop_after=2"))
   for rc, err in runs:
     assert rc == 0, err[-3000:]
   assert "joined: 2 processes, 8 devices" in runs[1][1]
   assert "data: 24 sequences" in runs[0][1] and "data:" not in runs[1][1]  # logs from process 0 only
   assert [r["step"] for r in _metrics(two)] == [1, 2] and not os.path.exists(os.path.join(two, "final_params.npz"))
+  _assert_reads(two, steps=range(2), cached=True, evaluated=False)
   err = _one(_cmd("eagle", two, cache, "--mesh="), 1)  # the same workdir on one device
   assert "resumed from step 2" in err
   _assert_close_runs(one, two)
 
 
 def test_medusa_on_two_processes_equals_one_process(tmp_path):
+  """Features computed in the step (no feature cache, no draft vocabulary): each process reads only its rows of
+  each batch, fewer than every row."""
   cache = str(tmp_path / "data")
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
-  _one(_cmd("medusa", one, cache, MESH), 8)
-  runs = _two(_cmd("medusa", two, cache, MESH))
+  plain = ("--config.train.cache_features=False", "--config.draft_vocab=0")
+  _one(_cmd("medusa", one, cache, MESH, *plain), 8)
+  runs = _two(_cmd("medusa", two, cache, MESH, *plain))
   for rc, err in runs:
     assert rc == 0, err[-3000:]
   assert "step 4 eval" in runs[0][1] and "step 4 eval" not in runs[1][1]  # logs from process 0 only
+  got = _assert_reads(two, steps=range(STEPS), cached=False, evaluated=True)
+  assert len(got["train"]) < got["train_rows"]
   _assert_close_runs(one, two)
 
 
