@@ -16,7 +16,9 @@ page count: a page id holds that many tokens of each, so what a proposer holds i
 hands out.
 
 An 8-bit cache (--kv_cache_dtype fp8 / fp8_e5m2 / int8) stores K and V in that dtype with a float32 scale per token
-and KV head beside the pool ([L, N, Hkv, block_size]). A token's scale depends on that token alone, so a page
+and KV head beside the pool, pages last ([L, Hkv, block_size, N]: on TPU the last two dims are the tiled ones, and
+(block, pages) tiles (8, 128) with no padding, where (Hkv, block) = (1, 16) on a chip of Llama-3 8B over model:8
+padded 8x and XLA copied the whole scale pool into the kernel's layout at every call). A token's scale depends on that token alone, so a page
 filled over several calls is the same as one written at once, and the new tokens of a forward attend to each other
 quantized exactly as they will be read back from the pool (`fake_quant`): plain decoding, a verified chain and a
 tree all compute the same quantized target, so speculation stays exact.
@@ -79,6 +81,12 @@ def fake_quant(x, kv_dtype: str):
   return x if store is None else dequantize(*quantize(x, store), x.dtype)
 
 
+def scale_shape(pool_shape) -> tuple:
+  """A pool's [..., N, Hkv, block, D] -> its scales' [..., Hkv, block, N] (pages last: see the module's note)."""
+  *lead, n, h, bs, _ = pool_shape
+  return (*lead, h, bs, n)
+
+
 def contiguous_table(batch: int, pages_per_seq: int, shards: int = 1) -> np.ndarray:
   """int32[batch, pages_per_seq]: row b owns its own run of pages, after its data shard's null page (global ids;
   shard s holds pages s * (1 + rows * P) .. of the pool, rows = batch // shards)."""
@@ -100,8 +108,8 @@ class KVCache(CacheLeaf):
   heads); lengths int32[B] committed entries per row; pages int32[B, pages_per_seq] the page table (global page
   ids; row b's pages lie in its data shard's share of the pool).
 
-  An 8-bit cache (kv_dtype != 'auto'): k, v in the storage dtype, k_scale, v_scale float32 [L, N, Hkv, block_size]
-  (one per token and KV head, beside the pool and paged with it), act_dtype the dtype every reader dequantizes to.
+  An 8-bit cache (kv_dtype != 'auto'): k, v in the storage dtype, k_scale, v_scale float32 [L, Hkv, block_size, N]
+  (one per token and KV head, pages last: `scale_shape`), act_dtype the dtype every reader dequantizes to.
   """
 
   k: jax.Array
@@ -134,7 +142,7 @@ class KVCache(CacheLeaf):
     lengths = jnp.zeros((batch,), jnp.int32)
     if store is None:
       return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), lengths, pages)
-    scale = lambda: jnp.ones(shape[:-1], jnp.float32)
+    scale = lambda: jnp.ones(scale_shape(shape), jnp.float32)
     return cls(jnp.zeros(shape, store), jnp.zeros(shape, store), lengths, pages, scale(), scale(), kv_dtype,
                jnp.dtype(dtype).name)
 
@@ -195,6 +203,12 @@ class KVCache(CacheLeaf):
     spec_jax/slots.py) and its length; no other row's pages were written."""
     return self.with_pools(row.pools()).replace(lengths=self.lengths.at[slot].set(row.lengths[0]))
 
+  def fill_pages(self, pages, value) -> "KVCache":
+    """Pages int32[n] (ids into this pool) of every layer set to `value`, data and scales."""
+    k, v = (a.at[:, pages].set(value) for a in (self.k, self.v))
+    scales = tuple(a.at[..., pages].set(value) for a in self.pools()[2:])
+    return self.with_pools((k, v) + scales)
+
   def with_page_row(self, slot, pages_row) -> "KVCache":
     return self.replace(pages=self.pages.at[slot].set(pages_row.astype(jnp.int32)))
 
@@ -213,7 +227,7 @@ def _data_shards(mesh, k, pages):
 
 def _per_shard(fn, mesh, k, pages, *, pool_args, row_args, out_pool: bool, out_rows: int = 0):
   """Run fn(pools..., pages_local, rows...) per data shard (shard_map over the pool's layout; a scale pool
-  [L, N, Hkv, bs] split like its data) where the pool is split over `data`; as is otherwise (the partitioner
+  [L, Hkv, bs, N] split like its data, over its pages) where the pool is split over `data`; as is otherwise (the partitioner
   places it)."""
   shards = _data_shards(mesh, k, pages)
   if shards == 1:
@@ -227,7 +241,7 @@ def _per_shard(fn, mesh, k, pages, *, pool_args, row_args, out_pool: bool, out_r
     index = lax.axis_index("data")
     return fn(*pools, _shard_local(pg, n_pool, shards, index), *rest)
 
-  pool_spec = tuple(spec if a.ndim == 5 else P(*spec[:a.ndim]) for a in pool_args)
+  pool_spec = tuple(spec if a.ndim == 5 else P(spec[0], spec[2], None, spec[1]) for a in pool_args)
   row_spec = lambda a: P(rows, *([None] * (a.ndim - 1)))
   in_specs = pool_spec + (P(rows, None),) + tuple(
       P(None, rows, None, heads, None) if a.ndim == 5 else row_spec(a) for a in row_args)
@@ -251,16 +265,21 @@ def gather_rows(k_pool, v_pool, pages, lengths, layer, mesh=None, scales=None):
     bs = kp.shape[3]
     live = jnp.arange(npp * bs, dtype=jnp.int32)[None, :] < lengths[:, None]
 
-    def take(pool):  # -> [B, Hkv, S, ...]
-      lay = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)  # [N, Hkv, bs, ...]
-      g = jnp.take(lay, pg, axis=0)  # [B, P, Hkv, bs, ...]
+    def take(pool):  # -> [B, Hkv, S, D]
+      lay = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)  # [N, Hkv, bs, D]
+      g = jnp.take(lay, pg, axis=0)  # [B, P, Hkv, bs, D]
       g = jnp.swapaxes(g, 1, 2)
       return g.reshape(B, g.shape[1], npp * bs, *g.shape[4:])
+
+    def take_scale(scale):  # [L, Hkv, bs, N] -> [B, Hkv, S]
+      lay = lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False)  # [Hkv, bs, N]
+      g = jnp.take(lay, pg, axis=2)  # [Hkv, bs, B, P]
+      return jnp.transpose(g, (2, 0, 3, 1)).reshape(B, g.shape[0], npp * bs)
 
     def one(pool, scale):
       g = take(pool)
       if scale is not None:
-        g = dequantize(g, take(scale), act)
+        g = dequantize(g, take_scale(scale), act)
       return jnp.where(live[:, None, :, None], g, jnp.zeros((), g.dtype))
 
     ks, vs = sc if sc else (None, None)
@@ -293,7 +312,7 @@ def scatter_rows(pools, k_new, v_new, pages, lengths, mesh=None):
     page, off = _address(pg, lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], pools[0].shape[3])
     if len(pools) == 4:
       (kn, ks), (vn, vs) = quantize(kn, pools[0].dtype), quantize(vn, pools[1].dtype)
-      news = (kn, vn, jnp.swapaxes(ks, 2, 3), jnp.swapaxes(vs, 2, 3))  # scales [L, B, H, T]
+      news = (kn, vn, ks, vs)  # scales [L, B, T, H]
     else:
       news = (kn, vn)
     # The new tokens go to the pool's head-major order before the loop: swapped token by token inside it, XLA:TPU
@@ -303,11 +322,12 @@ def scatter_rows(pools, k_new, v_new, pages, lengths, mesh=None):
     def one(i, pools):
       b, t = i // T, i % T
       out = []
-      for pool, new in zip(pools, news):
-        start, size = (0, b, 0, t, 0)[:new.ndim], (L, 1, H, 1, D)[:new.ndim]
-        tok = lax.dynamic_slice(new, start, size)
-        at = (0, page[b, t], 0, off[b, t], 0)[:new.ndim]
-        out.append(lax.dynamic_update_slice(pool, tok.astype(pool.dtype), at))
+      for pool, new in zip(pools[:2], news[:2]):
+        tok = lax.dynamic_slice(new, (0, b, 0, t, 0), (L, 1, H, 1, D))
+        out.append(lax.dynamic_update_slice(pool, tok.astype(pool.dtype), (0, page[b, t], 0, off[b, t], 0)))
+      for pool, new in zip(pools[2:], news[2:]):  # [L, H, bs, N]: the token's scales, one per head
+        tok = lax.dynamic_slice(new, (0, b, t, 0), (L, 1, 1, H)).reshape(L, H, 1, 1)
+        out.append(lax.dynamic_update_slice(pool, tok, (0, 0, off[b, t], page[b, t])))
       return tuple(out)
 
     return lax.fori_loop(0, B * T, one, tuple(pools))

@@ -132,7 +132,8 @@ def state_shardings(state, mesh: Mesh):
   def cache(c):
     spec = cache_spec(c.k.shape, mesh)
     kv = NamedSharding(mesh, spec)
-    scale = NamedSharding(mesh, P(*spec[:4])) if c.quantized else None  # split like the pages they scale
+    # [L, Hkv, block, N]: split like the pages they scale (and the heads)
+    scale = NamedSharding(mesh, P(spec[0], spec[2], None, spec[1])) if c.quantized else None
     return c.replace(k=kv, v=kv, lengths=NamedSharding(mesh, logical_to_spec(("batch",), c.lengths.shape, mesh)),
                      pages=NamedSharding(mesh, logical_to_spec(("batch", None), c.pages.shape, mesh)),
                      k_scale=scale, v_scale=scale)

@@ -259,7 +259,7 @@ def fill_pages(state: DecodeState, pages, value=float("nan")) -> DecodeState:
     if not isinstance(x, KVCache):
       return x
     # an 8-bit pool's data cannot hold NaN (int8): its scales are poisoned too, so a read of it is NaN all the same
-    return x.with_pools(tuple(a.at[:, pages].set(value) for a in x.pools()))
+    return x.fill_pages(pages, value)
   return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 

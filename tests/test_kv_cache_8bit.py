@@ -218,7 +218,7 @@ def test_poisoned_pages_of_an_8_bit_pool_read_as_nan_and_are_masked_past_the_len
   shape = (GEMMA.num_layers, 2, 7, GEMMA.num_kv_heads, GEMMA.head_dim)
   cache = _write(cache, *(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)), [7])
   cache = slots.fill_pages(cache, jnp.asarray(cache.pages[1]))
-  assert np.isnan(np.asarray(cache.k_scale[:, np.asarray(cache.pages[1])])).all()
+  assert np.isnan(np.asarray(cache.k_scale[..., np.asarray(cache.pages[1])])).all()
   k, v = cache.layer_view(jnp.int32(0))
   assert np.isfinite(np.asarray(k[0])).all() and np.isnan(np.asarray(k[1, :, :7])).all()
   k, v = cache.replace(lengths=jnp.asarray([7, 0], jnp.int32)).layer_view(jnp.int32(0))

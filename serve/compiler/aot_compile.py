@@ -207,8 +207,10 @@ def cache_sized(temps: list, layer: tuple, itemsize: int, rows: tuple = (), pool
   attention-score buffers are big too, but lack one of those; slot insert's one-row prefill cache has one row,
   not the slots. `pool` = (pages, kv heads, block, head dim) of one layer of the page pool on one chip: a
   temporary ending in (block, head dim), with the pages, of half a pool layer or more, is a copy of the pool (an
-  8-bit pool's `itemsize` is 1: a dequantized copy is twice that); one ending in (kv heads, block), with the pages,
-  of half a layer of float32 scales or more, is a copy of an 8-bit pool's scales."""
+  8-bit pool's `itemsize` is 1: a dequantized copy is twice that); a float32 one with the pages and the block in
+  its dims, of half a layer of the scales or more, is a copy of an 8-bit pool's scales, in whatever layout (theirs,
+  [.., kv heads, block, pages], or one re-laid out for a kernel, such as the [.., pages, kv heads, block] that
+  XLA:TPU once copied the whole scale pool into at every call)."""
   per_chip, _, capacity, head_dim = layer
   rows = set(rows) or {per_chip}
   half = int(np.prod(layer)) * itemsize // 2
@@ -219,7 +221,7 @@ def cache_sized(temps: list, layer: tuple, itemsize: int, rows: tuple = (), pool
       out.append(t)
     elif pool and dims[-2:] == list(pool[2:]) and pool[0] in dims and t["bytes"] >= np.prod(pool) * itemsize // 2:
       out.append(t)
-    elif (pool and itemsize == 1 and dims[-2:] == list(pool[1:3]) and pool[0] in dims
+    elif (pool and itemsize == 1 and t["shape"].startswith("f32") and pool[0] in dims and pool[2] in dims
           and t["bytes"] >= np.prod(pool[:3]) * 4 // 2):
       out.append(t)
   return out

@@ -66,8 +66,15 @@ def check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
     raise ValueError("window must be an int, a traced int32 scalar or None, not a bool")
 
 
+def scale_layout(shape) -> tuple:
+  """A cache's [..., X, Hkv, S, D] (X: pages of a pool, or rows) -> its scales' [..., Hkv, S, X]: X last, so that
+  on TPU the tiled dims (S, X) pad nothing (spec_jax/cache.py)."""
+  *lead, x, h, s, _ = shape
+  return (*lead, h, s, x)
+
+
 def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> None:
-  """An 8-bit cache comes with its scales (no reader may take them as 1.0), shaped like the cache without D."""
+  """An 8-bit cache comes with its scales (no reader may take them as 1.0), laid out by `scale_layout`."""
   eight = lambda a: a.dtype.itemsize == 1
   if (k_scale is None) != (v_scale is None):
     raise ValueError("k_scale and v_scale come together")
@@ -76,9 +83,10 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> None:
       raise ValueError(f"an 8-bit cache ({k_cache.dtype}) needs its k_scale and v_scale: read without them, its "
                        f"values would be taken at scale 1.0")
     return
-  if k_scale.shape != k_cache.shape[:-1] or v_scale.shape != v_cache.shape[:-1]:
-    raise ValueError(f"k_scale/v_scale {k_scale.shape}, {v_scale.shape} must be the cache's shape without head_dim, "
-                     f"{k_cache.shape[:-1]}")
+  want = scale_layout(k_cache.shape)
+  if k_scale.shape != want or v_scale.shape != scale_layout(v_cache.shape):
+    raise ValueError(f"k_scale/v_scale {k_scale.shape}, {v_scale.shape} must be the cache's [..., X, Hkv, S] without "
+                     f"head_dim, slots first then X (pages or rows) last: {want}")
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale, window=None, tree_mask=None,
@@ -95,7 +103,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale,
   value <= 0 means none. With a `mesh`, a Pallas kernel runs per shard (`shard_map`): Mosaic and Triton calls
   cannot be partitioned automatically. `pages` int32[B, P]: k_cache/v_cache are page pools [L, N, Hkv, block, D]
   read through this table (kernels that `reads_pages` only). k_scale/v_scale: an 8-bit cache's float32 scales
-  (spec_jax/cache.py: one per token and KV head, the cache's shape without D); every kernel dequantizes with them,
+  (spec_jax/cache.py: one per token and KV head, `scale_layout`: [..., Hkv, S, X]); every kernel dequantizes with them,
   and the new tokens come in the activation dtype.
   """
   check_attention_args(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, window, tree_mask, layer, pages)
@@ -107,7 +115,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, *, scale,
     impl, interpret = impl.removesuffix(INTERPRET), True
   if impl == "xla":
     if k_scale is not None:  # one layer's cache, dequantized (what KVCache.layer_view hands the XLA path)
-      deq = lambda c, sc: (layer_of(c, layer).astype(jnp.float32) * layer_of(sc, layer)[..., None]).astype(q.dtype)
+      deq = lambda c, sc: (layer_of(c, layer).astype(jnp.float32)
+                           * jnp.moveaxis(layer_of(sc, layer), -1, 0)[..., None]).astype(q.dtype)
       k_cache, v_cache, layer = deq(k_cache, k_scale), deq(v_cache, v_scale), None
     return attention_xla(q, k_new, v_new, k_cache, v_cache, q_positions, lengths, scale=scale, window=window,
                          tree_mask=tree_mask, layer=layer)

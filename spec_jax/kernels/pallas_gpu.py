@@ -80,10 +80,9 @@ def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, au
     j = blk * block_k + offs
     # Masked loads: slots past the length (stale, or past S) and head-dim padding read as 0.
     ok = (j < length)[:, None] & d_ok
-    if paged:  # a block is a page, found through the table
-      at = (layer, pages_ref[b * (S // block_k) + blk], h, pl.ds(0, block_k), pl.ds(0, Dp))
-    else:
-      at = (layer, b, h, pl.ds(blk * block_k, block_k), pl.ds(0, Dp))
+    x = pages_ref[b * (S // block_k) + blk] if paged else b  # a block is a page, found through the table
+    slots = pl.ds(0, block_k) if paged else pl.ds(blk * block_k, block_k)
+    at = (layer, x, h, slots, pl.ds(0, Dp))
     zero = 0.0 if quant and jnp.issubdtype(k_ref.dtype, jnp.floating) else 0  # Triton splats an fp8 0 from a float
     k = plgpu.load(k_ref.at[at], mask=ok, other=zero)
     v = plgpu.load(v_ref.at[at], mask=ok, other=zero)
@@ -91,8 +90,9 @@ def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, au
       return update(carry, scores(k), committed_visible(j[None, :], pos, length, win), v)
     # An 8-bit block: its values are exact in the activation dtype; a slot's scale multiplies its score and its
     # probability, never assumed 1. Stale slots load a scale of 0 (a poisoned page's NaN is never read).
-    ks = plgpu.load(ks_ref.at[at[:4]], mask=j < length, other=0)
-    vs = plgpu.load(vs_ref.at[at[:4]], mask=j < length, other=0)
+    sat = (layer, h, slots, x)  # the scales' [L, Hkv, S, X] (spec_jax/kernels/__init__.py scale_layout)
+    ks = plgpu.load(ks_ref.at[sat], mask=j < length, other=0)
+    vs = plgpu.load(vs_ref.at[sat], mask=j < length, other=0)
     s = scores(k.astype(q.dtype)) * ks[None, :]
     return update(carry, s, committed_visible(j[None, :], pos, length, win), v.astype(q.dtype), vs)
 
@@ -157,8 +157,8 @@ def attention_pallas_gpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   two >= 16, a Triton tile): each loop step reads one page, found through the table.
   block_k: KV slots per loop step. max_rows: the most query rows (tokens x heads per kv head) one program
   holds; more (prefill) are cut into row blocks. num_splits: programs per row along the KV axis (None: enough
-  to fill the GPU). k_scale/v_scale: an 8-bit cache's float32 scales, the cache's shape without D (one per slot
-  and KV head), loaded beside each block.
+  to fill the GPU). k_scale/v_scale: an 8-bit cache's float32 scales [L, Hkv, S, X] (one per slot and KV head,
+  pages or rows last: kernels.scale_layout), loaded beside each block.
   """
   require_backend("attention_pallas_gpu", "gpu", interpret)
   quant = k_scale is not None

@@ -31,12 +31,11 @@ LANES = 128
 
 def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, aux_ref, npos_ref, q_ref, k_ref,
             v_ref, *rest, scale: float, num_row_blocks: int, num_committed: int,
-            num_steps: int, last_token: tuple, tree: bool, precision, quant: bool):
-  del layer_ref, pages_ref  # used by the index maps only
+            num_steps: int, last_token: tuple, tree: bool, precision, quant: bool, paged: bool):
+  del layer_ref  # used by the index maps only
   ks_ref, vs_ref = rest[:2] if quant else (None, None)
   kn_ref, vn_ref, o_ref, m_sc, l_sc, acc_sc = rest[2:] if quant else rest
   b = pl.program_id(0)
-  h = pl.program_id(1)  # an 8-bit block's scales hold every KV head's (scale_map): this head's row
   r = pl.program_id(2)
   cell = b * num_row_blocks + r
   i = pl.program_id(3)
@@ -50,7 +49,7 @@ def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, au
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  def update(s, mask, v, v_scale=None):
+  def update(s, mask, v):
     s = jnp.where(mask, s, NEG_INF)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -58,8 +57,6 @@ def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, au
     # Masked slots get exactly 0 even while m_new is still NEG_INF (nothing visible yet).
     p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    if v_scale is not None:  # an 8-bit block: p @ (v * scale) = (p * scale) @ v, the scale along the lanes
-      p = p * v_scale
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
     acc_sc[...] = alpha * acc_sc[...] + pv
@@ -77,17 +74,18 @@ def _kernel(layer_ref, pages_ref, lens_ref, lo_ref, hi_ref, win_ref, pos_ref, au
     # Slots at or past the length may hold anything (stale entries, or the garbage of a block hanging past S):
     # zero them, since 0 * NaN would poison p @ v.
     jv = blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-    ks = vs = None
+    live = jv < lens_ref[b]
     if quant:
-      # An 8-bit block: its values are exact in the activation dtype; a slot's scale multiplies its score and its
-      # probability (lanes), never assumed 1. A stale slot's scale (NaN on a poisoned page) is zeroed like its V.
-      live = j < lens_ref[b]
-      ks = jnp.where(live, ks_ref[pl.ds(h, 1), :], 0.0)
-      vs = jnp.where(live, vs_ref[pl.ds(h, 1), :], 0.0)
-      k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
-    v = jnp.where(jv < lens_ref[b], v, jnp.zeros_like(v))
-    s = scores(k)
-    update(s if ks is None else s * ks, committed_visible(j, pos, lens_ref[b], win), v, vs)
+      # An 8-bit block, dequantized to the activation dtype as the XLA path does (never at a scale of 1.0). Its
+      # scales' block holds the slots (sublanes) of a run of pages or rows (lanes): this block's column, picked by
+      # a select (a stale slot's or another page's NaN never reaches the sum), then zeroed past the length.
+      x = pages_ref[b * num_committed + blk] if paged else b
+      lane = lax.broadcasted_iota(jnp.int32, (1, ks_ref.shape[1]), 1) == lax.rem(x, ks_ref.shape[1])  # ids >= 0
+      column = lambda ref: jnp.where(live, jnp.sum(jnp.where(lane, ref[...], 0.0), axis=1, keepdims=True), 0.0)
+      k = (k.astype(jnp.float32) * column(ks_ref)).astype(q_ref.dtype)
+      v = (v.astype(jnp.float32) * column(vs_ref)).astype(q_ref.dtype)
+    v = jnp.where(live, v, jnp.zeros_like(v))
+    update(scores(k), committed_visible(j, pos, lens_ref[b], win), v)
 
   # New tokens, LANES per step; a chain's row block never sees tokens past its own last one.
   first_new = (i - num_committed) * LANES
@@ -118,8 +116,8 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
   slot s in page pages[b, s // block]: one grid step reads one page, found through the scalar-prefetched table
   (no gathered copy of the rows' caches).
   block_k: KV slots per grid step. max_rows: the most query rows (tokens x heads per kv head) one step
-  holds; more (prefill) are cut into row blocks. k_scale/v_scale: an 8-bit cache's float32 scales, the cache's
-  shape without D (one per slot and KV head), read block by block beside it. `interpret` may be True (generic Pallas interpreter) or a
+  holds; more (prefill) are cut into row blocks. k_scale/v_scale: an 8-bit cache's float32 scales [L, Hkv, S, X]
+  (one per slot and KV head, pages or rows last: kernels.scale_layout), read block by block beside it. `interpret` may be True (generic Pallas interpreter) or a
   pltpu.InterpretParams (TPU-faithful interpreter: DMAs, NaN-filled uninitialized memory, bounds checks).
   """
   require_backend("attention_pallas_tpu", "tpu", interpret)
@@ -175,17 +173,21 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
       return layer_ref[0], b, h, blk, 0
     return layer_ref[0], pages_ref[b * num_committed + blk], h, 0, 0
 
-  # A block's scales: every KV head's ([Hkv, block], whole last two dims, as Mosaic wants them; one head's row
-  # would be a block of 1 on the second-minor dim). In HBM, [L, N, Hkv, bs] float32 tiles (Hkv, bs) up to
-  # (8, 128): BENCHMARKS.md counts what that costs.
-  scale_map = lambda *a: (*kv_map(*a)[:2], 0, kv_map(*a)[3])
+  # A block's scales ([L, Hkv, S, X], X the pages or rows: tiles (8, 128) with no padding): this head's slots of
+  # the run of `lanes` pages (rows) that holds the block's; the kernel picks its column.
+  X = k_scale.shape[-1] if quant else 1
+  lanes = X if X <= LANES else LANES
+
+  def scale_map(*a):
+    layer_i, x, h, blk = kv_map(*a)[:4]
+    return layer_i, h, 0 if pages is not None else blk, lax.div(x, lanes)  # ids >= 0
   new_block = lambda i: jnp.maximum(i - num_committed, 0)  # block 0 during the committed steps: fetched once
   row_map = lambda b, h, r, i, *_: (b, r, 0)
   head_rows = lambda b, h, r, i, *_: (b, h, r, 0)
   new_map = lambda b, h, r, i, *_: (b, h, new_block(i), 0)
   kernel = functools.partial(
       _kernel, scale=float(scale), num_row_blocks=num_row_blocks, num_committed=num_committed,
-      num_steps=num_steps, last_token=last_token, tree=tree, quant=quant,
+      num_steps=num_steps, last_token=last_token, tree=tree, quant=quant, paged=pages is not None,
       # Explicit for bfloat16 too: left to jax_default_matmul_precision ("highest" in this project's tests, or a
       # user's setting), a bfloat16 dot asks Mosaic for float32 passes and fails ("Bad lhs type").
       precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
@@ -199,7 +201,7 @@ def attention_pallas_tpu(q, k_new, v_new, k_cache, v_cache, q_positions, lengths
           pl.BlockSpec((None, None, block_rows, D), head_rows),
           pl.BlockSpec((None, None, None, block_k, D), kv_map),
           pl.BlockSpec((None, None, None, block_k, D), kv_map),
-      ] + [pl.BlockSpec((None, None, Hkv, block_k), scale_map)] * (2 if quant else 0) + [
+      ] + [pl.BlockSpec((None, None, block_k, lanes), scale_map)] * (2 if quant else 0) + [
           pl.BlockSpec((None, None, LANES, D), new_map),
           pl.BlockSpec((None, None, LANES, D), new_map),
       ],

@@ -41,7 +41,7 @@ def per_shard(kernel, mesh, q, k_new, v_new, k_cache, v_cache, q_positions, leng
             "pages": pages, "k_scale": k_scale, "v_scale": v_scale}
   static_window = None if traced["window"] is not None else window
   names = [n for n, v in traced.items() if v is not None]
-  scales = P(*stacked, rows, kvh, None)
+  scales = P(*stacked, kvh, None, rows)  # [.., Hkv, S, X]: the slot axis last
   extra_specs = {"window": P(), "layer": P(), "pages": P(rows, None), "k_scale": scales, "v_scale": scales,
                  "tree_mask": P(rows, None, None) if tree_mask is not None and tree_mask.ndim == 3 else P()}
 

@@ -52,5 +52,15 @@ def test_a_dequantized_or_scale_copy_of_an_8bit_pool_is_found():
            _t("f32[1,8,16]", 8 * 16 * 4)]
   assert [t["shape"] for t in cache_sized(temps, layer, 1, pool=pool)] == [
       "bf16[4097,8,16,128]", "f32[32,4097,8,16]", "f32[4097,8,16]"]
+  # The scales' own layout [L, kv heads, block, pages] copied (whole, or a layer) is a copy too; a kernel's block of
+  # 128 pages' scales is not.
+  temps = [_t("f32[32,8,16,4097]", 32 * 4097 * 8 * 16 * 4), _t("f32[8,16,4097]", 4097 * 8 * 16 * 4),
+           _t("f32[1,16,128]", 16 * 128 * 4)]
+  assert [t["shape"] for t in cache_sized(temps, layer, 1, pool=pool)] == ["f32[32,8,16,4097]", "f32[8,16,4097]"]
+  # v5e-8's Llama-3 8B chip (one KV head): the whole K-scale pool re-laid out for the kernel, as XLA:TPU did with
+  # the old [L, N, Hkv, block] layout (BENCHMARKS.md).
+  one_head = (110658, 1, 16, 128)
+  temps = [_t("f32[32,110658,1,16]", 32 * 110658 * 16 * 4)]
+  assert [t["shape"] for t in cache_sized(temps, (16, 1, 4096, 128), 1, pool=one_head)] == ["f32[32,110658,1,16]"]
   # A bfloat16 pool has no scales: an [.., pages, heads, 16] float32 buffer is not taken for a copy of them.
   assert [t["shape"] for t in cache_sized(temps[1:3], layer, 2, pool=pool)] == []

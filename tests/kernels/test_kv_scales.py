@@ -29,7 +29,8 @@ def _quantized_paged(kc, vc, lengths, block, kv, rng):
   free = np.setdiff1d(np.arange(n), table)
   nan_data = jnp.issubdtype(cache.k.dtype, jnp.floating)
   poison = lambda a, v: a.at[:, free].set(v)
-  return cache.replace(k_scale=poison(cache.k_scale, jnp.nan), v_scale=poison(cache.v_scale, jnp.nan),
+  scales = lambda a: a.at[..., free].set(jnp.nan)  # [L, Hkv, block, N]: pages last
+  return cache.replace(k_scale=scales(cache.k_scale), v_scale=scales(cache.v_scale),
                        **({"k": poison(cache.k, jnp.nan), "v": poison(cache.v, jnp.nan)} if nan_data else {}))
 
 
@@ -68,7 +69,7 @@ def test_kernels_read_an_8bit_pool_with_its_scales(impl, kv, block, tree):
 
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 def test_kernels_read_a_stacked_8bit_cache_with_its_scales(impl):
-  """A contiguous [L, B, Hkv, S, D] int8 cache with scales [L, B, Hkv, S] (no page table), and one layer's."""
+  """A contiguous [L, B, Hkv, S, D] int8 cache with scales [L, Hkv, S, B] (no page table), and one layer's."""
   rng = np.random.default_rng(1)
   B, T, Hq, Hkv, D, S, L = 2, 3, 4, 1, 32, 48, 2
   lengths = [40, 9]
@@ -77,14 +78,15 @@ def test_kernels_read_a_stacked_8bit_cache_with_its_scales(impl):
   (k8, ks), (v8, vs) = quantize(kc * MAG, jnp.int8), quantize(vc * MAG, jnp.int8)
   deq = lambda x, s: x.astype(jnp.float32) * s[..., None]
   q, kn, vn = q / MAG, kn * MAG, vn * MAG
+  rows_last = lambda a: jnp.moveaxis(a, -3, -1)  # the scales' layout: [L, Hkv, S, B]
   for layer in range(L):
     ref = attention(q, kn, vn, deq(k8, ks)[layer], deq(v8, vs)[layer], pos, lens, scale=0.2, impl="xla")
-    xla = attention(q, kn, vn, k8, v8, pos, lens, scale=0.2, impl="xla", layer=jnp.int32(layer), k_scale=ks,
-                    v_scale=vs)
+    xla = attention(q, kn, vn, k8, v8, pos, lens, scale=0.2, impl="xla", layer=jnp.int32(layer),
+                    k_scale=rows_last(ks), v_scale=rows_last(vs))
     out = attention(q, kn, vn, k8, v8, pos, lens, scale=0.2, impl=impl + ":interpret", layer=jnp.int32(layer),
-                    k_scale=ks, v_scale=vs)
+                    k_scale=rows_last(ks), v_scale=rows_last(vs))
     one = attention(q, kn, vn, k8[layer], v8[layer], pos, lens, scale=0.2, impl=impl + ":interpret",
-                    k_scale=ks[layer], v_scale=vs[layer])
+                    k_scale=rows_last(ks[layer]), v_scale=rows_last(vs[layer]))
     for got in (xla, out, one):
       np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-3 * MAG)
 
@@ -144,7 +146,7 @@ def test_kernels_lower_an_8bit_pool_for_their_platform(impl, platform, dtype, mo
   sds = jax.ShapeDtypeStruct
   args = (sds((B, T, Hq, D), jnp.bfloat16), sds((B, T, Hkv, D), jnp.bfloat16), sds((B, T, Hkv, D), jnp.bfloat16),
           sds((4, N, Hkv, bs, D), dtype), sds((4, N, Hkv, bs, D), dtype), sds((B, T), jnp.int32), sds((B,), jnp.int32),
-          sds((4, N, Hkv, bs), jnp.float32), sds((4, N, Hkv, bs), jnp.float32), sds((B, P), jnp.int32),
+          sds((4, Hkv, bs, N), jnp.float32), sds((4, Hkv, bs, N), jnp.float32), sds((B, P), jnp.int32),
           sds((), jnp.int32))
   f = jax.jit(lambda q, kn, vn, kc, vc, p, l, ks, vs, pg, layer: fn(q, kn, vn, kc, vc, p, l, scale=0.1, layer=layer,
                                                                     pages=pg, k_scale=ks, v_scale=vs))

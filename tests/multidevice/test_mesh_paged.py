@@ -56,7 +56,7 @@ def test_an_8_bit_pool_split_over_data_writes_and_reads_as_on_one_device():
 
   ref, ref_view = jax.jit(lambda c, k, v: run(c, k, v, None))(cache, k, v)
   placed = sharding.put(cache, sharding.state_shardings(cache, mesh))
-  assert placed.k_scale.sharding.spec[1] == "data"
+  assert placed.k_scale.sharding.spec[3] == "data"
   got, got_view = jax.jit(lambda c, k, v: run(c, k, v, mesh))(placed, k, v)
   for a, b in zip(ref.pools() + ref_view, got.pools() + got_view):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
