@@ -13,7 +13,7 @@ _PROPOSER_AXES = {
     # EAGLE's input projection [2D, D] and EAGLE-3's feature fusion [3D, D]: split on their output features, each
     # chip computing whole dot products for its share (replicated, every chip read both whole: 431 MB a chip a
     # step on Llama-3 8B v5e-8, more than the head's layer). Their products are gathered back to the state
-    # table's layout at once (eagle.layer_inputs), so no split reaches the loop's carry.
+    # table's layout at once (eagle.layer_step), so no split reaches the loop's carry.
     "fc": ("embed", "features"), "fuse": ("embed", "features"),
     "w": ("embed", "embed"), "b": ("embed",),  # Medusa heads [K, D, D], [K, D] (K stacked like layers)
 }
