@@ -10,10 +10,11 @@ from spec_jax.models import schema
 # The proposers' own parameters:
 _PROPOSER_AXES = {
     "rows": ("vocab", "embed"),  # a draft's output rows (d2t's), as the head's
-    # EAGLE's input projection [2D, D]. Replicated: every chip reads it whole (split on its output features, the
-    # compiler's EAGLE-3 k = 4 step fell 5.94 -> 5.06 ms on Llama-3 8B v5e-8, but the loop then gave the EAGLE
-    # state's features back split over 'model', against the state table; issue 48 has it to redo).
-    "fc": ("embed", "embed"),
+    # EAGLE's input projection [2D, D] and EAGLE-3's feature fusion [3D, D]: split on their output features, each
+    # chip computing whole dot products for its share (replicated, every chip read both whole: 431 MB a chip a
+    # step on Llama-3 8B v5e-8, more than the head's layer). Their products are gathered back to the state
+    # table's layout at once (eagle.layer_step), so no split reaches the loop's carry.
+    "fc": ("embed", "features"), "fuse": ("embed", "features"),
     "w": ("embed", "embed"), "b": ("embed",),  # Medusa heads [K, D, D], [K, D] (K stacked like layers)
 }
 PARAM_AXES = {**schema.AXES, **_PROPOSER_AXES}

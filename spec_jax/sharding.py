@@ -40,6 +40,7 @@ LOGICAL_RULES = {
     "mlp": "model",
     "vocab": "model",
     "layers": None,
+    "features": "model",  # a proposer's projection's output features (EAGLE's fc, EAGLE-3's fuse)
 }
 
 

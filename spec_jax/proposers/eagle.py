@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax import kernels, scopes
+from spec_jax import kernels, scopes, sharding
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 from spec_jax.models import transformer as tfm
@@ -152,6 +152,9 @@ def layer_step(params: dict, cfg: ModelConfig, feats, toks, positions, k_cache, 
                           positions=positions, lengths=lengths, impl=impl, tree_mask=tree_mask, mesh=mesh,
                           kv_dtype=kv_dtype, kv_scales=kv_scales)
   x, attn_in = layer_inputs(params, cfg, feats, toks, published)
+  # fc and fuse are split over 'model' on their output features (param_axes): gather their products back to the
+  # table's row layout here, or the split reaches the layer's output and through it the loop's carried features.
+  x, attn_in = sharding.constrain_state((x, attn_in), mesh)
   return run(x, attn_input=attn_in)
 
 

@@ -11,8 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 from spec_jax import sharding, slots
 from spec_jax.decode import decode_loop, make_spec
-from spec_jax.batch import generate, start
+from spec_jax.batch import generate, result, start
 from spec_jax.models.transformer import init_params
+from spec_jax.proposers import eagle
 from spec_jax.proposers.draft import DraftModelProposer
 from tests.conftest import tiny_gemma_config
 from tests.test_slots import _proposer as slots_proposer
@@ -101,6 +102,7 @@ def test_layout_follows_the_table():
   assert sharding.spec_of(t["layers"]["down"]) == P(None, "model", None)
   assert sharding.spec_of(t["final_norm"]) == P(None)
   assert sharding.spec_of(both["proposer"]["layer"]["gate"]) == P(None, "model")  # EAGLE's own layer
+  assert sharding.spec_of(both["proposer"]["fc"]) == P(None, "model")  # its input projection, on output features
   # Each device holds a quarter of the embedding rows.
   assert t["embed"].addressable_shards[0].data.shape == (CONFIG.vocab_size // 4, CONFIG.d_model)
   state = start(both, spec, _prompts(3), max_new_tokens=MAX_NEW)
@@ -112,6 +114,31 @@ def test_layout_follows_the_table():
                     (state.pstate.pend_feat, ("data",))):
     assert _full(sharding.spec_of(arr), arr.ndim) == _full(want, arr.ndim), (arr.shape, sharding.spec_of(arr), want)
   assert state.cache.k.addressable_shards[0].data.shape[1] == state.cache.k.shape[1] // 2  # rows split in 2
+
+
+def test_eagle3_splits_fc_and_fuse_and_its_state_follows_the_table():
+  """EAGLE-3's fc [2D, D] and fuse [3D, D] split over 'model' on their output features (no chip holds either
+  whole), yet the loop gives the head's state back in the table's layout, and greedy output is one device's."""
+  mesh = sharding.make_mesh("data:2,model:4")
+  ecfg = eagle.layer_config(CONFIG)
+  w = eagle.init_params(jax.random.PRNGKey(4), ecfg, target_params=_params(), num_feature_layers=3)
+  prop = eagle.EagleProposer(config=ecfg, vocab_size=CONFIG.vocab_size, k=3, feature_layers=(0, 1, 3))
+  pp = eagle.runtime_params(w, _params())
+  spec = make_spec(CONFIG, prop, adaptive_k=False, mesh=mesh)
+  both = sharding.shard_params({"target": _params(), "proposer": pp}, mesh)
+  for name in ("fc", "fuse"):
+    assert sharding.spec_of(both["proposer"][name]) == P(None, "model"), name
+    assert both["proposer"][name].addressable_shards[0].data.shape[1] == CONFIG.d_model // 4
+  prompts = _prompts(8)
+  state = decode_loop(both, start(both, spec, prompts, max_new_tokens=MAX_NEW), spec)
+  for arr in (state.pstate.pend_feat, state.last_hidden, state.pstate.pend_tok):
+    assert _full(sharding.spec_of(arr), arr.ndim) == _full(("data",), arr.ndim), (arr.shape, sharding.spec_of(arr))
+  out = result(state, len(prompts), spec)
+  ref = generate(_params(), CONFIG, prompts, max_new_tokens=MAX_NEW, proposer=prop, proposer_params=pp,
+                 adaptive_k=False)
+  assert out.token_ids == ref.token_ids
+  assert out.stats["drafted_tokens"] == ref.stats["drafted_tokens"] > 0
+  assert out.stats["accepted_tokens"] == ref.stats["accepted_tokens"]
 
 
 def _full(spec, ndim):

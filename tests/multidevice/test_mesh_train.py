@@ -95,8 +95,7 @@ def test_mesh_steps_match_one_device_and_are_sharded(runs):
   for x in (layer["gate"], adam.mu["layer"]["gate"], adam.nu["layer"]["gate"]):  # [embed, mlp]
     assert _has(x, mesh, P(None, "model")), x.sharding
   assert _has(layer["down"], mesh, P("model", None)) and _has(adam.nu["layer"]["down"], mesh, P("model", None))
-  # The [2D, D] input projection, which the table leaves whole, is split on its outputs in training (with
-  # Adam's copies: Trainer.trainable_shardings) ...
+  # ... its [2D, D] input projection on its output features (each chip reads its share, not all of it) ...
   for x in (meshed.params["fc"], adam.mu["fc"], adam.nu["fc"]):
     assert _has(x, mesh, P(None, "model")), x.sharding
   # ... while its single K/V head, norms and the Adam count stay whole.
