@@ -209,7 +209,8 @@ class Trainer:
   def trainable_shardings(self, params):
     """The table's shardings, except that a matrix it leaves whole (Medusa's heads [K, D, D]; the table splits
     EAGLE's fc itself) is split over 'model' on its last dimension when that divides, as the table splits the MLP's
-    outputs: replicated, those params and Adam's two copies of them do not fit a 70B target's chips (BENCHMARKS.md, the 70B table)."""
+    outputs: replicated, those params and Adam's two copies of them do not fit a 70B target's chips
+    (BENCHMARKS.md, the 70B table)."""
     if self.mesh is None:
       return self.param_shardings(params)
     m = shd.axis_size(self.mesh, "model")
