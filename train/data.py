@@ -162,6 +162,21 @@ class RowView:
     return sorted(where[s] for s in self.seqs.read if s in where)
 
 
+def fingerprint(tokens, process: int, count: int, allgather: Callable) -> bytes:
+  """What a feature cache is keyed on: the bytes of every row; for rows made on read (RowView), a digest per row,
+  process `process` of `count` hashing its share (rows p, p + P, ...) and `allgather` (the processes' collective)
+  bringing every share to each, so no host reads every row."""
+  if not isinstance(tokens, RowView):
+    return np.ascontiguousarray(tokens).tobytes()
+  n = len(tokens)
+  mine = np.zeros((-(-n // count), 32), np.uint8)
+  for j, r in enumerate(range(process, n, count)):
+    mine[j] = np.frombuffer(hashlib.sha256(np.ascontiguousarray(tokens[[r]]).tobytes()).digest(), np.uint8)
+  every = np.asarray(allgather(mine)) if count > 1 else mine[None]
+  # every[q, j] is row q + j * count: put them back in row order.
+  return b"rows:" + np.ascontiguousarray(every.transpose(1, 0, 2).reshape(-1, 32)[:n]).tobytes()
+
+
 @dataclasses.dataclass
 class Dataset:
   tokens: np.ndarray  # int32 [N, T], padded with 0 (or a RowView: made on read)

@@ -291,32 +291,16 @@ class Trainer:
     return self.best.restore(step, args=ocp.args.StandardRestore(abstract))["params"]
 
   # ------------------------------------------------------------------------------------------- loops
-  def _fingerprint(self, tokens) -> bytes:
-    """What the feature cache is keyed on: the bytes of every row; for rows made on read (RowView), a digest per
-    row, each process hashing its share (rows p, p + P, ...) and all gathered, so no host reads every row."""
-    if not isinstance(tokens, data_lib.RowView):
-      return np.ascontiguousarray(tokens).tobytes()
-    n, p, count = len(tokens), jax.process_index(), jax.process_count()
-    mine = np.zeros((-(-n // count), 32), np.uint8)
-    for j, r in enumerate(range(p, n, count)):
-      mine[j] = np.frombuffer(hashlib.sha256(np.ascontiguousarray(tokens[[r]]).tobytes()).digest(), np.uint8)
-    if count > 1:
-      mine = np.asarray(multihost_utils.process_allgather(mine))
-    else:
-      mine = mine[None]
-    # mine[q, j] is row q + j * count: put them back in row order.
-    return b"rows:" + np.ascontiguousarray(mine.transpose(1, 0, 2).reshape(-1, 32)[:n]).tobytes()
-
   def precompute(self, frozen, tokens) -> np.ndarray:
     """The frozen target's features for every sequence in `feature_dtype`, computed in batches and written
     straight into the result (a memory-mapped .npy under `feature_dir`, reused by later runs on the same tokens;
-    host memory otherwise), so no float32 copy of the whole set is ever held. Each process reads only its own
-    rows of each batch (the features come back whole to every process)."""
+    host memory otherwise), no float32 copy of the whole set held; each process reads its rows, gets every row's."""
     dtype = _storage_dtype(self.spec.feature_dtype)
     path = None
     if self.spec.feature_dir and self.task.features_id:
       key = f"{self.task.features_id}:{self.spec.feature_dtype}".encode()
-      h = hashlib.sha256(key + self._fingerprint(tokens)).hexdigest()[:16]
+      rows = data_lib.fingerprint(tokens, jax.process_index(), jax.process_count(), multihost_utils.process_allgather)
+      h = hashlib.sha256(key + rows).hexdigest()[:16]
       path = os.path.join(self.spec.feature_dir, f"features-{h}.npy")
       if os.path.exists(path):
         return np.load(path, mmap_mode="r").view(dtype)
