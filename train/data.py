@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from spec_jax.checkpoints.file_cache import replace_from, unique_temp_path
 from spec_jax.datasets import TRAIN_DIR, jsonl_files, read_jsonl
 from train.distill_shards import load_shards, read_manifest
 
@@ -268,9 +269,8 @@ def _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, c
   prompt_ids.sort(key=len)
   seqs = self_distill(generate_fn, prompt_ids, spec)
   toks, mask = pack(seqs, spec.seq_len)
-  tmp = f"{path}.{os.getpid()}.tmp.npz"
-  np.savez(tmp, tokens=toks, mask=mask)
-  os.replace(tmp, path)  # atomic: another host answering the same prompts never reads half a file
+  # Atomic, one temporary per writer: another host answering the same prompts never reads half a file.
+  replace_from(unique_temp_path(path) + ".npz", path, lambda tmp: np.savez(tmp, tokens=toks, mask=mask))
   return seqs
 
 
