@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from spec_jax.checkpoints.file_cache import replace_from, unique_temp_path
-from spec_jax.datasets import TRAIN_DIR, jsonl_files, read_jsonl
+from spec_jax.datasets import TRAIN_DIR, jsonl_files
 from train.distill_shards import Answers, NpzRows, read_manifest, shard_answers
 
 
@@ -49,19 +49,68 @@ def _example(rec: dict) -> Optional[tuple]:
   return None
 
 
-def load_examples(data_dir: str = TRAIN_DIR) -> list:
-  """(prompt, reference answer) of every training jsonl record, in a fixed order (files sorted, lines in order)."""
-  out = []
+def _scan_examples(data_dir: str):
+  """-> (path, byte offset of its line, (prompt, reference answer)) of every training example in a fixed order
+  (files sorted, lines in order). A missing or empty file, or a line that is not a JSON object, is an error that
+  names the path (and line), as spec_jax.datasets.read_jsonl's."""
   for path in jsonl_files(data_dir):
     if "spec_bench" in os.path.basename(path).lower():
       continue
-    for _, rec in read_jsonl(path):
-      ex = _example(rec)
-      if ex and ex[0]:
-        out.append(ex)
+    offset, lines = 0, 0
+    with open(path, "rb") as f:
+      for n, line in enumerate(f, 1):
+        start, offset = offset, offset + len(line)
+        if not line.strip():
+          continue
+        lines += 1
+        ex = _example(_record(line, path, n))
+        if ex and ex[0]:
+          yield path, start, ex
+    if not lines:
+      raise ValueError(f"data file is empty: {path}")
+
+
+def _record(line: bytes, path: str, n: int) -> dict:
+  try:
+    rec = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+  if not isinstance(rec, dict):
+    raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+  return rec
+
+
+def load_examples(data_dir: str = TRAIN_DIR) -> list:
+  """(prompt, reference answer) of every training jsonl record, in a fixed order (files sorted, lines in order)."""
+  out = [ex for _, _, ex in _scan_examples(data_dir)]
   if not out:
     raise ValueError(f"no training examples in {data_dir}")
   return out
+
+
+class Examples:
+  """load_examples' (prompt, reference answer) pairs, each read from its line on use (`examples[i]`): a trainer
+  host of many reads only the examples it feeds. The index (one line offset per example, and whether its answer
+  is non-blank) is one pass over the files that keeps nothing else. `read` holds the indices read so far."""
+
+  def __init__(self, data_dir: str = TRAIN_DIR):
+    self.where, self.answered, self.read = [], [], set()
+    for path, offset, (_, answer) in _scan_examples(data_dir):
+      self.where.append((path, offset))
+      self.answered.append(bool(answer.strip()))
+    if not self.where:
+      raise ValueError(f"no training examples in {data_dir}")
+
+  def __len__(self):
+    return len(self.where)
+
+  def __getitem__(self, i: int) -> tuple:
+    path, offset = self.where[i]
+    with open(path, "rb") as f:
+      f.seek(offset)
+      line = f.readline()
+    self.read.add(int(i))
+    return _example(_record(line, path, 0))
 
 
 def load_prompts(data_dir: str = TRAIN_DIR) -> list:
@@ -186,6 +235,7 @@ class Dataset:
   eval_tokens: np.ndarray
   eval_mask: np.ndarray
   answers: Optional[Answers] = None  # the self-distilled answers (sequences 0 .. n - 1), read on use
+  examples: Optional["Examples"] = None  # the jsonl examples the prompts and transcripts come from, read on use
 
   def token_counts(self, vocab_size: int, share: tuple = (0, 1)) -> np.ndarray:
     """Counts of every token id over the training rows; share=(p, P): over rows p, p + P, ... only (process p's
@@ -229,10 +279,16 @@ def split(toks, mask, spec: DataSpec) -> Dataset:
   return Dataset(toks[tr], mask[tr], toks[ev], mask[ev])
 
 
-def split_lazy(seqs: LazySeqs, spec: DataSpec, answers: Optional[Answers] = None) -> Dataset:
+def split_lazy(seqs: LazySeqs, spec: DataSpec, answers: Optional[Answers] = None, examples=None) -> Dataset:
   """split() over sequences made on read: the same rows in the same order, none made yet."""
   tr, ev = split_order(len(seqs), spec)
-  return Dataset(RowView(seqs, tr, 0), RowView(seqs, tr, 1), RowView(seqs, ev, 0), RowView(seqs, ev, 1), answers)
+  return Dataset(RowView(seqs, tr, 0), RowView(seqs, tr, 1), RowView(seqs, ev, 0), RowView(seqs, ev, 1), answers,
+                 examples)
+
+
+def _encode_example(encode_prompt: Callable, examples: "Examples", i: int) -> list:
+  """A reference transcript's ids: example i read from its file and encoded as (prompt, answer)."""
+  return encode_prompt(examples[i])
 
 
 def cache_key(spec: DataSpec, target_name: str, extra: str = "") -> str:
@@ -299,7 +355,7 @@ def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_t
     raise ValueError("distill_dir replaces the generated self-distilled answers: set num_prompts to 0")
   examples = order = None
   if prompts is None or transcripts is None:
-    examples = load_examples(data_dir)
+    examples = Examples(data_dir)  # each example read as its row (or its generation) needs it
     order = prompt_order(len(examples), spec.seed)
 
   def check_room(first_transcript):  # before any generation: the held-out prompts stay out of training
@@ -321,21 +377,22 @@ def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_t
   ids = lambda x: (lambda: x)
   if transcripts is None:
     picked = order[first_transcript:first_transcript + spec.num_transcripts]
-    transcripts = [functools.partial(encode_prompt, (examples[i][0], examples[i][1])) for i in picked
-                   if examples[i][1].strip()]
+    transcripts = [functools.partial(_encode_example, encode_prompt, examples, i) for i in picked
+                   if examples.answered[i]]
   else:
     transcripts = [ids(t) for t in transcripts]
   if texts is None:
     texts = stdlib_texts(spec.num_text, spec.text_chars, spec.seed)
   seqs = LazySeqs([functools.partial(answers.__getitem__, i) for i in range(n_distilled)] + transcripts +
                   [functools.partial(encode_text, t) for t in texts], spec.seq_len)
-  data = split_lazy(seqs, spec, answers)
+  data = split_lazy(seqs, spec, answers, examples)
   what = (f"data: {len(seqs)} sequences ({n_distilled} self-distilled, {len(transcripts)} reference transcripts, "
           f"{len(texts)} text chunks)")
   if lazy:
     log(f"{what}, tokenized as read")
     return data
-  data = Dataset(*(np.asarray(a) for a in (data.tokens, data.mask, data.eval_tokens, data.eval_mask)), answers)
+  data = Dataset(*(np.asarray(a) for a in (data.tokens, data.mask, data.eval_tokens, data.eval_mask)), answers,
+                 examples)
   log(f"{what}, {int(data.mask.sum() + data.eval_mask.sum())} tokens")
   return data
 

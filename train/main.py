@@ -96,7 +96,8 @@ def token_counts(data, vocab_size):
 
 def record_reads(workdir, data):
   """workdir/data_reads/process<i>.json: the training and eval rows this process tokenized (what a host of many
-  reads: its rows of each batch and its share of the token count), and the self-distilled answers it read."""
+  reads: its rows of each batch and its share of the token count), and the self-distilled answers and jsonl
+  examples it read."""
   if not isinstance(data.tokens, data_lib.RowView):
     return
   path = os.path.join(workdir, "data_reads", f"process{jax.process_index()}.json")
@@ -104,7 +105,8 @@ def record_reads(workdir, data):
   with open(path, "w") as f:
     json.dump({"train": data.tokens.rows_read(), "eval": data.eval_tokens.rows_read(),
                "train_rows": len(data.tokens), "eval_rows": len(data.eval_tokens),
-               "answers": sorted(data.answers.read), "answers_total": len(data.answers)}, f)
+               "answers": sorted(data.answers.read), "answers_total": len(data.answers),
+               "examples": sorted(data.examples.read) if data.examples is not None else []}, f)
 
 
 # Settings a resumed run may change: they do not change what is trained. (data_parallel: an old config key,
