@@ -22,6 +22,7 @@ import time
 import uvicorn
 from absl import app, flags
 
+from serve.engine import timing_probe
 from serve.engine.engine import Engine
 from serve.engine.guardrails import GuardrailConfig
 from serve.engine.live_ab import SwitchbackConfig
@@ -138,13 +139,10 @@ def grammar_capacity(value):
 def serve(cfg: dict) -> None:
   # Many hosts (serve/many_hosts/multihost.py): every process builds the same engine; process 0 serves, the others mirror it.
   cluster = multihost.join(cfg)  # None: one process
-  if cluster is not None and cfg["timing_probe_s"]:
-    log.info("many hosts: the step timing probe is off (--timing_probe_s=0): its timed loop is not mirrored")
-    cfg["timing_probe_s"] = 0.0
   log.info("%s", use_compilation_cache(cfg["compilation_cache_dir"]))
   engine, tokenizer, sc = build_engine(cfg, table_class=multihost.table_class(cluster))
   if cluster is not None and cluster.role == "follower":
-    multihost.follow(engine, cluster)
+    multihost.follow(engine, cluster, timing_probe.untimed_loop)
     multihost.exit_now(0)
   if cluster is not None:
     multihost.lead(engine.table, cluster)

@@ -10,7 +10,8 @@ and the Python standard library:
   generation) and, since the losses are against the target's distribution at every position, still the target's
   behaviour that is learned; EAGLE trained on fixed chat data for the same reason;
 - plain-text chunks of the standard library's sources (docstrings and code, files in sorted order).
-The self-distilled sequences are cached as .npz under a cache dir keyed by the settings that shape them.
+The self-distilled sequences are cached as .npz under a cache dir keyed by the settings that shape them; they
+are read (from that cache or train.distill's shards) one answer at a time, as a row that holds one is first read.
 
 Batches are a pure function of (seed, step), so resuming at step s reads exactly what an uninterrupted run
 would have read.
@@ -30,8 +31,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from spec_jax.checkpoints.file_cache import replace_from, unique_temp_path
-from spec_jax.datasets import TRAIN_DIR, jsonl_files, read_jsonl
-from train.distill_shards import load_shards, read_manifest
+from spec_jax.datasets import TRAIN_DIR, jsonl_files
+from train.distill_shards import Answers, NpzRows, read_manifest, shard_answers
 
 
 def _example(rec: dict) -> Optional[tuple]:
@@ -48,19 +49,68 @@ def _example(rec: dict) -> Optional[tuple]:
   return None
 
 
-def load_examples(data_dir: str = TRAIN_DIR) -> list:
-  """(prompt, reference answer) of every training jsonl record, in a fixed order (files sorted, lines in order)."""
-  out = []
+def _scan_examples(data_dir: str):
+  """-> (path, byte offset of its line, (prompt, reference answer)) of every training example in a fixed order
+  (files sorted, lines in order). A missing or empty file, or a line that is not a JSON object, is an error that
+  names the path (and line), as spec_jax.datasets.read_jsonl's."""
   for path in jsonl_files(data_dir):
     if "spec_bench" in os.path.basename(path).lower():
       continue
-    for _, rec in read_jsonl(path):
-      ex = _example(rec)
-      if ex and ex[0]:
-        out.append(ex)
+    offset, lines = 0, 0
+    with open(path, "rb") as f:
+      for n, line in enumerate(f, 1):
+        start, offset = offset, offset + len(line)
+        if not line.strip():
+          continue
+        lines += 1
+        ex = _example(_record(line, path, n))
+        if ex and ex[0]:
+          yield path, start, ex
+    if not lines:
+      raise ValueError(f"data file is empty: {path}")
+
+
+def _record(line: bytes, path: str, n: int) -> dict:
+  try:
+    rec = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+  if not isinstance(rec, dict):
+    raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+  return rec
+
+
+def load_examples(data_dir: str = TRAIN_DIR) -> list:
+  """(prompt, reference answer) of every training jsonl record, in a fixed order (files sorted, lines in order)."""
+  out = [ex for _, _, ex in _scan_examples(data_dir)]
   if not out:
     raise ValueError(f"no training examples in {data_dir}")
   return out
+
+
+class Examples:
+  """load_examples' (prompt, reference answer) pairs, each read from its line on use (`examples[i]`): a trainer
+  host of many reads only the examples it feeds. The index (one line offset per example, and whether its answer
+  is non-blank) is one pass over the files that keeps nothing else. `read` holds the indices read so far."""
+
+  def __init__(self, data_dir: str = TRAIN_DIR):
+    self.where, self.answered, self.read = [], [], set()
+    for path, offset, (_, answer) in _scan_examples(data_dir):
+      self.where.append((path, offset))
+      self.answered.append(bool(answer.strip()))
+    if not self.where:
+      raise ValueError(f"no training examples in {data_dir}")
+
+  def __len__(self):
+    return len(self.where)
+
+  def __getitem__(self, i: int) -> tuple:
+    path, offset = self.where[i]
+    with open(path, "rb") as f:
+      f.seek(offset)
+      line = f.readline()
+    self.read.add(int(i))
+    return _example(_record(line, path, 0))
 
 
 def load_prompts(data_dir: str = TRAIN_DIR) -> list:
@@ -184,6 +234,8 @@ class Dataset:
   mask: np.ndarray  # bool [N, T], real tokens
   eval_tokens: np.ndarray
   eval_mask: np.ndarray
+  answers: Optional[Answers] = None  # the self-distilled answers (sequences 0 .. n - 1), read on use
+  examples: Optional["Examples"] = None  # the jsonl examples the prompts and transcripts come from, read on use
 
   def token_counts(self, vocab_size: int, share: tuple = (0, 1)) -> np.ndarray:
     """Counts of every token id over the training rows; share=(p, P): over rows p, p + P, ... only (process p's
@@ -227,10 +279,16 @@ def split(toks, mask, spec: DataSpec) -> Dataset:
   return Dataset(toks[tr], mask[tr], toks[ev], mask[ev])
 
 
-def split_lazy(seqs: LazySeqs, spec: DataSpec) -> Dataset:
+def split_lazy(seqs: LazySeqs, spec: DataSpec, answers: Optional[Answers] = None, examples=None) -> Dataset:
   """split() over sequences made on read: the same rows in the same order, none made yet."""
   tr, ev = split_order(len(seqs), spec)
-  return Dataset(RowView(seqs, tr, 0), RowView(seqs, tr, 1), RowView(seqs, ev, 0), RowView(seqs, ev, 1))
+  return Dataset(RowView(seqs, tr, 0), RowView(seqs, tr, 1), RowView(seqs, ev, 0), RowView(seqs, ev, 1), answers,
+                 examples)
+
+
+def _encode_example(encode_prompt: Callable, examples: "Examples", i: int) -> list:
+  """A reference transcript's ids: example i read from its file and encoded as (prompt, answer)."""
+  return encode_prompt(examples[i])
 
 
 def cache_key(spec: DataSpec, target_name: str, extra: str = "") -> str:
@@ -245,48 +303,59 @@ def _distill_key(spec: DataSpec, target_name: str) -> str:
   return hashlib.sha256(json.dumps([keep, target_name], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def distilled_answers(spec: DataSpec, target_name: str, log=print) -> tuple[list, int]:
-  """-> (prompt + answer token lists of a train.distill directory, the first prompt position it did not
-  answer). Refuses answers of another target (they would teach another model's distribution)."""
+def distilled_answers(spec: DataSpec, target_name: str, log=print, share: tuple = (0, 1)) -> tuple[Answers, int]:
+  """-> (prompt + answer token lists of a train.distill directory, read on use; the first prompt position it did
+  not answer). Refuses answers of another target (they would teach another model's distribution). share=(p, P):
+  this host checks the checksums of its share of the shards (distill_shards.shard_answers)."""
   made_by = read_manifest(spec.distill_dir).get("settings", {}).get("target_name")
   if made_by is not None and made_by != target_name:
     raise ValueError(f"{spec.distill_dir} holds answers of {made_by!r}, not of the target {target_name!r}")
-  recs = load_shards(spec.distill_dir)  # checks every shard's sha256
-  log(f"data: {len(recs)} self-distilled answers from {spec.distill_dir}")
-  return [r["ids"].tolist() for r in recs], max(r["position"] for r in recs) + 1
+  answers, first = shard_answers(spec.distill_dir, share)
+  log(f"data: {len(answers)} self-distilled answers from {spec.distill_dir}")
+  return answers, first
 
 
-def _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, cache_dir, log) -> list:
-  """The prompts answered here by generate_fn, cached as .npz under cache_dir."""
+def _cached_answers(path: str) -> Answers:
+  """The answers of a cache written by _generated_answers, each row read (memory-mapped) on use."""
+  tokens, mask = NpzRows(path, "tokens"), NpzRows(path, "mask")
+  return Answers(tokens.shape[0], lambda i: tokens.rows(i, i + 1)[0][mask.rows(i, i + 1)[0]].tolist())
+
+
+def _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, cache_dir, log) -> Answers:
+  """The prompts answered here by generate_fn, cached as .npz under cache_dir. prompts() -> the prompt texts
+  (read only when there is no cache)."""
   os.makedirs(cache_dir, exist_ok=True)
   path = os.path.join(cache_dir, f"distill-{_distill_key(spec, target_name)}.npz")
   if os.path.exists(path):
-    z = np.load(path)
     log(f"data: cached self-distilled sequences {path}")
-    return [row[m].tolist() for row, m in zip(z["tokens"], z["mask"])]
-  prompt_ids = [encode_prompt(p)[:spec.seq_len // 2] for p in prompts]
+    return _cached_answers(path)
+  prompt_ids = [encode_prompt(p)[:spec.seq_len // 2] for p in prompts()]
   # Similar lengths share a generation batch (less padding); the result order is fixed by the sort.
   prompt_ids.sort(key=len)
   seqs = self_distill(generate_fn, prompt_ids, spec)
   toks, mask = pack(seqs, spec.seq_len)
   # Atomic, one temporary per writer: another host answering the same prompts never reads half a file.
+  # np.savez, not compressed: _cached_answers maps its rows
   replace_from(unique_temp_path(path) + ".npz", path, lambda tmp: np.savez(tmp, tokens=toks, mask=mask))
-  return seqs
+  return Answers(len(seqs), seqs.__getitem__)
 
 
 def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_text: Callable,
           generate_fn: Callable, cache_dir: str, prompts: Optional[list] = None, texts: Optional[list] = None,
-          transcripts: Optional[list] = None, data_dir: str = TRAIN_DIR, log=print, lazy: bool = False) -> Dataset:
+          transcripts: Optional[list] = None, data_dir: str = TRAIN_DIR, log=print, lazy: bool = False,
+          share: tuple = (0, 1)) -> Dataset:
   """The full pipeline; the self-distilled sequences (the slow part) are cached as .npz. `encode_prompt(text)
   -> ids` (BOS and chat template included); `encode_text(text) -> ids` (BOS included) for plain-text chunks;
   `transcripts` are token lists (built from the reference answers when None). lazy: the Dataset's arrays are
   RowViews, each transcript and text chunk tokenized when a row of it is first read (a host of many reads only
-  its own rows); otherwise numpy arrays of every row."""
+  its own rows, and the self-distilled answers are read likewise, one as its row is first read: the Dataset's
+  `answers` holds which); otherwise numpy arrays of every row. share=(p, P): this process is p of P (each checks
+  its share of the distill shards' checksums)."""
   if spec.distill_dir and spec.num_prompts:
     raise ValueError("distill_dir replaces the generated self-distilled answers: set num_prompts to 0")
   examples = order = None
   if prompts is None or transcripts is None:
-    examples = load_examples(data_dir)
+    examples = Examples(data_dir)  # each example read as its row (or its generation) needs it
     order = prompt_order(len(examples), spec.seed)
 
   def check_room(first_transcript):  # before any generation: the held-out prompts stay out of training
@@ -295,35 +364,35 @@ def build(spec: DataSpec, *, target_name: str, encode_prompt: Callable, encode_t
                        "is held out)")
 
   if spec.distill_dir:
-    seqs, first_transcript = distilled_answers(spec, target_name, log)
+    answers, first_transcript = distilled_answers(spec, target_name, log, share)
     check_room(first_transcript)
-    n_distilled = len(seqs)
   else:
     first_transcript = spec.num_prompts
     check_room(first_transcript)
-    if prompts is None:
-      prompts = [examples[i][0] for i in order[:spec.num_prompts]]
-    seqs = _generated_answers(spec, target_name, prompts, encode_prompt, generate_fn, cache_dir, log)
-    n_distilled = len(prompts)
+    texts_of = (lambda: prompts) if prompts is not None else \
+        (lambda: [examples[i][0] for i in order[:spec.num_prompts]])
+    answers = _generated_answers(spec, target_name, texts_of, encode_prompt, generate_fn, cache_dir, log)
+  n_distilled = len(answers)
   # Every sequence is a thunk: tokenized (and packed) only when a row of it is read.
   ids = lambda x: (lambda: x)
   if transcripts is None:
     picked = order[first_transcript:first_transcript + spec.num_transcripts]
-    transcripts = [functools.partial(encode_prompt, (examples[i][0], examples[i][1])) for i in picked
-                   if examples[i][1].strip()]
+    transcripts = [functools.partial(_encode_example, encode_prompt, examples, i) for i in picked
+                   if examples.answered[i]]
   else:
     transcripts = [ids(t) for t in transcripts]
   if texts is None:
     texts = stdlib_texts(spec.num_text, spec.text_chars, spec.seed)
-  seqs = LazySeqs([ids(s) for s in seqs] + transcripts + [functools.partial(encode_text, t) for t in texts],
-                  spec.seq_len)
-  data = split_lazy(seqs, spec)
+  seqs = LazySeqs([functools.partial(answers.__getitem__, i) for i in range(n_distilled)] + transcripts +
+                  [functools.partial(encode_text, t) for t in texts], spec.seq_len)
+  data = split_lazy(seqs, spec, answers, examples)
   what = (f"data: {len(seqs)} sequences ({n_distilled} self-distilled, {len(transcripts)} reference transcripts, "
           f"{len(texts)} text chunks)")
   if lazy:
     log(f"{what}, tokenized as read")
     return data
-  data = Dataset(*(np.asarray(a) for a in (data.tokens, data.mask, data.eval_tokens, data.eval_mask)))
+  data = Dataset(*(np.asarray(a) for a in (data.tokens, data.mask, data.eval_tokens, data.eval_mask)), answers,
+                 examples)
   log(f"{what}, {int(data.mask.sum() + data.eval_mask.sum())} tokens")
   return data
 

@@ -58,6 +58,7 @@ def load_target(cfg):
 def build_data(cfg, config, params, tokenizer, log, lazy=False):
   """The run's Dataset; lazy: rows tokenized as read (data_lib.build), as the trainer on many hosts reads them."""
   spec = data_lib.DataSpec(**dict(cfg.data))
+  share = (jax.process_index(), jax.process_count())  # each process checks its share of the distill shards
 
   def generate_fn(batch, temperature, seed):
     res = generate(params, config, batch, max_new_tokens=spec.max_new_tokens, seed=seed,
@@ -72,14 +73,15 @@ def build_data(cfg, config, params, tokenizer, log, lazy=False):
     texts = [rng.integers(3, config.vocab_size, spec.text_chars).tolist() for _ in range(spec.num_text)]
     return data_lib.build(spec, target_name=config.name, encode_prompt=lambda p: [config.bos_id] + p,
                           encode_text=lambda t: [config.bos_id] + t, generate_fn=generate_fn,
-                          cache_dir=cfg.cache_dir, prompts=prompts, texts=texts, transcripts=[], log=log, lazy=lazy)
+                          cache_dir=cfg.cache_dir, prompts=prompts, texts=texts, transcripts=[], log=log, lazy=lazy,
+                          share=share)
   def encode_prompt(t):  # a prompt (ends with the model's turn opening) or a (prompt, answer) transcript
     if isinstance(t, tuple):
       return tokenizer.encode(tokenizer.apply_chat_template(list(t), add_generation_prompt=False))
     return tokenizer.encode(tokenizer.apply_chat_template([t]))
   return data_lib.build(spec, target_name=config.name, encode_prompt=encode_prompt,
                         encode_text=lambda t: tokenizer.encode(t, parse_special=False),
-                        generate_fn=generate_fn, cache_dir=cfg.cache_dir, log=log, lazy=lazy)
+                        generate_fn=generate_fn, cache_dir=cfg.cache_dir, log=log, lazy=lazy, share=share)
 
 
 def token_counts(data, vocab_size):
@@ -94,14 +96,17 @@ def token_counts(data, vocab_size):
 
 def record_reads(workdir, data):
   """workdir/data_reads/process<i>.json: the training and eval rows this process tokenized (what a host of many
-  reads: its rows of each batch and its share of the token count)."""
+  reads: its rows of each batch and its share of the token count), and the self-distilled answers and jsonl
+  examples it read."""
   if not isinstance(data.tokens, data_lib.RowView):
     return
   path = os.path.join(workdir, "data_reads", f"process{jax.process_index()}.json")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump({"train": data.tokens.rows_read(), "eval": data.eval_tokens.rows_read(),
-               "train_rows": len(data.tokens), "eval_rows": len(data.eval_tokens)}, f)
+               "train_rows": len(data.tokens), "eval_rows": len(data.eval_tokens),
+               "answers": sorted(data.answers.read), "answers_total": len(data.answers),
+               "examples": sorted(data.examples.read) if data.examples is not None else []}, f)
 
 
 # Settings a resumed run may change: they do not change what is trained. (data_parallel: an old config key,

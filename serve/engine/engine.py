@@ -171,9 +171,8 @@ class Engine:
         t.release(slot)
     t.set_speculation(False)
     t.set_speculation(True)
-    snap, held = t.run(self.steps)
-    if self.probe.every_s > 0 and self.spec.k_max > 0:
-      timing_probe.time_propose(self.params, t.state, self.spec)  # compile now, not under traffic
+    probing = self.probe.every_s > 0 and self.spec.k_max > 0  # the probe's propose compiled now, not under traffic
+    snap, held = t.run(self.steps, timing_probe.untimed_loop if probing else None)
     for slot in held:
       t.release(slot)
     jax.block_until_ready((jax.device_get(snap), t.state))

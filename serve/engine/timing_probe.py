@@ -10,6 +10,7 @@ A step's time is not split inside the jitted loop (no host clock there), so the 
 The counters sum both times over probes, so a load test reads the share of one load point as
 delta(proposer time) / delta(step time). The cost is one extra `propose` per probe plus the host work of that
 iteration not overlapping the device; the probe count is exported, so a report can bound it.
+On many hosts process 0 probes; the others run the same device calls in the same order, untimed (`untimed_loop`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,25 @@ def time_propose(params, state, spec) -> float:
   return time.perf_counter() - t0
 
 
+def probed_loop(params, state, spec, steps):
+  """A probed iteration's device calls, in order: wait for the loop in flight, one `propose` on a copy of the
+  proposer's state (time_propose), the loop -> (state, propose seconds, loop seconds, steps the loop ran)."""
+  jax.block_until_ready(state)  # the loop in flight: nothing else runs on the device
+  step0 = int(state.step)
+  t_prop = time_propose(params, state, spec)
+  t0 = time.perf_counter()
+  state = decode_loop(params, state, spec, steps)
+  ran = int(jax.block_until_ready(state).step) - step0
+  return state, t_prop, time.perf_counter() - t0, ran
+
+
+def untimed_loop(params, state, spec, steps):
+  """probed_loop's device calls with nothing recorded (SlotTable.run's `loop`): the warm-up's, which compiles the
+  probe, and a follower's on many hosts, where the leader probes and every process must run the same programs in
+  the same order or their collectives deadlock (serve/many_hosts/multihost.py)."""
+  return probed_loop(params, state, spec, steps)[0]
+
+
 def device_memory() -> Optional[tuple[int, int]]:
   """(bytes in use, peak bytes in use) of the first local device; None where JAX does not report it (CPU)."""
   try:
@@ -85,17 +105,11 @@ class StepProbe:
   def timed_loop(self, params, state, spec, steps):
     """The iteration's loop call (SlotTable.run's `loop`), timed alone after one timed `propose` on the same
     state."""
-    jax.block_until_ready(state)  # the loop in flight
-    step0 = int(state.step)
-    t_prop = time_propose(params, state, spec)
-    t0 = time.perf_counter()
-    state = decode_loop(params, state, spec, steps)
-    ran = int(jax.block_until_ready(state).step) - step0
-    t_step = (time.perf_counter() - t0) / max(ran, 1)
+    state, t_prop, t_loop, ran = probed_loop(params, state, spec, steps)
     self._next_probe = time.monotonic() + self.every_s
     if ran > 0:
       self.metrics.proposer_time.inc(t_prop)
-      self.metrics.step_time.inc(t_step)
+      self.metrics.step_time.inc(t_loop / ran)
       self.metrics.timing_probes.inc()
     return state
 

@@ -112,11 +112,17 @@ class MirrorTable(SlotTable):
   def insert(self, holder, request, slot=None) -> int:
     return super().insert(holder, host_tree(request), slot)
 
+  probe_loop = None  # a follower's loop for the leader's probed iterations (`follow` sets it)
+
   def run(self, steps: int, loop=None) -> tuple:
-    if loop is not None:
-      raise ValueError("the timing probe's loop is not mirrored on many hosts (--timing_probe_s=0)")
-    self.state = decode_loop(self.params, self.state, self.spec, np.int32(steps))
+    self.state = (loop or decode_loop)(self.params, self.state, self.spec, np.int32(steps))
     return replicated_snapshot(self.state, self.spec.mesh), dict(self.holders)
+
+  def run_probed(self, steps: int) -> tuple:
+    """A follower's side of a leader's `run` with a loop (the timing probe's): the same device calls, untimed."""
+    if self.probe_loop is None:
+      raise ValueError("a probed run on a follower without the probe's loop")
+    return self.run(steps, self.probe_loop)
 
 
 class LeaderTable(MirrorTable):
@@ -146,7 +152,9 @@ class LeaderTable(MirrorTable):
           holder, r, s))
 
   def run(self, steps: int, loop=None) -> tuple:
-    return self._mirrored("run", (int(steps),), lambda s: super(LeaderTable, self).run(s, loop))
+    # a loop (the timing probe's, or the warm-up's that compiles it) adds device calls: the followers run them too
+    return self._mirrored("run" if loop is None else "run_probed", (int(steps),),
+                          lambda s: super(LeaderTable, self).run(s, loop))
 
   def release(self, slot: int) -> None:
     self._mirrored("release", (int(slot),), super().release)
@@ -170,7 +178,7 @@ class LeaderTable(MirrorTable):
     return self._mirrored("prompt_logprobs", ([int(t) for t in prompt_ids], int(top)), super().prompt_logprobs)
 
 
-MIRRORED = ("reset", "insert", "run", "release", "set_speculation", "set_draft_caps", "set_page_tables",
+MIRRORED = ("reset", "insert", "run", "run_probed", "release", "set_speculation", "set_draft_caps", "set_page_tables",
             "fill_pages", "forget_tenant", "prompt_logprobs")
 
 
@@ -184,11 +192,13 @@ def lead(table: "LeaderTable", cluster) -> None:
   table.channel = cluster
 
 
-def follow(engine, cluster: Follower) -> None:
+def follow(engine, cluster: Follower, probe_loop) -> None:
   """A follower's life: run the leader's calls on this engine's table, in order, until the leader stops (then
   return) or dies (the reader thread ends the process). A call that raises here raised on the leader too (same
-  program, same inputs): the leader's engine recovers (a reset), which comes next."""
+  program, same inputs): the leader's engine recovers (a reset), which comes next. probe_loop: the device calls
+  of the leader's timing probe, untimed (serve/engine/timing_probe.py untimed_loop)."""
   table = engine.table
+  table.probe_loop = probe_loop
   log.info("process %d: following process 0", cluster.me)
   # SLURM and Kubernetes signal every process at once: process 0 drains, then stops the followers
   signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: process %d stops when process 0 has drained",

@@ -149,14 +149,17 @@ def workload(url: str) -> dict:
   return {"burst": [keep(r) for r in burst], "prefix": [keep(r) for r in prefix], "choice": keep(choice),
           "echo": keep(echo),
           "preemptions": _metric(url, "spec_jax:num_preemptions_total"),
-          "prefix_hits": _metric(url, "spec_jax:prefix_cache_hits_total")}
+          "prefix_hits": _metric(url, "spec_jax:prefix_cache_hits_total"),
+          "probes": _metric(url, "spec_jax:timing_probes_total"),
+          "proposer_s": _metric(url, "spec_jax:proposer_time_seconds_total")}
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_two_processes_answer_what_one_process_with_eight_devices_answers(tiny, tmp_path, method):
   results, logs = [], []
   for n in (1, 2):
-    s = Servers(_flags(tiny, method), n, str(tmp_path))
+    # the timing probe every second (its first at the first drafting iteration): the followers run its calls too
+    s = Servers(_flags(tiny, method, "--timing_probe_s=1"), n, str(tmp_path))
     try:
       results.append(workload(s.url))
     finally:
@@ -170,6 +173,8 @@ def test_two_processes_answer_what_one_process_with_eight_devices_answers(tiny, 
   # least one of the two runs). The tiny EAGLE pair's answers end sooner and have never filled the pool: that case
   # checks the mirrored EAGLE state and prefix hits, the n-gram case the mirrored preemption.
   preempted = [r.pop("preemptions") for r in results]
+  probes = [(r.pop("probes"), r.pop("proposer_s")) for r in results]
+  assert all(count >= 1 and seconds > 0 for count, seconds in probes), probes  # the proposer share is measured
   assert all(r.pop("prefix_hits") > 0 for r in results)
   assert max(preempted) > 0 or method == "eagle", preempted
   assert _texts(two) == _texts(one)  # the same tokens, exactly

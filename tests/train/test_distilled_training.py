@@ -76,6 +76,34 @@ def test_build_reads_distilled_answers_then_transcripts_after_them(tmp_path):
     data_lib.build(spec, **kw)
 
 
+def test_lazy_build_reads_only_the_answers_and_examples_of_the_rows_it_reads(tmp_path):
+  """As a trainer host of many builds it: nothing read at build; a row read reads its answer (from the shards) or
+  its transcript's example (from the jsonl line) and nothing else; each process checks its share of the shards."""
+  n = data_lib.HELD_OUT + 20
+  data_dir = _examples(tmp_path, n)
+  out = _distill_dir(tmp_path, "t", range(8))  # 2 shards of 4
+  spec = data_lib.DataSpec(num_prompts=0, num_transcripts=5, num_text=0, seq_len=16, eval_fraction=0.1,
+                           distill_dir=out)
+  enc = lambda t: [2] + [ord(c) for c in "|".join(t)]
+  kw = dict(target_name="t", encode_prompt=enc, encode_text=enc, cache_dir=str(tmp_path / "c"), texts=[],
+            data_dir=data_dir, log=lambda s: None, generate_fn=None, lazy=True)
+  ds = data_lib.build(spec, **kw)
+  assert ds.answers.read == set() and ds.examples.read == set() and len(ds.answers) == 8
+  seqs = ds.tokens.order
+  rows = [int(np.argmax(seqs < 8)), int(np.argmax(seqs >= 8))]  # an answer's row and a transcript's
+  got = ds.tokens[rows]
+  pos, example = int(seqs[rows[0]]), int(data_lib.prompt_order(n, 0)[8:13][seqs[rows[1]] - 8])
+  answer, transcript = [2, 10 + pos, 11 + pos] + [50 + pos] * (1 + pos % 3), enc((f"q{example}", f"a{example}"))
+  assert got[0][:len(answer)].tolist() == answer and got[1][:len(transcript)].tolist() == transcript
+  assert ds.answers.read == {pos} and ds.examples.read == {example}
+  manifest = distill_shards.read_manifest(out)
+  manifest["shards"]["shard-00000.npz"]["sha256"] = "0" * 64
+  distill_shards.write_manifest(out, manifest)
+  with pytest.raises(ValueError, match="checksum"):
+    data_lib.build(spec, **dict(kw, share=(0, 2)))
+  data_lib.build(spec, **dict(kw, share=(1, 2)))  # process 1 of 2 checks shard 1 only: process 0 refuses shard 0
+
+
 def _tiny(kind, **over):
   cfg = get_config(kind)
   with cfg.unlocked():

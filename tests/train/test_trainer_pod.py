@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, TINY_MODEL_XLA_FLAGS
-from train.data import batch_indices
+from train.data import DataSpec, batch_indices, split_order
 
 pytestmark = pytest.mark.many_devices
 STEPS = 4
@@ -98,12 +98,16 @@ def _expected_reads(p, n_train, n_eval, steps, cached, evaluated, bs=8):
 
 
 def _assert_reads(workdir, **kw):
-  """Each process tokenized exactly the rows it feeds: a process reading any other row fails."""
+  """Each process tokenized exactly the rows it feeds, and read exactly the self-distilled answers among them
+  (sequences 0 .. answers_total - 1): a process reading any other row or answer (every answer) fails."""
   for p in range(2):
     with open(os.path.join(workdir, "data_reads", f"process{p}.json")) as f:
       got = json.load(f)
     want = _expected_reads(p, got["train_rows"], got["eval_rows"], **kw)
     assert (got["train"], got["eval"]) == want, (p, got, want)
+    tr, ev = split_order(got["train_rows"] + got["eval_rows"], DataSpec(eval_fraction=0.2))  # the tiny config's
+    answers = sorted(int(s) for s in [*tr[want[0]], *ev[want[1]]] if s < got["answers_total"])
+    assert got["answers"] == answers and 0 < len(answers) < got["answers_total"], (p, got["answers"], answers)
   return got
 
 
