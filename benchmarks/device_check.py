@@ -10,8 +10,12 @@ What it measures (everything into device_check.json and device_check.md, a table
    published peak, and a measured device copy).
 3. A plain decode step of a random-weight Llama-8B-shaped bfloat16 model against its bandwidth floor (weights plus
    the cache read once per step, over the measured copy bandwidth).
-4. The verify-cost table: the target's forward over T = k + 1 tokens (and 16- and 32-node trees) over its forward
-   of one token, at batch 1, 4, 16 and 64, for Llama-8B: the measured twin of serve.aot's compiler estimate.
+4. The verify-cost table: the target's forward over T = k + 1 tokens (and a 16-node tree) over its forward of one
+   token, at batch 1, 16 and 64, for Llama-8B.
+5. The cost table's own programs: one decode-loop step (aot_programs.step_program, what `serve.aot --cost_table`
+   compiles, with its XLA:GPU options) for plain decoding, n-gram k = 4, EAGLE-3 k = 4 and the 16-node EAGLE tree,
+   Llama-8B shape, random weights, batch 1 and 16, a 2,048-token context: measured ms a step and ratios over plain
+   beside the compiler's (the committed H200 table, COMPILER_TABLE): the first lent GPU validates that table.
 
 It needs only spec_jax's core (jax, flax, numpy): the GPU machine has JAX, flax, optax, orbax, safetensors and
 sentencepiece, and nothing else is imported. --dry_run builds and lowers every program for CUDA (jax.export, the
@@ -44,11 +48,19 @@ KERNEL_SHAPES = [("gemma3-270m decode", 16, 1, 4, 1, 256, 4096, False),
                  ("llama3-8b verify k=4", 16, 5, 32, 8, 128, 4096, False),
                  ("llama3-8b tree 16 nodes", 16, 16, 32, 8, 128, 4096, True),
                  ("qwen2.5-1.5b verify k=4", 16, 5, 12, 2, 128, 4096, False)]
-VERIFY_BATCHES = (1, 4, 16, 64)
-VERIFY_TOKENS = (1, 2, 3, 5, 9)  # k = 0, 1, 2, 4, 8
-VERIFY_TREES = (16, 32)
+VERIFY_BATCHES = (1, 16, 64)
+VERIFY_TOKENS = (1, 2, 5, 9)  # k = 0, 1, 4, 8
+VERIFY_TREES = (16,)
 CONTEXT = 2048
 DTYPE = jnp.bfloat16
+# The cost table's programs: (label, method, k, topk, nodes, the table's column); aot_costs builds the same ones
+# (plain: n-gram at k = 0; the tree: EAGLE's, depth 4, top-k 4).
+STEP_PROGRAMS = (("plain", "ngram", 0, 1, 0, "0"), ("n-gram k=4", "ngram", 4, 1, 0, "4"),
+                 ("EAGLE-3 k=4", "eagle3", 4, 1, 0, "eagle3_k4"), ("EAGLE tree 16", "eagle", 4, 4, 16, "eagle_tree16"))
+STEP_BATCHES = (1, 16)
+STEPS = 8  # loop steps per timed call
+COMPILER_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reports", "cost_breakdown",
+                              "llama3_8b_h200_matrix.json")
 
 
 def smoke_sizes():
@@ -57,7 +69,9 @@ def smoke_sizes():
   global KERNEL_SHAPES, VERIFY_BATCHES, VERIFY_TOKENS, VERIFY_TREES, CONTEXT, DTYPE
   DTYPE = jnp.float32
   KERNEL_SHAPES = [(n, 2, T, Hq, Hkv, D, 64, tree) for n, _, T, Hq, Hkv, D, _, tree in KERNEL_SHAPES]
+  global STEP_BATCHES, STEPS
   VERIFY_BATCHES, VERIFY_TOKENS, VERIFY_TREES, CONTEXT = (1, 2), (1, 3), (4,), 32
+  STEP_BATCHES, STEPS = (1, 2), 2
 
 
 def impl() -> str:
@@ -217,6 +231,126 @@ def decode_floor(dry: bool, runs: int, params, copy_bw: float) -> dict:
           "param_bytes": param_bytes, "kv_bytes": kv_bytes}
 
 
+def program_ratios(measured: dict, compiler: dict) -> list:
+  """Rows of the step-program table. measured: {batch: {column: seconds a step}} (empty on a dry run); compiler:
+  the cost table's {batch: {column: seconds}}. Each ratio is over plain (column "0") of the same batch and source;
+  `agreement` is measured over compiler. None where a side lacks the program or its plain step."""
+  rows = []
+  for b in STEP_BATCHES:
+    got, est = measured.get(str(b), {}), compiler.get(str(b), {})
+    for label, _, _, _, _, col in STEP_PROGRAMS:
+      m = got[col] / got["0"] if col in got and got.get("0") else None
+      c = est[col] / est["0"] if col in est and est.get("0") else None
+      rows.append(dict(batch=b, program=label, column=col,
+                       measured_ms=got[col] * 1e3 if col in got else None, measured_over_plain=m,
+                       compiler_ms=est[col] * 1e3 if col in est else None, compiler_over_plain=c,
+                       agreement=m / c if m is not None and c else None))
+  return rows
+
+
+def compiler_table() -> dict:
+  """The committed H200 cost table's seconds ({} if absent: the measured side still prints)."""
+  if not os.path.isfile(COMPILER_TABLE):
+    return {}
+  with open(COMPILER_TABLE, encoding="utf-8") as f:
+    return json.load(f).get("seconds", {})
+
+
+def _random_like(tree, seed: int):
+  """Arrays of an abstract tree's shapes: floats N(0, 0.02), integers zero (EAGLE-3's d2t offsets)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  make = lambda a: jax.jit(lambda k: (jax.random.normal(k, a.shape, jnp.float32) * 0.02).astype(a.dtype)
+                           if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, a.dtype))
+  return treedef.unflatten([make(a)(k) for a, k in zip(leaves, keys)])
+
+
+def _busy(state, k: int, length: int):
+  """Every row running at `length` committed tokens, drafting up to k, far from its token limit."""
+  B = state.lengths.shape[0]
+  L = jnp.full((B,), length, jnp.int32)
+  return state.replace(done=jnp.zeros_like(state.done), finish=jnp.zeros_like(state.finish), lengths=L,
+                       prompt_lens=L, max_new=jnp.full((B,), 1 << 20, jnp.int32),
+                       draft_cap=jnp.full_like(state.draft_cap, k), cache=state.cache.replace(lengths=L - 1))
+
+
+def time_step_program(prog, runs: int) -> float:
+  """Seconds a loop step of a cost-table program: its decode loop compiled with the table's XLA:GPU options, on
+  random weights, every row busy at the context; STEPS steps a call, the median call over the steps it ran."""
+  from spec_jax import slots
+  from spec_jax.cache import DEFAULT_BLOCK_SIZE
+  from serve.compiler.aot_compile import GPU_OPTIONS
+  params_abs, state_abs, spec, steps_abs = prog.args
+  params = _random_like(params_abs, 0)
+  state = jax.jit(lambda p: slots._empty(p, spec=spec, batch=state_abs.lengths.shape[0], capacity=CONTEXT,
+                                         block_size=DEFAULT_BLOCK_SIZE, num_pages=None,
+                                         costs=jnp.ones((len(spec.ks),), jnp.float32),
+                                         key=jax.random.PRNGKey(0)))(params)
+  k, length = spec.ks[0], CONTEXT - (spec.ks[0] + 1) * STEPS - 8
+  busy = jax.jit(lambda s: _busy(s, k, length))
+  fn = getattr(prog.fn, "_program", prog.fn)
+  n = jnp.asarray(STEPS, jnp.int32)
+  options = GPU_OPTIONS if not FLAGS.smoke else {}
+  compiled = fn.trace(params, state, spec, n).lower().compile(compiler_options=options)
+  samples = []
+  for i in range(runs + 1):
+    state = jax.block_until_ready(busy(state))
+    before = int(state.step)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(compiled(params, state, n))
+    dt = time.perf_counter() - t0
+    ran = int(state.step) - before
+    if not ran:  # every row stopped (an end token): nothing was timed
+      raise RuntimeError(f"{prog.name}: the loop ran no step")
+    if i:  # the first call warms up
+      samples.append(dt / ran)
+  return statistics.median(samples)
+
+
+def step_programs(dry: bool, runs: int) -> dict:
+  """Section 5: the cost table's programs, timed (or, dry, exported for CUDA), with the compiler's ratios."""
+  from serve.compiler import aot_programs as progs
+  from serve.compiler.aot_compile import export_cuda
+  config = llama8b()
+  place = progs.Placement(lowering="gpu") if dry else progs.Placement(jax.devices()[0])
+  measured, lowered = {}, {}
+  for b in STEP_BATCHES:
+    for label, method, k, topk, nodes, col in STEP_PROGRAMS:
+      with place.context():
+        prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=b,
+                                  max_model_len=CONTEXT, dtype=DTYPE,
+                                  impl="xla" if FLAGS.smoke else "pallas_gpu")
+      if dry:
+        rec = export_cuda(prog)
+        lowered.setdefault(str(b), {})[col] = {"exported": rec["exported"], "triton_calls": rec.get("triton_calls", 0),
+                                                "error": rec.get("error")}
+        continue
+      measured.setdefault(str(b), {})[col] = time_step_program(prog, runs)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = {"compiler_table": os.path.relpath(COMPILER_TABLE, root),
+         "measured_seconds": measured, "rows": program_ratios(measured, compiler_table())}
+  if dry:
+    out["lowered"] = lowered
+  return out
+
+
+def _x(v) -> str:
+  return "n/a" if v is None else f"{v:.2f}x"
+
+
+def programs_md(sec: dict, dry: bool) -> list:
+  lines = ["", "The cost table's programs (one decode-loop step, aot_programs.step_program), llama3-8b, context "
+           f"{CONTEXT}: measured beside the compiler's H200 roofline ({sec['compiler_table']})"
+           + (" (dry run: not measured)" if dry else "") + ":", "",
+           "| batch | program | measured ms | measured over plain | compiler ms | compiler over plain | "
+           "measured / compiler |", "|---|---|---|---|---|---|---|"]
+  for r in sec["rows"]:
+    ms = lambda v: "n/a" if v is None else f"{v:.3f}"
+    lines.append(f"| {r['batch']} | {r['program']} | {ms(r['measured_ms'])} | {_x(r['measured_over_plain'])} | "
+                 f"{ms(r['compiler_ms'])} | {_x(r['compiler_over_plain'])} | {_x(r['agreement'])} |")
+  return lines
+
+
 def report_md(res: dict) -> str:
   lines = [f"# Device check: {res['device']} ({res['date']}{', dry run' if res['dry_run'] else ''})", ""]
   if res["dry_run"]:
@@ -226,6 +360,9 @@ def report_md(res: dict) -> str:
     lines += [f"| decode step, llama3-8b B=1 | {res['decode']['triton_calls']} |"]
     for b, row in res["verify"].items():
       lines += [f"| forward {label}, llama3-8b B={b} | {v['triton_calls']} |" for label, v in row.items()]
+    for b, row in res["programs"]["lowered"].items():
+      lines += [f"| step program {col}, llama3-8b B={b} | {v['triton_calls']} |" for col, v in row.items()]
+    lines += programs_md(res["programs"], True)
     return "\n".join(lines) + "\n"
   lines += [f"Copy bandwidth {res['copy_bytes_per_s'] / 1e12:.2f} TB/s (published peak "
             f"{res['hbm_bytes_per_s'] / 1e12:.2f} TB/s).", "",
@@ -242,6 +379,7 @@ def report_md(res: dict) -> str:
             "|---|" + "---|" * len(next(iter(res["verify"].values())))]
   for b, row in res["verify"].items():
     lines.append(f"| {b} | " + " | ".join(f"{v['over_plain']:.2f}" for v in row.values()) + " |")
+  lines += programs_md(res["programs"], False)
   return "\n".join(lines) + "\n"
 
 
@@ -262,6 +400,8 @@ def main(argv):
   params = random_params(llama8b(), dry)
   res["decode"] = decode_floor(dry, FLAGS.runs, params, copy_bw)
   res["verify"] = verify_costs(dry, FLAGS.runs, params)
+  del params  # the step programs make their own (with a drafter's)
+  res["programs"] = step_programs(dry, FLAGS.runs)
   res["seconds"] = round(time.perf_counter() - t0, 1)
   os.makedirs(FLAGS.output, exist_ok=True)
   with open(os.path.join(FLAGS.output, "device_check.json"), "w", encoding="utf-8") as f:

@@ -56,6 +56,9 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)",[^}]*"bytes_accessed":"(\d+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+# XLA:GPU's library GEMMs: (result, s8 workspace) tuples; the workspace is scratch, not HBM traffic.
+_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                 "all-reduce-start", "all-gather-start", "collective-permute-start", "all-reduce-done",
                 "all-gather-done", "collective-permute-done")
@@ -161,6 +164,8 @@ def traffic(comps: dict, ins: Instr, shapes: dict) -> float:
   if ins.opcode == "dynamic-update-slice":
     return 2 * shape_bytes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
   operand = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
+  if _gemm(ins):  # operands and the product; not the workspace
+    return sum(operand) + shape_bytes(_ARRAY_LAYOUT.search(ins.shape).group(0))
   if ins.opcode == "copy-start":  # (destination, source alias, context): the source is read once
     return sum(operand)
   out = shape_bytes(ins.shape)
@@ -174,6 +179,33 @@ def traffic(comps: dict, ins: Instr, shapes: dict) -> float:
   return out + sum(operand)
 
 
+_TRITON = "__gpu$xla.gpu.triton"
+
+
+def _layer_read(ins: Instr, shapes: dict, layers: int) -> float:
+  """A Triton kernel's bytes inside a loop over `layers` layers (Pallas on GPU drops its declared cost): an
+  operand stacked over the layers (the KV pool [L, ...]) is read one layer a trip; the rest and the result whole."""
+  total = shape_bytes(ins.shape)
+  for o in ins.operands:
+    b = shape_bytes(shapes.get(o, ""))
+    dims = _dims(shapes.get(o, ""))
+    total += b / layers if dims and dims[0] == layers else b
+  return total
+
+
+def _gemm(ins: Instr) -> bool:
+  target = _TARGET.search(ins.line) if ins.opcode == "custom-call" else None
+  return bool(target) and target.group(1) in _GEMMS
+
+
+def _gemm_flops(ins: Instr, shapes: dict) -> float:
+  """2 x the product's elements x the contracted size of a library GEMM (its backend config's dimensions)."""
+  lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+  m = _GEMM_CONTRACTING.search(ins.line)
+  k = math.prod(lhs[int(d.strip('" '))] for d in m.group(1).split(",") if d.strip('" ')) if m and lhs else 1
+  return 2.0 * math.prod(_dims(ins.shape)) * k
+
+
 def _params(comps: dict, comp: str) -> dict:
   out = {}
   for x in comps.get(comp, []):
@@ -182,10 +214,10 @@ def _params(comps: dict, comp: str) -> dict:
   return out
 
 
-def _param_read(comps: dict, comp: str, idx: int, full: float) -> float:
-  """Bytes a fused computation reads of its parameter idx: the slices where every use slices or gathers from it
-  (through nested fusions too), else all of it."""
-  param = _params(comps, comp).get(idx)
+def _param_read(comps: dict, comp: str, idx: int, full: float, param=None) -> float:
+  """Bytes a fused computation reads of its parameter idx (or of `param`, a bitcast of it): the slices where every
+  use slices or gathers from it (through bitcasts and nested fusions too), else all of it."""
+  param = param or _params(comps, comp).get(idx)
   if param is None:
     return full
   total = 0.0
@@ -195,6 +227,8 @@ def _param_read(comps: dict, comp: str, idx: int, full: float) -> float:
         continue
       if x.opcode in _SLICING and i == 0:
         total += shape_bytes(x.shape.split("{")[0])  # the slice as read from HBM (its own layout may be VMEM)
+      elif x.opcode == "bitcast":  # the same bytes under another shape: what its uses read
+        total += _param_read(comps, comp, idx, full, x)
       elif x.opcode == "fusion" and x.calls:
         total += _param_read(comps, x.calls[0], i, full)
       else:
@@ -230,10 +264,13 @@ def role_of(ins: Instr) -> str:
   return "rest"
 
 
-def walk(comps: dict, entry: str, chip: dict) -> list:
+def walk(comps: dict, entry: str, chip: dict, trips: bool = False) -> list:
   """The instructions one run of the program executes, as the cost analysis counts them: while bodies once, of a
   conditional's branches the costliest (by roofline). -> [dict(ins, role, bytes, flops, roofline, cycles)]; an
-  instruction without role metadata takes its caller's (a sort XLA built inside a sampler's branch)."""
+  instruction without role metadata takes its caller's (a sort XLA built inside a sampler's branch).
+  trips: a while loop whose trip count XLA knows (`known_trip_count`: a scan over the layers) counts its body that
+  many times, so a scanned model's step covers every layer; the decode loop's own trip count is not known, and its
+  body still counts once (one step)."""
   shapes = {ins.name: ins.shape for c in comps.values() for ins in c}
   users = defaultdict(list)
   for c in comps.values():
@@ -253,7 +290,7 @@ def walk(comps: dict, entry: str, chip: dict) -> list:
     return outer if r in ("rest", "copies/layout") and outer and not scopes.role_of_path(ins.op_name) and (
         r == "rest" or not ins.op_name) and outer != "rest" else r
 
-  def own(ins: Instr, outer: str):
+  def own(ins: Instr, outer: str, stack: int):
     if ins.opcode in _FREE or ins.opcode.endswith("-done"):
       return None
     target = _TARGET.search(ins.line) if ins.opcode == "custom-call" else None
@@ -263,34 +300,49 @@ def walk(comps: dict, entry: str, chip: dict) -> list:
     flops = _flops(comps, ins.calls[0], shapes) if ins.opcode == "fusion" and ins.calls else 0.0
     if ins.opcode in ("dot", "convolution"):
       flops = _flops({"_": [ins]}, "_", shapes)
+    if _gemm(ins):
+      flops = _gemm_flops(ins, shapes)
     declared = _KERNEL_COST.search(ins.line) if ins.opcode == "custom-call" else None
     if declared:  # a Pallas kernel's own cost declaration (what XLA's cost analysis charges it)
       flops, nbytes = float(declared.group(1)), float(declared.group(2))
+    elif stack > 1 and target and target.group(1) == _TRITON:
+      nbytes = _layer_read(ins, shapes, stack)
     return dict(ins=ins, role=role(ins, outer), bytes=nbytes, flops=flops,
                 roofline=max(nbytes / chip["bandwidth"], flops / chip["peak"]),
                 cycles=ins.cycles / chip["clock"] if ins.cycles is not None and chip.get("clock") else None)
 
-  def run(comp: str, outer: str, looped: bool) -> list:
-    if (comp, outer, looped) in memo:
-      return memo[comp, outer, looped]
+  def run(comp: str, outer: str, looped: bool, stack: int = 1) -> list:
+    if (comp, outer, looped, stack) in memo:
+      return memo[comp, outer, looped, stack]
     out = []
     for ins in comps.get(comp, []):
       inner = scopes.role_of_path(ins.op_name) or outer
       if ins.opcode == "conditional":
-        runs = [run(b, inner, looped) for b in ins.branches]
+        runs = [run(b, inner, looped, stack) for b in ins.branches]
         out += max(runs, key=lambda r: sum(x["roofline"] for x in r)) if runs else []
       elif ins.opcode in ("while", "call"):
+        n = _trip_count(ins) if trips and ins.opcode == "while" else 1
         for c in ins.calls:
-          out += run(c, inner, looped or ins.opcode == "while")
+          rows = run(c, inner, looped or ins.opcode == "while", n if n > 1 else stack)
+          out += [dict(r, bytes=r["bytes"] * n, flops=r["flops"] * n, roofline=r["roofline"] * n,
+                       cycles=r["cycles"] * n if r["cycles"] is not None else None) for r in rows] if n > 1 else rows
       else:
-        r = own(ins, outer)
+        r = own(ins, outer, stack)
         if r is not None:
           r["per_call"] = not looped  # outside every loop: once per program call (the decode loop's hoisted work)
           out.append(r)
-    memo[comp, outer, looped] = out
+    memo[comp, outer, looped, stack] = out
     return out
 
   return run(entry, "", False)
+
+
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _trip_count(ins: Instr) -> int:
+  m = _TRIPS.search(ins.line)
+  return int(m.group(1)) if m else 1
 
 
 _MINOR_TO_MAJOR = re.compile(r"\[([\d,]*)\]\{([\d,]*)")
@@ -324,14 +376,15 @@ def weight_relayouts(text: str) -> list:
   return out
 
 
-def breakdown(text: str, chip_kind: str, optimal_seconds: float | None, top: int = 3) -> dict:
+def breakdown(text: str, chip_kind: str, optimal_seconds: float | None, top: int = 3, trips: bool = False) -> dict:
   """Per role: bytes, FLOPs, the roofline of its instructions (each one's bytes over the bandwidth or FLOPs over
   the peak, the larger), XLA:TPU's estimated cycles as seconds (where it gives them; they include each
   instruction's fixed overhead), its share of `optimal_seconds` (the roofline split scaled to the compiler's total)
-  and the `top` largest instructions by roofline."""
+  and the `top` largest instructions by roofline (an instruction in a loop of known trip count: all its trips).
+  trips: such loops counted that many times (walk), as a scanned model's step is costed on XLA:GPU."""
   chip = chip_figures(chip_kind)
   comps, entry = parse(text)
-  rows = walk(comps, entry, chip)
+  rows = walk(comps, entry, chip, trips)
   total = sum(r["roofline"] for r in rows)
   scale = optimal_seconds / total if optimal_seconds and total > 0 else 1.0
   roles = {r: dict(bytes=0.0, flops=0.0, roofline_seconds=0.0, cycles_seconds=0.0, seconds=0.0, count=0, top=[])

@@ -8,6 +8,7 @@ labelled as an estimate, not a measurement.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -49,7 +50,10 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   for b in flags_cfg["cost_batches"]:
     row = {}
     for method, k, topk, nodes in kinds:
-      with layers_unrolled():  # XLA's cost analysis counts a loop body once: the layer scan's too
+      # XLA's cost analysis counts a loop body once: the layer scan's too, so the TPU estimate unrolls it. XLA:GPU
+      # compiles an unrolled stack unlike the served scan (a one-row product's weight converted to float32 whole,
+      # before slicing): its step is the served program, the scan counted once per layer (aot_breakdown trips).
+      with layers_unrolled() if tgt.platform != "gpu" else contextlib.nullcontext():
         prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=int(b),
                                   max_model_len=S, dtype=dtype, impl=impl,
                                   kv_cache_dtype=flags_cfg.get("kv_cache_dtype") or "auto")
@@ -116,8 +120,10 @@ def floor(prog, chip_kind: str, passes: int = 0) -> dict:
 
 
 def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
-  out = {"source": f"compiler estimate: XLA:{tgt.platform.upper()} optimal_seconds of one loop step, its layers "
-                   "unrolled (python -m serve.aot --cost_table), not a measurement",
+  out = {"source": (f"compiler estimate: XLA:TPU optimal_seconds of one loop step, its layers unrolled (python -m "
+                    "serve.aot --cost_table), not a measurement" if tgt.platform == "tpu" else
+                    f"compiler estimate: XLA:{tgt.platform.upper()}'s bytes and FLOPs of one loop step of the served "
+                    "program, its layer scan counted once per layer (python -m serve.aot --cost_table), not a time"),
          "topology": flags_cfg["topology"], "chip": tgt.chip, "mesh": flags_cfg["mesh"] or "one chip",
          "model_shape": flags_cfg["model_shape"], "context_tokens": int(flags_cfg["max_model_len"]), "dtype": flags_cfg["dtype"],
          "compiler": aot_compile.compiler_version(tgt.platform), "date": time.strftime("%Y-%m-%d"), "seconds": seconds,

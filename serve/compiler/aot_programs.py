@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from configs.train_base import get_config
 from spec_jax import adaptive as adaptive_lib, sharding, slots
 from spec_jax.cache import DEFAULT_BLOCK_SIZE, KVCache, contiguous_pages, kv_storage_dtype, pool_bytes
 from spec_jax.config import ModelConfig, SamplingParams
@@ -31,8 +30,6 @@ from spec_jax.models.transformer import param_shapes
 from spec_jax.prefill import DEFAULT_CHUNK, bucket, prefill_chunk
 from spec_jax.proposers import registry
 from spec_jax.proposers.eagle3_layout import default_feature_layers as eagle3_layers
-from train.tasks import build_task  # the trainer's step (train_programs): serve's one import of train/
-from train.trainer import Trainer, TrainSpec, TrainState
 
 SDS = jax.ShapeDtypeStruct
 # The registry's methods that build from shapes alone (eagle builds an EAGLE-1 head and eagle3 an EAGLE-3 one).
@@ -220,6 +217,9 @@ def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, 
   reduced draft vocabulary this project's training configs use (configs/train_base.py draft_vocab). The frozen
   target in `target_dtype` (train.main's config.dtype: float32 by default; bfloat16 halves it, as a 70B target on
   a v5e-16 slice needs); the head and its optimizer state are float32 either way."""
+  from configs.train_base import get_config  # lazy: heavy, only this path (ml_collections; device_check lacks it)
+  from train.tasks import build_task  # lazy: heavy, only this path (train/, tqdm): serve's one import of train/
+  from train.trainer import Trainer, TrainSpec, TrainState  # lazy: heavy, only this path (train/, tqdm)
   target = target_params(config, target_dtype)
   mesh = place.mesh
   if mesh is None and place.device is not None:  # one chip: a 1 x 1 mesh over it (the trainer's table needs one)

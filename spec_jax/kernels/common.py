@@ -163,6 +163,15 @@ def target_platform() -> str:
   return jax.default_backend()
 
 
+def gemm_rows(product, x, rows: int):
+  """product(x) for a matrix product reading `rows` rows of x (its leading axes). On GPU one row goes in as two:
+  XLA:GPU rewrites a one-row bfloat16 product with a float32 result as multiply + reduce over a float32 copy of the
+  whole weight (every MLP weight, every batch-1 step); two rows stay a GEMM on the bfloat16 weight."""
+  if rows != 1 or x.ndim < 2 or target_platform() != "gpu":
+    return product(x)
+  return product(jnp.concatenate([x, x]))[:1]
+
+
 def require_backend(name: str, platform: str, interpret) -> None:
   if interpret:
     return

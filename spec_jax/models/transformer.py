@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import kernels, scopes
+from spec_jax.kernels.common import gemm_rows
 from spec_jax.quant import QTensor, qdot, take_rows
 from spec_jax.cache import KVCache, fake_quant
 from spec_jax.config import ModelConfig
@@ -97,7 +98,8 @@ def dot(eq, x, w):
   (QTensor, spec_jax/quant.py) is dequantized tile by tile inside the dot."""
   if isinstance(w, QTensor):
     return qdot(x, w).astype(x.dtype)
-  return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  return gemm_rows(lambda h: jnp.einsum(eq, h, w, preferred_element_type=jnp.float32), x,
+                   x.shape[0] * x.shape[1]).astype(x.dtype)  # x [B, T, ...]: B x T rows
 
 
 def _activation(name):

@@ -17,6 +17,7 @@ sampled, so the verifier treats them as deterministic children (exact at any tem
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.config import ModelConfig
+from spec_jax.kernels.common import gemm_rows
 from spec_jax.checkpoints import heads as head_ckpt
 from spec_jax.proposers import vocab
 from spec_jax.proposers.base import Draft, Stateless, TreeDraft
@@ -46,13 +48,15 @@ def head_features(heads: dict, hidden: jax.Array) -> jax.Array:
   if heads["w"].ndim == 4:
     h = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (heads["w"].shape[0], hidden.shape[-1]))
     for j in range(heads["w"].shape[1]):
-      z = jnp.einsum("...kd,kde->...ke", h, heads["w"][:, j].astype(h.dtype),
-                     preferred_element_type=jnp.float32) + heads["b"][:, j].astype(jnp.float32)
+      w = heads["w"][:, j].astype(h.dtype)
+      z = gemm_rows(lambda x: jnp.einsum("...kd,kde->...ke", x, w, preferred_element_type=jnp.float32), h,
+                    math.prod(h.shape[:-2]) if h.ndim > 2 else 0) + heads["b"][:, j].astype(jnp.float32)
       h = (h.astype(jnp.float32) + jax.nn.silu(z)).astype(hidden.dtype)
     return h
   h = hidden[..., None, :]
-  z = jnp.einsum("...d,kde->...ke", hidden, heads["w"].astype(hidden.dtype),
-                 preferred_element_type=jnp.float32) + heads["b"].astype(jnp.float32)
+  w = heads["w"].astype(hidden.dtype)
+  z = gemm_rows(lambda x: jnp.einsum("...d,kde->...ke", x, w, preferred_element_type=jnp.float32), hidden,
+                math.prod(hidden.shape[:-1])) + heads["b"].astype(jnp.float32)
   return (h.astype(jnp.float32) + jax.nn.silu(z)).astype(hidden.dtype)
 
 
@@ -61,7 +65,9 @@ def project(feats: jax.Array, rows) -> jax.Array:
   matrix per head ([K, N, D], the first k used)."""
   if getattr(rows, "ndim", 2) == 3:
     k = feats.shape[-2]
-    return jnp.einsum("...kd,knd->...kn", feats.astype(rows.dtype), rows[:k], preferred_element_type=jnp.float32)
+    w = rows[:k]
+    return gemm_rows(lambda x: jnp.einsum("...kd,knd->...kn", x, w, preferred_element_type=jnp.float32),
+                     feats.astype(rows.dtype), math.prod(feats.shape[:-2]) if feats.ndim > 2 else 0)
   return vocab.project(feats, rows)
 
 

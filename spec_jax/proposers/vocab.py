@@ -8,11 +8,13 @@ vocabulary (zero outside d2t), so the verifier still works over all V tokens and
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+from spec_jax.kernels.common import gemm_rows
 from spec_jax.quant import QTensor, qdot, take_rows
 from spec_jax.sampling import sample, warped_probs
 
@@ -36,7 +38,8 @@ def project(hidden: jax.Array, rows: jax.Array) -> jax.Array:
   262k-row bfloat16 table promoted to float32 would be copied whole on every call)."""
   if isinstance(rows, QTensor):
     return qdot(hidden, rows)
-  return jnp.einsum("...d,nd->...n", hidden.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
+  return gemm_rows(lambda h: jnp.einsum("...d,nd->...n", h, rows, preferred_element_type=jnp.float32),
+                   hidden.astype(rows.dtype), math.prod(hidden.shape[:-1]))
 
 
 def draw(key, logits, sampling, d2t: Optional[jax.Array], vocab_size: int):

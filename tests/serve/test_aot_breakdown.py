@@ -159,3 +159,55 @@ def test_weight_relayouts_are_copies_into_another_dimension_order():
   assert [(r["name"], r["input"], r["shape"], r["from"], r["to"]) for r in got] == [
       ("copy.88", "q", "bf16[2,256,4,128]", [3, 2, 1, 0], [3, 1, 2, 0])]
   assert bd.breakdown(RELAYOUTS, V5E, None)["weight_relayouts"] == got
+
+
+# XLA:GPU's served step: the decode loop (trip count unknown) around the layer scan (known_trip_count 4). Its body:
+# a fusion slicing one layer of a stacked weight through a bitcast, a cuBLAS GEMM with its s8 workspace, and a
+# Triton kernel (Pallas on GPU declares no cost) reading the stacked KV pool [4, ...].
+GPU_HLO = """HloModule g
+
+%fused_ds (p0: bf16[4,64,128], p1: s32[]) -> bf16[1,64,128] {
+  %p0 = bf16[4,64,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %bc = bf16[4,64,128]{2,1,0} bitcast(%p0)
+  ROOT %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%bc, %p1, %z, %z), dynamic_slice_sizes={1,64,128}
+}
+
+%layer (l: (bf16[4,64,128], s32[])) -> (bf16[4,64,128], s32[]) {
+  %l = (bf16[4,64,128], s32[]) parameter(0)
+  %w = bf16[4,64,128]{2,1,0} get-tuple-element(%l), index=0
+  %i = s32[] get-tuple-element(%l), index=1
+  %x = bf16[8,64]{1,0} parameter(1)
+  %pool = bf16[4,32,16,64]{3,2,1,0} parameter(2)
+  %slice = bf16[1,64,128]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused_ds, metadata={op_name="jit(decode_loop)/while/body/role_target_layers/while/body/dynamic_slice"}
+  %gemm = (f32[8,128]{1,0}, s8[33554432]{0}) custom-call(%x, %slice), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(decode_loop)/while/body/role_target_layers/while/body/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  %att = f32[8,64]{1,0} custom-call(%x, %pool), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(decode_loop)/while/body/role_target_layers/role_attention/pallas_call"}
+  ROOT %o = (bf16[4,64,128], s32[]) tuple(%w, %i)
+}
+
+%step (s: (bf16[4,64,128], s32[])) -> (bf16[4,64,128], s32[]) {
+  %s = (bf16[4,64,128], s32[]) parameter(0)
+  ROOT %layers = (bf16[4,64,128], s32[]) while(%s), condition=%lc, body=%layer, metadata={op_name="jit(decode_loop)/while/body/role_target_layers/while"}, backend_config={"known_trip_count":{"n":"4"}}
+}
+
+ENTRY %main (p: (bf16[4,64,128], s32[])) -> (bf16[4,64,128], s32[]) {
+  %p = (bf16[4,64,128], s32[]) parameter(0)
+  ROOT %loop = (bf16[4,64,128], s32[]) while(%p), condition=%c, body=%step
+}
+"""
+
+
+def test_gpu_step_counts_each_layer_its_gemm_without_workspace_and_a_kernel_one_layer_of_the_pool():
+  """Fails if the scan is counted once (trips), the cuBLAS workspace counts as traffic, a bitcast hides the
+  slice (the whole stacked weight read per layer), a GEMM has no FLOPs, or the Triton kernel reads the whole pool
+  per layer."""
+  layer = 64 * 128 * 2  # one layer's weight slice
+  copy = 2 * layer + 4  # the slice fusion: the slice read, written, and the s32 index
+  gemm = 8 * 64 * 2 + layer + 8 * 128 * 4  # x, the slice, the product: no workspace
+  kernel = 8 * 64 * 2 + 32 * 16 * 64 * 2 + 8 * 64 * 4  # x, one layer of the pool, the output
+  once = bd.breakdown(GPU_HLO, "NVIDIA H200", None)
+  assert once["bytes"] == pytest.approx(copy + gemm + 8 * 64 * 2 + 4 * 32 * 16 * 64 * 2 + 8 * 64 * 4)
+  out = bd.breakdown(GPU_HLO, "NVIDIA H200", None, trips=True)
+  assert out["bytes"] == pytest.approx(4 * (copy + gemm + kernel))
+  assert out["flops"] == pytest.approx(4 * 2 * 8 * 128 * 64)
+  assert out["roles"]["attention/KV"]["bytes"] == pytest.approx(4 * kernel)
