@@ -98,7 +98,7 @@ def main(argv):
     cfg.update(cost_batches=[int(b) for b in F.cost_batches], cost_ks=F.cost_ks,
                cost_trees=[int(n) for n in F.cost_trees], cost_tree_method=F.cost_tree_method,
                cost_tree_depth=F.cost_tree_depth, cost_chains=list(F.cost_chains),
-               cost_hlo_dir=F.cost_hlo_dir)
+               cost_hlo_dir=F.cost_hlo_dir, cost_layers=[int(n) for n in F.cost_layers])
     os.makedirs(os.path.dirname(os.path.abspath(F.cost_table)), exist_ok=True)
 
     def write(table):
@@ -134,7 +134,7 @@ AOT_FLAGS = ("topology", "model_shape", "draft_model_shape", "mesh", "methods", 
              "attention_impl", "insert_buckets", "train_kinds", "train_batch", "train_seq_len", "train_target_dtype",
              "output", "cost_table", "cost_batches",
              "cost_ks", "cost_trees", "cost_tree_method", "cost_tree_depth", "cost_chains",
-             "cost_hlo_dir")
+             "cost_hlo_dir", "cost_layers")
 
 
 if __name__ == "__main__":

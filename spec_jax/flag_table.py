@@ -176,10 +176,14 @@ ROWS: dict[str, Row] = {
     "cost_batches": Row("list", "Batch sizes of the cost table.", ["1", "4", "16", "64"]),
     "cost_ks": Row("list", "Chain draft lengths (0, plain decoding, always).", [str(k) for k in range(9)]),
     "cost_trees": Row("list", "Tree sizes (nodes, root included).", ["8", "16", "32"]),
-    "cost_tree_method": Row("string", "The tree proposer of the cost table.", "eagle"),
+    "cost_tree_method": Row("string", "The tree proposer of the cost table (several: comma-separated, eagle,medusa).",
+                            "eagle"),
     "cost_tree_depth": Row("integer", "Its trees' depth.", 4),
     "cost_hlo_dir": Row("string", "Write each cost-table program's optimized HLO text here ('' = none): the "
                         "instructions behind the breakdown.", ""),
+    "cost_layers": Row("list", "Two small target layer counts A,B: each cost program compiled with A and with B "
+                       "layers and every figure extrapolated linearly to the model's count (serve/compiler/"
+                       "aot_layers.py); empty = the full model, unrolled.", []),
     "cost_chains": Row("list", "Chain methods besides n-gram compiled at the largest of cost_ks (the breakdown's "
                        "draft, medusa, eagle, eagle3, suffix).", []),
     # --- serve.loadtest

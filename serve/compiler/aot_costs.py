@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve.compiler import aot_compile, aot_programs as progs
+from serve.compiler import aot_compile, aot_layers, aot_programs as progs
 from serve.compiler.aot_breakdown import ROLES, chip_figures
 from serve.jobs.step_costs import entry_key
 from spec_jax import adaptive
+from spec_jax.proposers import registry
 from spec_jax.models.shapes import model_shape
 from spec_jax.models.transformer import layers_unrolled
 
@@ -43,21 +44,29 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   chain_ks = sorted({0, *(int(k) for k in flags_cfg["cost_ks"])})
   kinds = [(BASE_CHAIN, k, 1, 0) for k in chain_ks]
   kinds += [(m, max(chain_ks), 1, 0) for m in flags_cfg.get("cost_chains", ()) if m != BASE_CHAIN and max(chain_ks)]
-  kinds += [(flags_cfg["cost_tree_method"], flags_cfg["cost_tree_depth"], flags_cfg["eagle_topk"], n)
-            for n in flags_cfg["cost_trees"]]
+  kinds += [(m, flags_cfg["cost_tree_depth"], flags_cfg["eagle_topk"], n)
+            for m in tree_methods(flags_cfg) for n in flags_cfg["cost_trees"]]
+  layers = aot_layers.counts(flags_cfg.get("cost_layers") or (), config.num_layers)
   seconds, failures, parts = {}, [], {}
   for b in flags_cfg["cost_batches"]:
     row = {}
     for method, k, topk, nodes in kinds:
-      with layers_unrolled():  # XLA's cost analysis counts a loop body once: the layer scan's too
-        prog = progs.step_program(config, place, method=method, k=k, topk=topk, nodes=nodes, batch=int(b),
-                                  max_model_len=S, dtype=dtype, impl=impl,
-                                  kv_cache_dtype=flags_cfg.get("kv_cache_dtype") or "auto")
-        hlo = flags_cfg.get("cost_hlo_dir") or ""
-        if hlo:
-          os.makedirs(hlo, exist_ok=True)
-          hlo = os.path.join(hlo, f"b{b}_{_key(method, k, nodes)}.hlo.txt")
-        rec = aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes, breakdown=True, hlo_path=hlo)
+      step = dict(method=method, k=k, topk=topk, nodes=nodes, batch=int(b), max_model_len=S, dtype=dtype, impl=impl,
+                  kv_cache_dtype=flags_cfg.get("kv_cache_dtype") or "auto")
+      prog = progs.step_program(config, place, **step)  # the full model's: its floor (and its compile, by default)
+      hlo = flags_cfg.get("cost_hlo_dir") or ""
+      if hlo:
+        os.makedirs(hlo, exist_ok=True)
+        hlo = os.path.join(hlo, f"b{b}_{_key(method, k, nodes)}")
+      if layers:  # compiled at two small layer counts, extrapolated to the model's (aot_layers)
+        recs = []
+        for n in layers:
+          small, feature_layers = aot_layers.reduced(config, n, fused=needs_features(method))
+          recs.append(_compile_step(progs.step_program(small, place, feature_layers=feature_layers, **step), tgt,
+                                    hlo and f"{hlo}_L{n}.hlo.txt"))
+        rec = aot_layers.extrapolate(*recs, layers, config.num_layers)
+      else:
+        rec = _compile_step(prog, tgt, hlo and f"{hlo}.hlo.txt")
       gpu = tgt.platform == "gpu"  # deviceless XLA:GPU gives no optimal_seconds: the breakdown's roofline stands in
       if gpu and rec.get("breakdown") and aot_compile.ok(rec):
         rec["optimal_seconds"] = rec["breakdown"]["roofline_seconds"]
@@ -71,12 +80,28 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
       seconds[str(b)] = row
       parts.setdefault(str(b), {})[key] = dict(
           rec["breakdown"], floor=floor(prog, tgt.chip, passes=k),
-          optimal_seconds=rec["optimal_seconds"], bytes_accessed=rec["bytes_accessed"], flops=rec["flops"])
+          optimal_seconds=rec["optimal_seconds"], bytes_accessed=rec["bytes_accessed"], flops=rec["flops"],
+          **{k: rec[k] for k in ("extrapolated_from_layers", "per_layer_seconds") if k in rec})
       if on_update is not None:  # the table so far: a long run that is stopped keeps what it compiled
         on_update(_assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts))
       log(f"batch {b} {key}: {rec['optimal_seconds'] * 1e3:.3f} ms ({rec['compile_seconds']} s to compile)")
     seconds[str(b)] = row
   return _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts)
+
+
+def _compile_step(prog, tgt, hlo: str) -> dict:
+  with layers_unrolled():  # XLA's cost analysis counts a loop body once: the layer scan's too
+    return aot_compile.compile_program(prog, tgt.devices[0], tgt.capacity_bytes, breakdown=True, hlo_path=hlo)
+
+
+def needs_features(method: str) -> bool:
+  entry = registry.METHODS.get(method)
+  return bool(entry and entry.needs_feature_layers)
+
+
+def tree_methods(flags_cfg: dict) -> list:
+  """--cost_tree_method: one tree proposer or several, comma-separated (eagle,medusa)."""
+  return [m for m in str(flags_cfg["cost_tree_method"]).split(",") if m]
 
 
 def _key(method: str, k: int, nodes: int) -> str:
@@ -125,6 +150,10 @@ def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
          "time_source": ("XLA:TPU optimal_seconds" if tgt.platform == "tpu" else
                          "no optimal_seconds from deviceless XLA:GPU: the roofline of each instruction's bytes and "
                          "FLOPs at the chip's published bandwidth and peak")}
+  if flags_cfg.get("cost_layers"):
+    out["extrapolated"] = aot_layers.describe(tuple(int(n) for n in flags_cfg["cost_layers"]),
+                                              model_shape(flags_cfg["model_shape"]).num_layers)
+    out["source"] += f"; extrapolated from {out['extrapolated']['from_layers']} target layers"
   for b, row in seconds.items():
     for k_max in range(2, max(chain_ks) + 1, 2):
       ks = adaptive.option_set(k_max, True)
@@ -134,12 +163,12 @@ def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
       out[entry_key(BASE_CHAIN, flags_cfg["dtype"], k_max, int(b))] = {
           "ks": list(ks), "batch": int(b), "occupancies": sorted({1, int(b)}), "costs": [costs] * len({1, int(b)}),
           "estimate": "compiler"}
-    for n in flags_cfg["cost_trees"]:
-      if f"{flags_cfg['cost_tree_method']}_tree{n}" not in row or "0" not in row:
+    for tree in (f"{m}_tree{n}" for m in tree_methods(flags_cfg) for n in flags_cfg["cost_trees"]):
+      if tree not in row or "0" not in row:
         continue
       depth = flags_cfg["cost_tree_depth"]
-      costs = [1.0, round(row[f"{flags_cfg['cost_tree_method']}_tree{n}"] / row["0"], 4)]
-      out[entry_key(f"{flags_cfg['cost_tree_method']}_tree{n}", flags_cfg["dtype"], depth, int(b))] = {
+      costs = [1.0, round(row[tree] / row["0"], 4)]
+      out[entry_key(tree, flags_cfg["dtype"], depth, int(b))] = {
           "ks": [0, depth], "batch": int(b), "occupancies": sorted({1, int(b)}), "costs": [costs] * len({1, int(b)}),
           "estimate": "compiler"}
   return out

@@ -257,12 +257,16 @@ def train_programs(config: ModelConfig, place: Placement, *, kinds, batch: int, 
 
 
 def step_program(config: ModelConfig, place: Placement, *, method: str, k: int, topk: int, nodes: int, batch: int,
-                 max_model_len: int, dtype, impl: str, kv_cache_dtype: str = "auto") -> Program:
+                 max_model_len: int, dtype, impl: str, kv_cache_dtype: str = "auto",
+                 feature_layers: Optional[tuple] = None) -> Program:
   """The decode loop with one option, drafting k tokens (k = 0: plain decoding), its state donated as the server's
-  is. A while loop's estimate is one trip of its body: one step, the verify-cost table's entry."""
+  is. A while loop's estimate is one trip of its body: one step, the verify-cost table's entry. feature_layers:
+  an EAGLE-3 head's target layers in place of its default (aot_layers: a target of fewer layers than its own)."""
   target = target_params(config, dtype)
   proposer, pparams = proposer_for(method if k else "none", config, target, k=max(k, 1), topk=topk, nodes=nodes,
                                    impl=impl)
+  if feature_layers is not None and getattr(proposer, "feature_layers", ()):
+    proposer = dataclasses.replace(proposer, feature_layers=tuple(feature_layers))
   spec = make_spec(config, proposer, ks=(k,), impl=impl, mesh=place.mesh, kv_cache_dtype=kv_cache_dtype)
   params = place.params({"target": target, "proposer": pparams})
   B = sharding.pad_rows(batch, place.mesh)

@@ -1,0 +1,97 @@
+"""The cost table's figures from two small layer counts (`serve.aot --cost_table --cost_layers=A,B`).
+
+A cost program compiles with the target's layers unrolled (aot_costs), so a Llama-3 8B step compiles 32 copies of
+one layer: 5-25 minutes a program on a small host. Every target layer is the same program on the same shapes, so
+each figure of the step (optimal_seconds, bytes, FLOPs, each role of the breakdown) is c(n) = c0 + n * c1 in the
+layer count n: compiled at n = A and n = B (A < B, the rest of the program the same), c(L) = c_A + (c_B - c_A)
+(L - A) / (B - A). What is not a target layer (the drafter's layers and heads, the LM head, sampling) is in c0.
+Lists (the largest instructions, the weight re-layouts) are the B-layer compile's, labelled so; the floor is the
+full model's (aot_costs.floor on the full program), not extrapolated.
+
+The counts must be large enough that XLA compiles the small program as it compiles the full one. Llama-3 8B on
+v5e-8 `model:8`, plain step, batch 1: at 3 and 5 layers XLA:TPU prefetches whole stacked weights (bf16[5,1792,4096]
+a chip) and its estimate runs 2.3x the roofline (the full program's: 1.26x), so the line through them gives
+4.56 ms against the full compile's 2.991; from 8 layers on it does not (8: 0.8927 ms, 10: 1.0676, the full 32:
+2.9912, on one line within 0.01 %). `--cost_layers=8,10` there.
+"""
+
+from __future__ import annotations
+
+from spec_jax.config import ModelConfig
+from spec_jax.proposers.eagle3_layout import default_feature_layers
+
+# EAGLE-3 fuses three target layers. The default (1, L//2 - 1, L - 4) names three distinct layers in range only
+# from L = 7; below that the head reads layers (0, 1, 2). Which layers it reads does not change the step's cost: the
+# unrolled target stacks every layer's output and gathers the three.
+SMALL_FEATURE_LAYERS = (0, 1, 2)
+
+
+def counts(values, num_layers: int) -> tuple:
+  """--cost_layers -> (A, B): two layer counts 1 <= A < B < the model's, or () for the full compile."""
+  values = tuple(int(v) for v in values)
+  if not values:
+    return ()
+  if len(values) != 2 or not 1 <= values[0] < values[1] < num_layers:
+    raise ValueError(f"--cost_layers takes two layer counts A,B with 1 <= A < B < {num_layers} (the model's), got "
+                     f"{list(values)}")
+  return values
+
+
+def reduced(config: ModelConfig, n: int, fused: bool = True) -> tuple:
+  """-> (the config with n layers, EAGLE-3's feature layers for it, or None where the program fuses none)."""
+  small = config.replace(num_layers=n)
+  if not fused:
+    return small, None
+  layers = default_feature_layers(small)
+  if len(set(layers)) != len(layers) or not all(0 <= l < n for l in layers):
+    if n < len(SMALL_FEATURE_LAYERS):
+      raise ValueError(f"EAGLE-3 fuses {len(SMALL_FEATURE_LAYERS)} target layers: --cost_layers needs at least "
+                       f"{len(SMALL_FEATURE_LAYERS)}, got {n}")
+    layers = SMALL_FEATURE_LAYERS
+  return small, layers
+
+
+def _line(a, b, t):
+  """A figure at t of the way from the A-layer compile to the B-layer one, linear; what is not a number (or a
+  flag) is the B-layer compile's."""
+  if isinstance(b, dict) and isinstance(a, dict):
+    return {k: _line(a.get(k), v, t) for k, v in b.items()}
+  numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+  if not numbers:
+    return b
+  value = a + (b - a) * t
+  return round(value) if isinstance(a, int) and isinstance(b, int) else value
+
+
+def extrapolate(rec_a: dict, rec_b: dict, layers: tuple, num_layers: int) -> dict:
+  """The compile record of the full model from those at A and B layers (compile_program's records, with their
+  breakdowns). A failed compile is returned as it is."""
+  for rec in (rec_a, rec_b):
+    if not rec.get("compiled") or not rec.get("optimal_seconds"):
+      return dict(rec, extrapolated_from_layers=list(layers))
+  A, B = layers
+  out = _line(rec_a, rec_b, (num_layers - A) / (B - A))
+  out["compile_seconds"] = round(rec_a["compile_seconds"] + rec_b["compile_seconds"], 1)
+  out["extrapolated_from_layers"] = [A, B]
+  out["per_layer_seconds"] = (rec_b["optimal_seconds"] - rec_a["optimal_seconds"]) / (B - A)
+  bd = out.get("breakdown")
+  if bd and bd["roofline_seconds"]:
+    # As a full compile's breakdown: each role's roofline (a sum over instructions: on the line) times the
+    # compiler's total over the roofline total (a ratio of two lines, not itself on one).
+    bd["scale"] = out["optimal_seconds"] / bd["roofline_seconds"]
+    for role in bd["roles"].values():
+      role["seconds"] = role["roofline_seconds"] * bd["scale"]
+      for t in role["top"]:
+        t["seconds"] *= bd["scale"] / rec_b["breakdown"]["scale"]
+    bd["top_from_layers"] = B
+  return out
+
+
+def describe(layers: tuple, num_layers: int) -> dict:
+  """What the table says about it."""
+  A, B = layers
+  return {"from_layers": [A, B], "to_layers": num_layers,
+          "rule": f"each figure c(L) = c_{A} + (c_{B} - c_{A}) * (L - {A}) / ({B} - {A}), from compiles at {A} and "
+                  f"{B} target layers (unrolled, all else the same); largest instructions from the {B}-layer compile; "
+                  "floor from the full model; EAGLE-3 reads layers "
+                  f"{list(SMALL_FEATURE_LAYERS)} where its default does not fit the count"}
