@@ -46,7 +46,7 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   kinds += [(m, max(chain_ks), 1, 0) for m in flags_cfg.get("cost_chains", ()) if m != BASE_CHAIN and max(chain_ks)]
   kinds += [(m, flags_cfg["cost_tree_depth"], flags_cfg["eagle_topk"], n)
             for m in tree_methods(flags_cfg) for n in flags_cfg["cost_trees"]]
-  layers = aot_layers.counts(flags_cfg.get("cost_layers") or (), config.num_layers)
+  layers = aot_layers.counts(flags_cfg.get("cost_layers") or (), config)
   seconds, failures, parts = {}, [], {}
   for b in flags_cfg["cost_batches"]:
     row = {}

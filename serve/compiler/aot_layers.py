@@ -26,14 +26,20 @@ from spec_jax.proposers.eagle3_layout import default_feature_layers
 SMALL_FEATURE_LAYERS = (0, 1, 2)
 
 
-def counts(values, num_layers: int) -> tuple:
-  """--cost_layers -> (A, B): two layer counts 1 <= A < B < the model's, or () for the full compile."""
-  values = tuple(int(v) for v in values)
+def counts(values, config: ModelConfig) -> tuple:
+  """--cost_layers -> (A, B): two layer counts 1 <= A < B < the model's, or () for the full compile. A model of
+  local and global layers (Gemma: every global_every-th global) is the same program per period of that many
+  layers, not per layer: B - A and L - A must then be whole periods."""
+  values, L = tuple(int(v) for v in values), config.num_layers
   if not values:
     return ()
-  if len(values) != 2 or not 1 <= values[0] < values[1] < num_layers:
-    raise ValueError(f"--cost_layers takes two layer counts A,B with 1 <= A < B < {num_layers} (the model's), got "
+  if len(values) != 2 or not 1 <= values[0] < values[1] < L:
+    raise ValueError(f"--cost_layers takes two layer counts A,B with 1 <= A < B < {L} (the model's), got "
                      f"{list(values)}")
+  p = config.global_every if config.sliding_window is not None else 1
+  if (values[1] - values[0]) % p or (L - values[0]) % p:
+    raise ValueError(f"--cost_layers {list(values)}: {config.name} repeats its layers every {p} (local and global), "
+                     f"so B - A and {L} - A must be multiples of {p}")
   return values
 
 
