@@ -8,11 +8,14 @@ layer count n: compiled at n = A and n = B (A < B, the rest of the program the s
 Lists (the largest instructions, the weight re-layouts) are the B-layer compile's, labelled so; the floor is the
 full model's (aot_costs.floor on the full program), not extrapolated.
 
-The counts must be large enough that XLA compiles the small program as it compiles the full one. Llama-3 8B on
-v5e-8 `model:8`, plain step, batch 1: at 3 and 5 layers XLA:TPU prefetches whole stacked weights (bf16[5,1792,4096]
-a chip) and its estimate runs 2.3x the roofline (the full program's: 1.26x), so the line through them gives
-4.56 ms against the full compile's 2.991; from 8 layers on it does not (8: 0.8927 ms, 10: 1.0676, the full 32:
-2.9912, on one line within 0.01 %). `--cost_layers=8,10` there.
+Only as good as that line, and XLA:TPU's estimate is not always on one: a layer's estimated cycles depend on the
+whole program's VMEM prefetch plan, which depends on the array sizes. Llama-3 8B on v5e-8 `model:8`, batch 1
+(BENCHMARKS.md, issue 48): the plain step from 8 and 10 layers gives 2.991 ms (the full compile 2.991, every role
+within 0.01 %); from 3 and 5 layers 4.56 (XLA prefetches whole stacked weights, bf16[5,1792,4096] a chip, which
+32-layer arrays never allow); an n-gram k = 2 step from 8 and 10 layers 4.95 (whole Q and O weights prefetched at
+10 layers); the k = 4 step from 8 and 10 layers, even with weights of the full model's size and their first 8 or
+10 layers run, 3.24 against the full 3.61 (its roofline on the line within 0.3 %, XLA's estimate 10 % under).
+Check a program against one full compile before trusting its line.
 """
 
 from __future__ import annotations
@@ -100,4 +103,6 @@ def describe(layers: tuple, num_layers: int) -> dict:
           "rule": f"each figure c(L) = c_{A} + (c_{B} - c_{A}) * (L - {A}) / ({B} - {A}), from compiles at {A} and "
                   f"{B} target layers (unrolled, all else the same); largest instructions from the {B}-layer compile; "
                   "floor from the full model; EAGLE-3 reads layers "
-                  f"{list(SMALL_FEATURE_LAYERS)} where its default does not fit the count"}
+                  f"{list(SMALL_FEATURE_LAYERS)} where its default does not fit the count",
+          "caveat": "XLA:TPU's estimate is not always linear in the layer count (its prefetch plan depends on the "
+                    "array sizes): check each program against one full compile (serve/compiler/aot_layers.py)"}
