@@ -28,8 +28,8 @@ def _table(layers, num_layers: int, tmp_path) -> dict:
 @pytest.mark.aot_full  # minutes, not seconds: real Llama-8B layers (the module docstring says why)
 def test_figures_from_two_layer_counts_match_the_full_compile(tmp_path):
   """~3.7 min on the shared 2-core host at load 10 (three compiles of 8, 10 and 12 layers). The total, bytes, FLOPs
-  and every role over 2 % of the step agree within 0.5 % with the 12-layer compile (seen: 0.01 % at 32 layers); extrapolating
-  from one count (c_B * L / B: the LM head and sampling scaled with the layers) misses by 3 %."""
+  and every role over 2 % of the step agree within 0.5 % with the 12-layer compile (seen: 0.01 % at 32 layers);
+  extrapolating from one count (c_B * L / B: the LM head and sampling scaled with the layers) misses by 3 %."""
   try:
     import libtpu  # noqa: F401
   except ImportError:
