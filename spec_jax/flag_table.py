@@ -176,7 +176,8 @@ ROWS: dict[str, Row] = {
     "cost_batches": Row("list", "Batch sizes of the cost table.", ["1", "4", "16", "64"]),
     "cost_ks": Row("list", "Chain draft lengths (0, plain decoding, always).", [str(k) for k in range(9)]),
     "cost_trees": Row("list", "Tree sizes (nodes, root included).", ["8", "16", "32"]),
-    "cost_tree_method": Row("string", "The tree proposer of the cost table.", "eagle"),
+    "cost_tree_method": Row("string", "The tree proposer of the cost table (several: comma-separated, eagle,medusa).",
+                            "eagle"),
     "cost_tree_depth": Row("integer", "Its trees' depth.", 4),
     "cost_hlo_dir": Row("string", "Write each cost-table program's optimized HLO text here ('' = none): the "
                         "instructions behind the breakdown.", ""),

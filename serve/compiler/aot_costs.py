@@ -20,6 +20,7 @@ from serve.compiler import aot_compile, aot_programs as progs
 from serve.compiler.aot_breakdown import ROLES, chip_figures
 from serve.jobs.step_costs import entry_key
 from spec_jax import adaptive
+from spec_jax.proposers import registry
 from spec_jax.models.shapes import model_shape
 from spec_jax.models.transformer import layers_unrolled
 
@@ -44,8 +45,8 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
   chain_ks = sorted({0, *(int(k) for k in flags_cfg["cost_ks"])})
   kinds = [(BASE_CHAIN, k, 1, 0) for k in chain_ks]
   kinds += [(m, max(chain_ks), 1, 0) for m in flags_cfg.get("cost_chains", ()) if m != BASE_CHAIN and max(chain_ks)]
-  kinds += [(flags_cfg["cost_tree_method"], flags_cfg["cost_tree_depth"], flags_cfg["eagle_topk"], n)
-            for n in flags_cfg["cost_trees"]]
+  kinds += [(m, flags_cfg["cost_tree_depth"], flags_cfg["eagle_topk"], n)
+            for m in tree_methods(flags_cfg) for n in flags_cfg["cost_trees"]]
   seconds, failures, parts = {}, [], {}
   for b in flags_cfg["cost_batches"]:
     row = {}
@@ -81,6 +82,11 @@ def cost_table(flags_cfg: dict, log=print, on_update=None) -> dict:
       log(f"batch {b} {key}: {rec['optimal_seconds'] * 1e3:.3f} ms ({rec['compile_seconds']} s to compile)")
     seconds[str(b)] = row
   return _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts)
+
+
+def tree_methods(flags_cfg: dict) -> list:
+  """--cost_tree_method: one tree proposer or several, comma-separated (eagle,medusa)."""
+  return [m for m in str(flags_cfg["cost_tree_method"]).split(",") if m]
 
 
 def _key(method: str, k: int, nodes: int) -> str:
@@ -140,12 +146,12 @@ def _assemble(flags_cfg, tgt, chain_ks, seconds, failures, parts=None) -> dict:
       out[entry_key(BASE_CHAIN, flags_cfg["dtype"], k_max, int(b))] = {
           "ks": list(ks), "batch": int(b), "occupancies": sorted({1, int(b)}), "costs": [costs] * len({1, int(b)}),
           "estimate": "compiler"}
-    for n in flags_cfg["cost_trees"]:
-      if f"{flags_cfg['cost_tree_method']}_tree{n}" not in row or "0" not in row:
+    for tree in (f"{m}_tree{n}" for m in tree_methods(flags_cfg) for n in flags_cfg["cost_trees"]):
+      if tree not in row or "0" not in row:
         continue
       depth = flags_cfg["cost_tree_depth"]
-      costs = [1.0, round(row[f"{flags_cfg['cost_tree_method']}_tree{n}"] / row["0"], 4)]
-      out[entry_key(f"{flags_cfg['cost_tree_method']}_tree{n}", flags_cfg["dtype"], depth, int(b))] = {
+      costs = [1.0, round(row[tree] / row["0"], 4)]
+      out[entry_key(tree, flags_cfg["dtype"], depth, int(b))] = {
           "ks": [0, depth], "batch": int(b), "occupancies": sorted({1, int(b)}), "costs": [costs] * len({1, int(b)}),
           "estimate": "compiler"}
   return out
