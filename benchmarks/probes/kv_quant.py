@@ -20,6 +20,10 @@ top-1 agreement, for each --kv_cache_dtype.
 
 Greedy (--greedy_tokens N, 0 skips it): N new tokens of plain greedy decoding per prompt with each dtype against
 `auto`: the prompts whose N tokens are identical, and the mean length of the common prefix.
+
+Margins (--margins: greedy only, then margins()): where a prompt's greedy text parts from `auto`, auto's top-1 minus
+top-2 logit at that token, beside how much the 8-bit cache moves that gap at every generated token (is the parting
+a near-tie that the quantization's logit error tips over?).
 """
 
 from __future__ import annotations
@@ -55,10 +59,11 @@ def _step(params, tokens, positions, cache, config):
   return logits, cache
 
 
-def scored(params, config, ids, kv):
-  """Logits [T, V] of the prompt `ids` fed in chunks of BS tokens through a `kv` cache; and the cache."""
+def scored(params, config, ids, kv, capacity=0):
+  """Logits [T, V] of the prompt `ids` fed in chunks of BS tokens through a `kv` cache; and the cache.
+  capacity: the cache's length (0 = T + BS); one fixed capacity compiles the step once for many prompts."""
   T = len(ids)
-  cache = KVCache.init(config, 1, T + BS, params["final_norm"].dtype, kv_dtype=kv)
+  cache = KVCache.init(config, 1, capacity or T + BS, params["final_norm"].dtype, kv_dtype=kv)
   out = []
   for at in range(0, T, BS):
     tok = jnp.asarray([ids[at:at + BS]], jnp.int32)
@@ -132,18 +137,68 @@ def errors(x, y):
   return rel, float(np.max(np.abs(x - y) / amax))
 
 
-def greedy_agreement(params, config, ids_all, n: int) -> dict:
-  """Plain greedy decoding of n tokens per prompt with each 8-bit cache against auto."""
+def greedy_agreement(params, config, ids_all, n: int) -> tuple[dict, list, dict]:
+  """Plain greedy decoding of n tokens per prompt with each 8-bit cache against auto: (summary, auto's tokens,
+  each dtype's tokens)."""
   from spec_jax.batch import generate
   ref = generate(params, config, ids_all, max_new_tokens=n, stop_ids=()).token_ids
-  out = {}
+  out, runs = {}, {}
   print(f"greedy, {n} new tokens: prompts identical to auto, mean common prefix")
   for d in DTYPES:
-    got = generate(params, config, ids_all, max_new_tokens=n, stop_ids=(), kv_cache_dtype=d).token_ids
+    got = runs[d] = generate(params, config, ids_all, max_new_tokens=n, stop_ids=(), kv_cache_dtype=d).token_ids
     prefix = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), min(len(r), len(g))) for r, g in zip(ref, got)]
     out[d] = {"identical": sum(r == g for r, g in zip(ref, got)), "prompts": len(ref),
               "mean_common_prefix": float(np.mean(prefix))}
     print(f"  {d:9} {out[d]['identical']}/{len(ref)}  {out[d]['mean_common_prefix']:.1f}")
+  return out, ref, runs
+
+
+def margins(params, config, ids_all, ref, runs) -> dict:
+  """Why greedy text parts: at each prompt's first position where a dtype's greedy tokens leave auto's, auto's
+  top-1 minus top-2 logit there, beside the cache's logit error. Each prompt plus auto's greedy tokens is scored
+  once through auto and once through each 8-bit cache (teacher-forced on auto's text, which the 8-bit run shares up
+  to the divergence); the error is the change of the gap between auto's top-1 and top-2 tokens, at every generated
+  position (its typical size), and at the divergence (does the scored 8-bit cache pick the 8-bit run's token?)."""
+  seqs = [list(p) + list(r) for p, r in zip(ids_all, ref)]
+  padded = lambda n: -(-n // BS) * BS
+  cap = max(padded(len(s)) for s in seqs) + BS  # one capacity and whole chunks: the step compiles once per dtype
+  auto_gap, err, div = [], {d: [] for d in DTYPES}, {d: [] for d in DTYPES}
+  for p, (ids, r, s) in enumerate(zip(ids_all, ref, seqs)):
+    pad = s + [0] * (padded(len(s)) - len(s))  # causal, per-token scales: the padding changes no earlier position
+    la = scored(params, config, pad, "auto", cap)[0][len(ids) - 1:len(s) - 1]  # row i predicts new token i
+    rows = np.arange(len(la))
+    top1, top2 = np.argsort(-la, -1)[:, :2].T
+    gap_a = la[rows, top1] - la[rows, top2]
+    auto_gap.append(gap_a)
+    for d in DTYPES:
+      lq = scored(params, config, pad, d, cap)[0][len(ids) - 1:len(s) - 1]
+      gap_q = lq[rows, top1] - lq[rows, top2]
+      err[d].append(np.abs(gap_q - gap_a))
+      g = runs[d][p]
+      i = next((i for i, (x, y) in enumerate(zip(r, g)) if x != y), None)
+      if i is not None:
+        div[d].append({"prompt": p, "position": i, "auto_token": int(r[i]), "quant_token": int(g[i]),
+                       "auto_margin": float(gap_a[i]), "auto_margin_to_quant_token": float(la[i, r[i]] - la[i, g[i]]),
+                       "gap_change_here": float(abs(gap_q[i] - gap_a[i])),
+                       "scored_quant_picks_it": bool(lq[i].argmax() == g[i])})
+  all_gap = np.concatenate(auto_gap)
+  pct = lambda x, q: float(np.percentile(x, q))
+  out = {"auto_margin_all_positions": {"median": pct(all_gap, 50), "p10": pct(all_gap, 10), "p1": pct(all_gap, 1),
+                                       "n": int(all_gap.size)}}
+  print(f"auto's top-1 minus top-2 logit over all {all_gap.size} greedy positions: median {pct(all_gap, 50):.3f}, "
+        f"p10 {pct(all_gap, 10):.3f}, p1 {pct(all_gap, 1):.3f}")
+  for d in DTYPES:
+    e = np.concatenate(err[d])
+    for f in div[d]:
+      f["auto_margin_percentile"] = float(np.mean(all_gap < f["auto_margin"]) * 100)
+    out[d] = {"gap_change_all_positions": {"median": pct(e, 50), "p90": pct(e, 90), "p99": pct(e, 99),
+                                           "max": float(e.max())}, "diverging": div[d]}
+    print(f"  {d:9} |gap change| over all positions: median {pct(e, 50):.3f}, p90 {pct(e, 90):.3f}, "
+          f"p99 {pct(e, 99):.3f}; {len(div[d])} prompts part from auto:")
+    for f in div[d]:
+      print(f"    prompt {f['prompt']:2} at token {f['position']:2}: auto's margin {f['auto_margin']:.3f} "
+            f"(percentile {f['auto_margin_percentile']:.1f}; to the 8-bit token {f['auto_margin_to_quant_token']:.3f}), "
+            f"gap change there {f['gap_change_here']:.3f}, scored 8-bit picks it: {f['scored_quant_picks_it']}")
   return out
 
 
@@ -153,9 +208,19 @@ def main():
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--greedy_tokens", type=int, default=64)
   ap.add_argument("--json_out", default="")
+  ap.add_argument("--margins", action="store_true", help="only greedy (--greedy_tokens) and, where it parts from "
+                  "auto, auto's top-1/top-2 logit margin there against the cache's logit error (margins())")
   args = ap.parse_args()
   config, params, tok = load_model(None, args.dtype)
   ids_all = prompts(tok, args.prompts)
+  if args.margins:
+    out = {"prompts": len(ids_all), "dtype": args.dtype, "greedy_tokens": args.greedy_tokens}
+    out["greedy"], ref, runs = greedy_agreement(params, config, ids_all, args.greedy_tokens)
+    out["margins"] = margins(params, config, ids_all, ref, runs)
+    if args.json_out:
+      with open(args.json_out, "w") as f:
+        json.dump(out, f, indent=1, default=float)
+    return
   schemes = ("token", "page", "page@1st", "page-max", "none")
   recon = {d: {s: {"k": [], "v": []} for s in schemes} for d in DTYPES}
   quality = {d: {"kl": [], "top1": []} for d in DTYPES}
@@ -191,7 +256,7 @@ def main():
                         "top1": float(top1.mean())}
     print(f"  {d:9} {kl.mean():.5f} {np.percentile(kl, 99):.5f} {top1.mean():.4f}")
   if args.greedy_tokens:
-    out["greedy"] = greedy_agreement(params, config, ids_all, args.greedy_tokens)
+    out["greedy"] = greedy_agreement(params, config, ids_all, args.greedy_tokens)[0]
   if args.json_out:
     with open(args.json_out, "w") as f:
       json.dump(out, f, indent=1, default=float)
