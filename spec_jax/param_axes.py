@@ -15,7 +15,10 @@ _PROPOSER_AXES = {
     # step on Llama-3 8B v5e-8, more than the head's layer). Their products are gathered back to the state
     # table's layout at once (eagle.layer_step), so no split reaches the loop's carry.
     "fc": ("embed", "features"), "fuse": ("embed", "features"),
-    "w": ("embed", "embed"), "b": ("embed",),  # Medusa heads [K, D, D], [K, D] (K stacked like layers)
+    # Medusa's heads [K, D, D], [K, D] (K stacked like layers), split the same way (their bias stays whole): replicated,
+    # every chip read all K each step (134 MB a chip on Llama-3 8B v5e-8, against 17 MB split). A published Medusa-1 head's
+    # [K, NL, D, D] has another rank: it stays whole.
+    "w": ("embed", "features"), "b": ("embed",),
 }
 PARAM_AXES = {**schema.AXES, **_PROPOSER_AXES}
 _NORM = re.compile(r"norm$")  # the proposers' own norms (EAGLE's feat_norm, ...): ("embed",)

@@ -7,8 +7,8 @@ run resumed from a checkpoint reads exactly the batches an uninterrupted run wou
 bitwise equal.
 
 With a ('data', 'model') Mesh (spec_jax.sharding.make_mesh) the trainable params and the frozen target get the
-shardings of spec_jax.sharding's logical-axis table (tensor parallel over 'model'; a trainable matrix the table
-leaves whole, such as Medusa's heads, split over 'model' on its last dimension), each optimizer-state leaf the
+shardings of spec_jax.sharding's logical-axis table (tensor parallel over 'model', Medusa's heads and EAGLE's fc
+split on their output features as in serving), each optimizer-state leaf the
 sharding of the param it mirrors (replicated when it mirrors none: counts, scalars), and every batch is split over
 'data'. On several processes (train.main on many hosts) each process reads only the rows of a batch that its own
 devices hold (put_local_rows) and the step is one SPMD program over every host's devices. The step pins its
@@ -39,7 +39,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from spec_jax import sharding as shd
-from spec_jax.param_axes import leaf_name, param_axes
 from train import data as data_lib
 
 
@@ -206,25 +205,8 @@ class Trainer:
       return jax.tree.map(lambda _: self._one_device(), params)
     return shd.param_shardings(params, self.mesh)
 
-  def trainable_shardings(self, params):
-    """The table's shardings, except that a matrix it leaves whole (Medusa's heads [K, D, D]; the table splits
-    EAGLE's fc itself) is split over 'model' on its last dimension when that divides, as the table splits the MLP's
-    outputs: replicated, those params and Adam's two copies of them do not fit a 70B target's chips
-    (BENCHMARKS.md, the 70B table)."""
-    if self.mesh is None:
-      return self.param_shardings(params)
-    m = shd.axis_size(self.mesh, "model")
-
-    def one(path, x, s):
-      shape = np.shape(x)
-      axes = param_axes(leaf_name(path), len(shape))
-      if axes.count("embed") < 2 or m == 1 or shape[-1] % m or any(a is not None for a in s.spec):
-        return s  # not an [embed, embed] matrix of the proposer's own (the table's layers keep its layout)
-      return NamedSharding(self.mesh, P(*([None] * (len(shape) - 1)), "model"))
-    return jax.tree_util.tree_map_with_path(one, params, self.param_shardings(params))
-
   def state_shardings(self, state: TrainState) -> TrainState:
-    ps = self.trainable_shardings(state.params)
+    ps = self.param_shardings(state.params)
     rep = self._one_device() if self.mesh is None else NamedSharding(self.mesh, P())
     return TrainState(ps, mirror_shardings(state.opt, state.params, ps, rep), rep, rep)
 
@@ -287,7 +269,7 @@ class Trainer:
     step = self.best.best_step()
     if step is None:
       return None
-    abstract = self._abstract({"params": like}, {"params": self.trainable_shardings(like)})
+    abstract = self._abstract({"params": like}, {"params": self.param_shardings(like)})
     return self.best.restore(step, args=ocp.args.StandardRestore(abstract))["params"]
 
   # ------------------------------------------------------------------------------------------- loops

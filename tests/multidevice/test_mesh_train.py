@@ -138,7 +138,7 @@ def test_checkpoint_restores_on_another_mesh(runs, target):
 
 
 def test_medusa_heads_and_their_adam_state_split_over_model(tmp_path):
-  """Medusa's heads [K, D, D] (left whole by the serving table) and Adam's two copies of them are split over
+  """Medusa's heads [K, D, D] (split by the table, as in serving) and Adam's two copies of them are split over
   'model' on the output dimension in training, so a 70B target's heads are not replicated on every chip."""
   cfg = get_config("medusa")
   config, params, _ = load_target(cfg)
