@@ -56,7 +56,8 @@ FLAGS = flags.FLAGS
 def held_out_prompts(n: int, seed: int) -> list:
   """train.eval_acceptance.held_out_prompts, which cannot be imported here: that module defines absl flags of the
   same names as these. The last HELD_OUT prompts of the data pipeline's seeded permutation (train/data.py)."""
-  from train.data import HELD_OUT, load_prompts, prompt_order
+  from train.data import HELD_OUT, prompt_order  # lazy: heavy, only this path (train/)
+  from train.examples import load_prompts  # lazy: heavy, only this path (train/)
   if n > HELD_OUT:
     raise ValueError(f"at most {HELD_OUT} held-out prompts")
   prompts = load_prompts()

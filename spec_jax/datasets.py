@@ -28,6 +28,17 @@ def resolve(path: str) -> str:
   return in_repo if os.path.exists(in_repo) else path
 
 
+def json_record(line, path: str, n: int) -> dict:
+  """One jsonl line (str or bytes) -> its JSON object; anything else is an error naming the path and line."""
+  try:
+    rec = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+  if not isinstance(rec, dict):
+    raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+  return rec
+
+
 def read_jsonl(path: str) -> list[tuple[str, dict]]:
   """-> [(\"path:line\", record)] of every non-blank line. A missing or empty file, or a line that is not a JSON
   object, is an error that names the path (and line)."""
@@ -39,13 +50,7 @@ def read_jsonl(path: str) -> list[tuple[str, dict]]:
     for n, line in enumerate(f, 1):
       if not line.strip():
         continue
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-      if not isinstance(rec, dict):
-        raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
-      out.append((f"{path}:{n}", rec))
+      out.append((f"{path}:{n}", json_record(line, path, n)))
   if not out:
     raise ValueError(f"data file is empty: {path}")
   return out

@@ -56,12 +56,12 @@ print("READS=" + json.dumps(seen))
 def test_default_data_is_found_from_any_directory_and_only_inside_the_repository():
   # From cwd "/": the defaults of train.data, train.distill, serve.loadtest's config and the prompt loaders.
   reads = _reads_during("""
-from train import data, distill, distill_shards
+from train import data, distill, distill_shards, examples as examples_lib
 from serve.loadtest import traffic
 from serve.jobs import prompts
 from configs import loadtest
 from spec_jax.datasets import SPEC_BENCH
-n = len(data.load_examples())
+n = len(examples_lib.load_examples())
 assert n == 7473 + 474 + 175, n
 assert len(traffic.load_prompts(loadtest.get_config().prompts)) == 480
 class Tok:
@@ -101,23 +101,23 @@ def test_no_source_names_a_path_outside_the_repository():
 
 
 def test_missing_or_empty_data_is_a_clear_error_naming_the_path(tmp_path):
-  from train import data as data_lib
+  from train import examples as examples_lib
   missing = tmp_path / "nowhere"
   with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
-    data_lib.load_examples(str(missing))
+    examples_lib.load_examples(str(missing))
   empty_dir = tmp_path / "empty"
   empty_dir.mkdir()
   with pytest.raises(FileNotFoundError, match="no .jsonl files.*" + re.escape(str(empty_dir))):
-    data_lib.load_examples(str(empty_dir))
+    examples_lib.load_examples(str(empty_dir))
   (empty_dir / "a.jsonl").write_text("\n\n")
   with pytest.raises(ValueError, match="empty.*" + re.escape(str(empty_dir / "a.jsonl"))):
-    data_lib.load_examples(str(empty_dir))
+    examples_lib.load_examples(str(empty_dir))
   (empty_dir / "a.jsonl").write_text(json.dumps({"unrelated": 1}) + "\n")
   with pytest.raises(ValueError, match="no training examples in " + re.escape(str(empty_dir))):
-    data_lib.load_examples(str(empty_dir))
+    examples_lib.load_examples(str(empty_dir))
   (empty_dir / "a.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n{oops\n")
   with pytest.raises(ValueError, match=re.escape(str(empty_dir / "a.jsonl")) + ":2: not valid JSON"):
-    data_lib.load_examples(str(empty_dir))
+    examples_lib.load_examples(str(empty_dir))
   from serve.loadtest import traffic
   with pytest.raises(FileNotFoundError, match="nope.jsonl"):
     traffic.load_prompts(str(tmp_path / "nope.jsonl"))

@@ -31,90 +31,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from spec_jax.checkpoints.file_cache import replace_from, unique_temp_path
-from spec_jax.datasets import TRAIN_DIR, jsonl_files
+from spec_jax.datasets import TRAIN_DIR
+from train.examples import Examples  # the transcripts, read from jsonl
 from train.distill_shards import Answers, NpzRows, read_manifest, shard_answers
-
-
-def _example(rec: dict) -> Optional[tuple]:
-  """(prompt, reference answer) of one training record, or None."""
-  if "question" in rec:  # gsm8k
-    return rec["question"], rec.get("answer", "")
-  if "text" in rec and "code" in rec:  # mbpp
-    return rec["text"], rec["code"].replace("\r\n", "\n")
-  if "instruction" in rec:  # self-instruct seed tasks
-    inst = rec["instruction"]
-    first = (rec.get("instances") or [{}])[0]
-    inp = first.get("input", "") or ""
-    return inst + ("\n\n" + inp if inp.strip() else ""), first.get("output", "") or ""
-  return None
-
-
-def _scan_examples(data_dir: str):
-  """-> (path, byte offset of its line, (prompt, reference answer)) of every training example in a fixed order
-  (files sorted, lines in order). A missing or empty file, or a line that is not a JSON object, is an error that
-  names the path (and line), as spec_jax.datasets.read_jsonl's."""
-  for path in jsonl_files(data_dir):
-    if "spec_bench" in os.path.basename(path).lower():
-      continue
-    offset, lines = 0, 0
-    with open(path, "rb") as f:
-      for n, line in enumerate(f, 1):
-        start, offset = offset, offset + len(line)
-        if not line.strip():
-          continue
-        lines += 1
-        ex = _example(_record(line, path, n))
-        if ex and ex[0]:
-          yield path, start, ex
-    if not lines:
-      raise ValueError(f"data file is empty: {path}")
-
-
-def _record(line: bytes, path: str, n: int) -> dict:
-  try:
-    rec = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-  if not isinstance(rec, dict):
-    raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
-  return rec
-
-
-def load_examples(data_dir: str = TRAIN_DIR) -> list:
-  """(prompt, reference answer) of every training jsonl record, in a fixed order (files sorted, lines in order)."""
-  out = [ex for _, _, ex in _scan_examples(data_dir)]
-  if not out:
-    raise ValueError(f"no training examples in {data_dir}")
-  return out
-
-
-class Examples:
-  """load_examples' (prompt, reference answer) pairs, each read from its line on use (`examples[i]`): a trainer
-  host of many reads only the examples it feeds. The index (one line offset per example, and whether its answer
-  is non-blank) is one pass over the files that keeps nothing else. `read` holds the indices read so far."""
-
-  def __init__(self, data_dir: str = TRAIN_DIR):
-    self.where, self.answered, self.read = [], [], set()
-    for path, offset, (_, answer) in _scan_examples(data_dir):
-      self.where.append((path, offset))
-      self.answered.append(bool(answer.strip()))
-    if not self.where:
-      raise ValueError(f"no training examples in {data_dir}")
-
-  def __len__(self):
-    return len(self.where)
-
-  def __getitem__(self, i: int) -> tuple:
-    path, offset = self.where[i]
-    with open(path, "rb") as f:
-      f.seek(offset)
-      line = f.readline()
-    self.read.add(int(i))
-    return _example(_record(line, path, 0))
-
-
-def load_prompts(data_dir: str = TRAIN_DIR) -> list:
-  return [p for p, _ in load_examples(data_dir)]
 
 
 # The last HELD_OUT prompts of the seeded permutation are never trained on: train.eval_acceptance measures them.

@@ -41,6 +41,7 @@ from spec_jax.prefill import bucket
 from spec_jax.slot_table import SlotTable
 from train import data as data_lib
 from train import distill_shards as shards
+from train.examples import load_examples
 
 DEFAULT_OUT = DISTILL_DIR
 
@@ -105,7 +106,7 @@ class Generator:
 
 def prompts_in_order(tokenizer, seed: int, limit: int = 0, data_dir=None):
   """-> [(position, example index, prompt text)] for the non-held-out prompts of the seeded order."""
-  examples = data_lib.load_examples(data_dir or data_lib.TRAIN_DIR)
+  examples = load_examples(data_dir or data_lib.TRAIN_DIR)
   order = data_lib.prompt_order(len(examples), seed)[:len(examples) - data_lib.HELD_OUT]
   if limit:
     order = order[:limit]

@@ -1,6 +1,6 @@
 """The self-distilled answers on disk: `train.distill` writes them, `train.data` reads them.
 
-shard-NNNNN.npz per shard (prompt position, prompt index in `train.data.load_examples`, temperature, finish,
+shard-NNNNN.npz per shard (prompt position, prompt index in `train.examples.load_examples`, temperature, finish,
 offsets, the prompt + answer token ids as one int32 run) and manifest.json (settings, each shard's sha256 and
 counts). A shard whose checksum differs from the manifest's is never read. `Answers` reads them one answer at a time (a
 trainer host of many reads only the answers it feeds).

@@ -23,7 +23,8 @@ from spec_jax.checkpoints.load import load_model
 from spec_jax.proposers.registry import Target, build_proposer
 from spec_jax.spec_config import SpecConfig
 from spec_jax.stats import summarize
-from train.data import HELD_OUT, load_prompts, prompt_order
+from train.data import HELD_OUT, prompt_order
+from train.examples import load_prompts
 
 flag_table.define(("methods", "num_prompts", "max_new_tokens", "num_speculative_tokens", "batch_size", "dtype",
                    "seed", "speculative_model", "output"), methods=["medusa", "eagle", "draft"], max_new_tokens=64,
