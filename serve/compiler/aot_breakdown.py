@@ -16,11 +16,11 @@ the compiler's total (the scale is reported).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections import defaultdict
 
+from serve.compiler.hlo_text import ARRAY_LAYOUT, Instr, array_dims, parse, shape_bytes
 from spec_jax import scopes
 
 # Published per-chip figures: HBM bandwidth (bytes/s), dense bf16 peak (FLOP/s), TensorCore clock (Hz).
@@ -44,15 +44,6 @@ def chip_figures(kind: str) -> dict:
   raise ValueError(f"no published figures for {kind!r}; known: {sorted(CHIPS)}")
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5, "token": 0}
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|token)\[([\d,]*)\]")
-_COMP_START = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
-_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r"(?:calls|to_apply|condition|body|true_computation|false_computation)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)",[^}]*"bytes_accessed":"(\d+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
@@ -67,76 +58,19 @@ _FREE = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "afte
 ROLES = scopes.ROLES
 
 
-_ARRAY_LAYOUT = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|token)\[([\d,]*)\](\{[^}]*\})?")
-
-
-def shape_bytes(text: str) -> float:
-  """HBM bytes of an HLO shape (an array or a tuple of them; tiling ignored). An array in another memory space
-  (`S(n)` in its layout: XLA:TPU's VMEM, SMEM) is not HBM traffic: a weight prefetched into VMEM is counted once,
-  by the copy that brings it there."""
-  return sum(_DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
-             for t, dims, layout in _ARRAY_LAYOUT.findall(text) if not re.search(r"S\([1-9]\)", layout or ""))
-
-
-def _dims(text: str) -> list:
-  m = _ARRAY.search(text)
-  return [int(d) for d in m.group(2).split(",") if d] if m else []
-
-
-@dataclasses.dataclass
-class Instr:
-  name: str
-  opcode: str
-  shape: str
-  operands: list
-  line: str
-  op_name: str
-  cycles: int | None
-  calls: list
-  branches: list
-
-
-def parse(text: str) -> tuple[dict, str]:
-  """-> ({computation: [Instr]}, the entry's name)."""
-  comps, entry, cur = {}, None, None
-  for line in text.splitlines():
-    m = _COMP_START.match(line)
-    if m and not line.startswith(" "):
-      cur = m.group(2)
-      comps[cur] = []
-      if m.group(1):
-        entry = cur
-      continue
-    if cur is None:
-      continue
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    name, shape, opcode, rest = m.groups()
-    args = rest.split("), ", 1)[0] if "), " in rest else rest.rstrip(")")
-    cyc = _CYCLES.search(line)
-    op = _OP_NAME.search(line)
-    br = _BRANCHES.search(line)
-    comps[cur].append(Instr(name, opcode, shape, re.findall(r"%([\w.\-]+)", args), line,
-                            op.group(1) if op else "", int(cyc.group(1)) if cyc else None,
-                            _CALLS.findall(line), [b.strip().lstrip("%") for b in br.group(1).split(",")] if br
-                            else []))
-  return comps, entry
-
-
 def _flops(comps: dict, comp: str, shapes: dict) -> float:
   """2 x output elements x contracted size of every dot and convolution inside a fused computation."""
   total = 0.0
   for ins in comps.get(comp, []):
     if ins.opcode == "dot":
-      lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+      lhs = array_dims(shapes.get(ins.operands[0], "")) if ins.operands else []
       cdims = _DOT_DIMS.search(ins.line)
       k = math.prod(lhs[int(d)] for d in cdims.group(1).split(",") if d) if cdims and lhs else 1
-      total += 2.0 * math.prod(_dims(ins.shape)) * k
+      total += 2.0 * math.prod(array_dims(ins.shape)) * k
     elif ins.opcode == "convolution":
-      lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
-      rhs = _dims(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
-      out = math.prod(_dims(ins.shape))
+      lhs = array_dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+      rhs = array_dims(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+      out = math.prod(array_dims(ins.shape))
       # the contracted size: the kernel's elements over its output features (its last dimension in XLA:TPU's
       # dim_labels for these dots); a bound, not an exact count, where the labels say otherwise
       m = re.search(r"dim_labels=\w+_(\w+)->", ins.line)
@@ -165,7 +99,7 @@ def traffic(comps: dict, ins: Instr, shapes: dict) -> float:
     return 2 * shape_bytes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
   operand = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
   if _gemm(ins):  # operands and the product; not the workspace
-    return sum(operand) + shape_bytes(_ARRAY_LAYOUT.search(ins.shape).group(0))
+    return sum(operand) + shape_bytes(ARRAY_LAYOUT.search(ins.shape).group(0))
   if ins.opcode == "copy-start":  # (destination, source alias, context): the source is read once
     return sum(operand)
   out = shape_bytes(ins.shape)
@@ -188,7 +122,7 @@ def _layer_read(ins: Instr, shapes: dict, layers: int) -> float:
   total = shape_bytes(ins.shape)
   for o in ins.operands:
     b = shape_bytes(shapes.get(o, ""))
-    dims = _dims(shapes.get(o, ""))
+    dims = array_dims(shapes.get(o, ""))
     total += b / layers if dims and dims[0] == layers else b
   return total
 
@@ -200,10 +134,10 @@ def _gemm(ins: Instr) -> bool:
 
 def _gemm_flops(ins: Instr, shapes: dict) -> float:
   """2 x the product's elements x the contracted size of a library GEMM (its backend config's dimensions)."""
-  lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+  lhs = array_dims(shapes.get(ins.operands[0], "")) if ins.operands else []
   m = _GEMM_CONTRACTING.search(ins.line)
   k = math.prod(lhs[int(d.strip('" '))] for d in m.group(1).split(",") if d.strip('" ')) if m and lhs else 1
-  return 2.0 * math.prod(_dims(ins.shape)) * k
+  return 2.0 * math.prod(array_dims(ins.shape)) * k
 
 
 def _params(comps: dict, comp: str) -> dict:

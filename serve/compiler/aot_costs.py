@@ -20,7 +20,6 @@ from serve.compiler import aot_compile, aot_programs as progs
 from serve.compiler.aot_breakdown import ROLES, chip_figures
 from serve.jobs.step_costs import entry_key
 from spec_jax import adaptive
-from spec_jax.proposers import registry
 from spec_jax.models.shapes import model_shape
 from spec_jax.models.transformer import layers_unrolled
 
