@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-aot test test-fast test-standalone test-aot demo
+.PHONY: install install-aot test test-full test-fast test-standalone test-aot demo
 
 install: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,qwen]'
@@ -33,11 +33,18 @@ TINY_XLA_FLAGS := --xla_backend_optimization_level=0
 
 # A last pass runs the tests whose checks rest on timings (marked alone) in one process, with nothing beside them.
 test: install-aot
-	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow and not alone and not aot" tests
-	$(PYTEST) --durations=20 -m "slow and not alone and not aot" tests
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "not slow and not alone and not aot and not full" tests
+	$(PYTEST) --durations=20 -m "slow and not alone and not aot and not full" tests
 	$(MAKE) test-aot AOT_TESTS="aot and not aot_full"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone tests
 	$(MAKE) test-standalone
+
+# Everything: make test, then what it leaves out for CI's budget (tests marked full, whose paths a cheaper test in
+# make test also runs, and the longest compiles, marked aot_full). Run it before landing a change to those paths.
+test-full: test
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) --durations=20 -m "full and not slow and not aot" tests
+	$(PYTEST) --durations=20 -m "full and slow and not aot" tests
+	$(MAKE) test-aot AOT_TESTS="aot_full"
 
 # Every program compiled for TPU (v5e) and an H200 from this CPU host (tests marked aot, serve.aot); make test runs
 # them less the longest compiles (marked aot_full).
@@ -57,7 +64,7 @@ test-standalone:
 	  -p no:cacheprovider $(STANDALONE_TESTS); rc=$$?; rm -rf $$d; exit $$rc
 
 test-fast:
-	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) -m "not slow and not alone and not aot" tests
+	XLA_FLAGS="$(TINY_XLA_FLAGS) $$XLA_FLAGS" $(PYTEST) -m "not slow and not alone and not aot and not full" tests
 
 demo:
 	$(BIN)/python -m serve.generate --compare --method=ngram

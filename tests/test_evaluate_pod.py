@@ -70,6 +70,7 @@ def _tokens_and_acceptance(summary):
   return out
 
 
+@pytest.mark.full  # 2.5 min; the two-process server and trainer tests compare processes with one in make test
 def test_two_processes_write_the_report_of_one_process_with_eight_devices(files):
   model, prompts, d = files
   one = subprocess.run(_cmd(model, prompts, d / "one"), cwd=ROOT, env=_env(8), capture_output=True, text=True,

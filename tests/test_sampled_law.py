@@ -80,7 +80,10 @@ def _run(name, grammar=False, seed=0, calls=CALLS, rows=ROWS):
 
 # The law at 2,000 rows: sampled chains (draft model, Medusa, EAGLE: q and the residual), n-gram (deterministic
 # drafts) and grammar rows, whose forced tokens are drafts with a one-hot q.
-CASES = ["ngram", "draft", "medusa", "eagle", "draft+grammar"]
+# Medusa and the grammar rows (the law of constrained drafts is also tests/grammar/test_grammar_decode.py's) run in
+# make test-full.
+CASES = ["ngram", "draft", pytest.param("medusa", marks=pytest.mark.full), "eagle",
+         pytest.param("draft+grammar", marks=pytest.mark.full)]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -63,8 +63,9 @@ def _global_bytes(args) -> int:
 # The longest compiles (1.5-15 minutes each on 2 busy cores) run in `make test-aot` only, not in `make test`'s
 # budget: serve.aot's reports (benchmarks/reports/aot) compile every program at full size anyway.
 FULL = pytest.mark.aot_full
+# The 16-node tree on a v5e: the Llama shape's tree on v5e:2x2 below runs in make test.
 GEMMA_TPU = ["decode_loop[none]", "decode_loop[ngram]", "decode_loop[suffix]", "decode_loop[eagle]",
-             "decode_loop[eagle tree16]", "insert[eagle, prompt 16]", pytest.param("train_step[eagle]", marks=FULL)]
+             pytest.param("decode_loop[eagle tree16]", marks=FULL), "insert[eagle, prompt 16]", pytest.param("train_step[eagle]", marks=FULL)]
 
 
 @pytest.mark.parametrize("name", GEMMA_TPU)
@@ -195,6 +196,7 @@ def test_the_command_reports_and_fails_on_what_does_not_fit(tmp_path):
   assert (loop["memory"]["argument_bytes"] > 100e9 if loop["compiled"] else "Ran out of memory" in loop["error"])
 
 
+@FULL  # 3.6 min; tests/aot/test_cost_guard.py compiles and costs the same programs in make test
 def test_the_cost_table_is_written_in_the_controllers_format(tmp_path):
   """serve.aot --cost_table end to end on a small model shape: every step compiles with a positive estimate, the
   entries are what the adaptive controller loads (serve.jobs.step_costs.load_costs) and hold the estimates' ratios to a

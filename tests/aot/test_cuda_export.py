@@ -24,6 +24,7 @@ def programs():
   return out
 
 
+@pytest.mark.full  # 1.4 min; the aot pass compiles Gemma's serving programs for an H200 with the kernel
 def test_every_program_exports_for_cuda_with_the_triton_kernel(programs):
   names = [p.name for p in programs]
   # Every method's loop, chains and the trees of those that draft trees, and each trainer step.

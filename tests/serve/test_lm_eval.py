@@ -113,6 +113,7 @@ def test_lm_eval_generate_and_loglikelihood_agree_with_and_without_speculation(t
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 1.5 min; the tiny model's lm-eval test runs the same harness in make test
 def test_lm_eval_on_gemma3_agrees_with_and_without_speculation(tmp_path, monkeypatch, gemma3_gguf_path):
   """The same on Gemma 3 270M, its tokenizer rebuilt from the GGUF's SentencePiece model (lm-eval adds BOS, as
   Gemma wants)."""
