@@ -4,9 +4,10 @@ XLA's cost analysis gives a program's totals only. The optimized HLO names what 
 fusion, a copy, a kernel call, a collective) reads and writes (its operands' and result's shapes), and XLA:TPU writes
 its own estimate of each one's cycles into the instruction's backend config (`estimated_cycles`). This module walks
 the program as XLA's cost analysis does (a while loop's body once, a conditional's costliest branch, a fusion as one
-instruction) and sums bytes, FLOPs and time per role. A role comes from the `jax.named_scope` names the model and
-the loop carry (spec_jax/scopes.py) in each instruction's `op_name` metadata, else from the instruction's kind
-(copies, collectives, kernel calls).
+instruction) and sums bytes, FLOPs and time per role; what a conditional's costliest branch costs beyond its
+cheapest is also reported apart (`branches`), since rows that ask for nothing take the cheapest at run time. A role
+comes from the `jax.named_scope` names the model and the loop carry (spec_jax/scopes.py) in each instruction's
+`op_name` metadata, else from the instruction's kind (copies, collectives, kernel calls).
 
 Time per instruction: XLA:TPU's estimated cycles at the chip's clock where it gives them; elsewhere (Pallas kernel
 calls, collectives, XLA:GPU) the roofline of the instruction's own bytes and FLOPs at the chip's published
@@ -252,8 +253,7 @@ def walk(comps: dict, entry: str, chip: dict, trips: bool = False) -> list:
     for ins in comps.get(comp, []):
       inner = scopes.role_of_path(ins.op_name) or outer
       if ins.opcode == "conditional":
-        runs = [run(b, inner, looped, stack) for b in ins.branches]
-        out += max(runs, key=lambda r: sum(x["roofline"] for x in r)) if runs else []
+        out += _costliest_branch([run(b, inner, looped, stack) for b in ins.branches], ins)
       elif ins.opcode in ("while", "call"):
         n = _trip_count(ins) if trips and ins.opcode == "while" else 1
         for c in ins.calls:
@@ -269,6 +269,37 @@ def walk(comps: dict, entry: str, chip: dict, trips: bool = False) -> list:
     return out
 
   return run(entry, "", False)
+
+
+def _costliest_branch(runs: list, ins: Instr) -> list:
+  """The rows of a conditional's costliest branch, as XLA's cost analysis charges it, each marked with the share
+  of its roofline beyond the cheapest branch (`skip`, compounded through nested conditionals) and the outermost
+  conditional's name and op (`cond`, `cond_op`): a step whose rows all take the cheapest branch (no row asks for
+  the controls, the filters) skips that share at run time, though the estimate charges it."""
+  if not runs:
+    return []
+  cost = [sum(x["roofline"] for x in r) for r in runs]
+  top = max(range(len(runs)), key=cost.__getitem__)
+  extra = 1.0 - min(cost) / cost[top] if cost[top] > 0 else 0.0
+  return [dict(x, skip=1.0 - (1.0 - x.get("skip", 0.0)) * (1.0 - extra), cond=ins.name, cond_op=ins.op_name)
+          for x in runs[top]]
+
+
+def _branches(rows: list, scale: float, top: int) -> dict:
+  """What conditionals are charged beyond their cheapest branch (see _costliest_branch): total seconds (scaled
+  like the roles) and bytes, and the `top` conditionals by seconds with the role of their costliest work."""
+  per = defaultdict(lambda: dict(seconds=0.0, bytes=0.0, roles=defaultdict(float), op_name=""))
+  for r in rows:
+    if r.get("skip"):
+      c = per[r["cond"]]
+      c["seconds"] += r["roofline"] * r["skip"] * scale
+      c["bytes"] += r["bytes"] * r["skip"]
+      c["roles"][r["role"]] += r["roofline"] * r["skip"]
+      c["op_name"] = r["cond_op"][-100:]
+  items = sorted(per.items(), key=lambda kv: -kv[1]["seconds"])
+  return dict(seconds=sum(c["seconds"] for c in per.values()), bytes=sum(c["bytes"] for c in per.values()),
+              top=[dict(name=n, seconds=c["seconds"], bytes=c["bytes"], op_name=c["op_name"],
+                        role=max(c["roles"], key=c["roles"].get)) for n, c in items[:top]])
 
 
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -340,6 +371,8 @@ def breakdown(text: str, chip_kind: str, optimal_seconds: float | None, top: int
                           for r in items[:top]]
   per_call = [r for r in rows if r["per_call"]]
   return dict(roles=roles, scale=scale, instructions=len(rows), roofline_seconds=total,
+              # charged to conditionals beyond their cheapest branch: skipped at run time where no row asks
+              branches=_branches(rows, scale, top),
               weight_relayouts=weight_relayouts(text),
               # work outside the decode loop (loop-invariant copies XLA hoists: once per loop call, not per step)
               per_call_seconds=sum(r["roofline"] for r in per_call) * scale,

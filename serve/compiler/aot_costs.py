@@ -193,9 +193,9 @@ def breakdown_md(table: dict) -> str:
            "its FLOPs over the peak.", ""]
   for b, programs in sorted(table.get("breakdown", {}).items(), key=lambda x: int(x[0])):
     plain = table["seconds"].get(b, {}).get("0")
-    lines += [f"## batch {b}", "", "| program | ms | over plain | per loop call ms | floor ms | over floor | GB moved | " +
-              " | ".join(r for r in ROLES) + " | largest instructions |",
-              "|---|" + "---|" * (len(ROLES) + 6)]
+    lines += [f"## batch {b}", "", "| program | ms | over plain | per loop call ms | in costlier branches ms | "
+              "floor ms | over floor | GB moved | " + " | ".join(r for r in ROLES) + " | largest instructions |",
+              "|---|" + "---|" * (len(ROLES) + 7)]
     for key, d in programs.items():
       ms = d["optimal_seconds"] * 1e3
       cells = []
@@ -207,13 +207,23 @@ def breakdown_md(table: dict) -> str:
       lines.append(f"| {'plain' if key == '0' else ('ngram k=' + key if key.isdigit() else key)} | {ms:.3f} | "
                    f"{ms / (plain * 1e3):.2f}x | "
                    + (f"{d['per_call_seconds'] * 1e3:.3f}" if "per_call_seconds" in d else "n/a") + " | "
+                   + (_branch_cell(d["branches"]) if "branches" in d else "n/a") + " | "
                    f"{d['floor']['seconds'] * 1e3:.3f} | "
                    f"{d['optimal_seconds'] / d['floor']['seconds']:.2f}x | {d['bytes'] / 1e9:.2f} | "
                    + " | ".join(cells) + f" | {tops} |")
     lines += ["", "Role cells: ms / MB. Per loop call: the part of the estimate outside the decode loop (loop-invariant "
               "work XLA hoists, such as a weight re-laid out for the loop: paid once per loop call, which runs many "
-              "steps when serving, but charged in full to this one-step program).", ""]
+              "steps when serving, but charged in full to this one-step program). In costlier branches: what XLA "
+              "charges conditionals beyond their cheapest branch (the controls, logprobs and grammar masks, the "
+              "sampler's filters), which a step whose rows ask for none of them skips at run time; the largest "
+              "conditional named.", ""]
   return "\n".join(lines) + "\n"
+
+
+def _branch_cell(branches: dict) -> str:
+  top = branches["top"][0] if branches["top"] else None
+  return f"{branches['seconds'] * 1e3:.3f}" + (f" (`{top['op_name'].split('/')[-3:][0]}`, {top['role']})"
+                                              if top and top["seconds"] > 0 else "")
 
 
 def plot_breakdown(table: dict, path: str) -> None:

@@ -90,6 +90,14 @@ def test_roles_bytes_and_branches_of_a_hand_written_step():
   assert roles["LM head"]["flops"] == 2 * 8 * 1000 * 64
   # the sort branch (reads and writes [8, 1000] values and indices), not the reduce, and in the sampler's role
   assert roles["sampling/verify"]["count"] == 1 and roles["sampling/verify"]["top"][0]["name"] == "s"
+  # ... and what it costs beyond the cheaper branch (the reduce: [8, 1000] f32 in, [8] out), reported apart: what
+  # a step whose rows take the cheap branch skips
+  sort_bytes, reduce_bytes = roles["sampling/verify"]["bytes"], 8 * 1000 * 4 + 8 * 4
+  branches = out["branches"]
+  assert branches["seconds"] == pytest.approx((sort_bytes - reduce_bytes) / 819e9)
+  assert branches["bytes"] == pytest.approx(sort_bytes - reduce_bytes)
+  assert [(c["name"], c["role"]) for c in branches["top"]] == [("cond", "sampling/verify")]
+  assert branches["top"][0]["op_name"].endswith("role_sampling/cond")
   assert roles["page-table gathers"]["bytes"] == 2 * 4 * 16 * 64 * 2  # the update in, the update written
   assert roles["copies/layout"]["bytes"] == 4 * weights and roles["copies/layout"]["count"] == 2
   # the copy outside the loop is once per loop call, the one inside per step
