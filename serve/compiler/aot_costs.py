@@ -221,9 +221,10 @@ def breakdown_md(table: dict) -> str:
 
 
 def _branch_cell(branches: dict) -> str:
+  """ms charged beyond the cheapest branches, and the costliest conditional: its HLO name and its work's role."""
   top = branches["top"][0] if branches["top"] else None
-  return f"{branches['seconds'] * 1e3:.3f}" + (f" (`{top['op_name'].split('/')[-3:][0]}`, {top['role']})"
-                                              if top and top["seconds"] > 0 else "")
+  return f"{branches['seconds'] * 1e3:.3f}" + (f" (`{top['name']}`, {top['role']})" if top and top["seconds"] > 0
+                                              else "")
 
 
 def plot_breakdown(table: dict, path: str) -> None:

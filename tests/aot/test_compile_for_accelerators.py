@@ -65,7 +65,8 @@ def _global_bytes(args) -> int:
 FULL = pytest.mark.aot_full
 # The 16-node tree on a v5e: the Llama shape's tree on v5e:2x2 below runs in make test.
 GEMMA_TPU = ["decode_loop[none]", "decode_loop[ngram]", "decode_loop[suffix]", "decode_loop[eagle]",
-             pytest.param("decode_loop[eagle tree16]", marks=FULL), "insert[eagle, prompt 16]", pytest.param("train_step[eagle]", marks=FULL)]
+             pytest.param("decode_loop[eagle tree16]", marks=FULL), "insert[eagle, prompt 16]",
+             pytest.param("train_step[eagle]", marks=FULL)]
 
 
 @pytest.mark.parametrize("name", GEMMA_TPU)

@@ -35,7 +35,7 @@ def _run(tmp_path, *flags):
   return json.loads((tmp_path / "device_check.json").read_text()), (tmp_path / "device_check.md").read_text()
 
 
-@pytest.mark.full  # 1 min; tests/aot/test_cuda_export.py lowers the serving programs with the kernel in make test
+@pytest.mark.full  # 1 min; the aot pass compiles Gemma's serving programs for an H200 with the kernel in make test
 def test_dry_run_lowers_every_program_with_the_triton_kernel(tmp_path):
   res, md = _run(tmp_path, "--dry_run")
   assert res["dry_run"] and len(res["kernels"]) == 5

@@ -154,8 +154,7 @@ def workload(url: str) -> dict:
           "proposer_s": _metric(url, "spec_jax:proposer_time_seconds_total")}
 
 
-# The mirrored decisions are the engine's, whatever the method: n-gram in make test, EAGLE (4 min) in test-full.
-@pytest.mark.parametrize("method", ["ngram", pytest.param("eagle", marks=pytest.mark.full)])
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_two_processes_answer_what_one_process_with_eight_devices_answers(tiny, tmp_path, method):
   results, logs = [], []
   for n in (1, 2):
