@@ -7,8 +7,9 @@ budget: the same pool (4 x 1024 tokens = 256 pages of 16) as fixed slots (--max_
 always get its pages) and as a shared pool behind 32 rows (--max_num_seqs=32 --num_kv_blocks=257), speculation
 off and on (n-gram k 4), at concurrency 1, 8 and 32.
 kv8: one budget in bytes (--kv_cache_memory_bytes: what 256 bfloat16 pages of Gemma 3 270M take, 75.5 MB) behind
-64 rows, the cache in bfloat16 (auto), int8 and fp8 (issue 46: ~1.97x the pages), plain and n-gram k 4, at
-concurrency 32 and 64: the requests running at once and tokens/s before (auto) and after (8-bit).
+64 rows, the cache in the activation dtype (auto: float32 on this CPU, 127 pages; bfloat16 on TPU/GPU), int8 and fp8
+(issue 46: ~3.96x float32's pages here, ~1.97x bfloat16's), plain and n-gram k 4, at concurrency 32 and 64: the
+requests running at once and tokens/s before (auto) and after (8-bit).
 pressure: 32 rows on a pool too small for them (96 pages of 16), n-gram k 4, concurrency 32: speculation yields
 pages first (fewer steps, then k = 0 for the segment that gains least) against preempting at once
 (--nokv_speculation_yields).
