@@ -21,7 +21,7 @@ import math
 import re
 from collections import defaultdict
 
-from serve.compiler.hlo_text import ARRAY_LAYOUT, Instr, array_dims, parse, shape_bytes
+from serve.compiler.hlo_text import ARRAY_LAYOUT, Instr, array_dims, arrays, in_flight, parse, shape_bytes
 from spec_jax import scopes
 
 # Published per-chip figures: HBM bandwidth (bytes/s), dense bf16 peak (FLOP/s), TensorCore clock (Hz).
@@ -90,10 +90,20 @@ def _flops(comps: dict, comp: str, shapes: dict) -> float:
 _SLICING = ("dynamic-slice", "slice", "gather")
 
 
-def traffic(comps: dict, ins: Instr, shapes: dict) -> float:
+def traffic(comps: dict, ins: Instr, shapes: dict, flight: tuple = (frozenset(), frozenset())) -> float:
   """HBM bytes one top-level instruction moves: its result and its operands, where an operand that is only sliced
   or gathered from (a layer's weights out of the stacked [L, ...] parameter, rows of a table) counts the slices,
-  and a buffer updated in place (dynamic-update-slice) counts the update, not the whole buffer."""
+  and a buffer updated in place (dynamic-update-slice) counts the update, not the whole buffer. A compute fusion
+  that carries an async collective's buffers (`flight`, see in_flight) is charged without them, in and out: the
+  collective's start and done count them once."""
+  held, kinds = flight
+  if ins.opcode == "fusion" and any(o in held for o in ins.operands) and not ins.name.startswith(
+      "async-collective-done"):
+    own = [full for bare, full in arrays(ins.shape) if bare not in kinds]
+    operand = [0.0 if o in held else shape_bytes(shapes.get(o, "")) for o in ins.operands]
+    if ins.calls:
+      operand = [b and min(b, _param_read(comps, ins.calls[0], i, b)) for i, b in enumerate(operand)]
+    return sum(shape_bytes(x) for x in own) + sum(operand)
   if ins.opcode in _SLICING:
     return 2 * shape_bytes(ins.shape)
   if ins.opcode == "dynamic-update-slice":
@@ -207,6 +217,7 @@ def walk(comps: dict, entry: str, chip: dict, trips: bool = False) -> list:
   many times, so a scanned model's step covers every layer; the decode loop's own trip count is not known, and its
   body still counts once (one step)."""
   shapes = {ins.name: ins.shape for c in comps.values() for ins in c}
+  flight = in_flight(comps)
   users = defaultdict(list)
   for c in comps.values():
     for ins in c:
@@ -231,7 +242,7 @@ def walk(comps: dict, entry: str, chip: dict, trips: bool = False) -> list:
     target = _TARGET.search(ins.line) if ins.opcode == "custom-call" else None
     if target and target.group(1) in ("AllocateBuffer", "AssumeGatherIndicesInBound"):
       return None
-    nbytes = traffic(comps, ins, shapes)
+    nbytes = traffic(comps, ins, shapes, flight)
     flops = _flops(comps, ins.calls[0], shapes) if ins.opcode == "fusion" and ins.calls else 0.0
     if ins.opcode in ("dot", "convolution"):
       flops = _flops({"_": [ins]}, "_", shapes)

@@ -72,3 +72,28 @@ def parse(text: str) -> tuple[dict, str]:
                             _CALLS.findall(line), [b.strip().lstrip("%") for b in br.group(1).split(",")] if br
                             else []))
   return comps, entry
+
+
+def arrays(shape: str) -> list:
+  """[(dtype[dims] without layout, the array with it)] of an array or tuple shape."""
+  return [(m.group(1) + "[" + m.group(2) + "]", m.group(0)) for m in ARRAY_LAYOUT.finditer(shape)]
+
+
+def in_flight(comps: dict) -> tuple[set, set]:
+  """XLA:TPU's async collective fusion (`async-collective-start` ... `async-collective-done`, both fusions) threads
+  the collective's buffers through the compute fusions scheduled between: each does a step of the collective and
+  passes them on, as extra operands and extra tuple outputs. -> (the values that hold those buffers, their shapes
+  without layout): a compute fusion's own result is a tuple element of another shape."""
+  carriers, held, kinds = set(), set(), set()
+  for c in comps.values():
+    for ins in c:
+      if ins.opcode == "fusion" and ins.name.startswith("async-collective-start"):
+        carriers.add(ins.name)
+        kinds.update(bare for bare, _ in arrays(ins.shape))
+      elif ins.opcode == "get-tuple-element" and ins.operands and ins.operands[0] in carriers:
+        if arrays(ins.shape) and arrays(ins.shape)[0][0] in kinds:
+          held.add(ins.name)
+      elif (ins.opcode == "fusion" and not ins.name.startswith("async-collective-done")
+            and any(o in held for o in ins.operands)):
+        carriers.add(ins.name)
+  return held, kinds

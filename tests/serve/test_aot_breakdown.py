@@ -219,3 +219,68 @@ def test_gpu_step_counts_each_layer_its_gemm_without_workspace_and_a_kernel_one_
   assert out["bytes"] == pytest.approx(4 * (copy + gemm + kernel))
   assert out["flops"] == pytest.approx(4 * 2 * 8 * 128 * 64)
   assert out["roles"]["attention/KV"]["bytes"] == pytest.approx(4 * kernel)
+
+
+# XLA:TPU's async collective fusion: a collective's buffers threaded through a compute fusion scheduled between its
+# start and done (extra operands, extra tuple outputs), whose own result another fusion then reads.
+ASYNC_HLO = """HloModule m2
+
+%fused_start (a0: f32[1,40,8]) -> (f32[1,40,8], f32[8,40,8], u32[]) {
+  %a0 = f32[1,40,8]{2,1,0} parameter(0)
+  %z = f32[8,40,8]{2,1,0} broadcast(%zero), dimensions={}
+  %c = u32[]{:S(2)} constant(0)
+  ROOT %t = (f32[1,40,8]{2,1,0}, f32[8,40,8]{2,1,0}, u32[]{:S(2)}) tuple(%a0, %z, %c)
+}
+
+%fused_proj (p0: bf16[64,64], p1: f32[8,64], c0: f32[1,40,8], c1: f32[8,40,8], c2: u32[]) -> (f32[8,64], f32[1,40,8], f32[8,40,8], u32[]) {
+  %p0 = bf16[64,64]{1,0} parameter(0)
+  %p1 = f32[8,64]{1,0} parameter(1)
+  %c0 = f32[1,40,8]{2,1,0} parameter(2)
+  %c1 = f32[8,40,8]{2,1,0} parameter(3)
+  %c2 = u32[]{:S(2)} parameter(4)
+  %d = f32[8,64]{1,0} dot(%p1, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (f32[8,64]{1,0}, f32[1,40,8]{2,1,0}, f32[8,40,8]{2,1,0}, u32[]{:S(2)}) tuple(%d, %c0, %c1, %c2)
+}
+
+%fused_neg (n0: f32[8,64]) -> f32[8,64] {
+  %n0 = f32[8,64]{1,0} parameter(0)
+  ROOT %n = f32[8,64]{1,0} negate(%n0)
+}
+
+%fused_done (e0: f32[1,40,8], e1: f32[8,40,8], e2: u32[]) -> f32[8,40,8] {
+  %e0 = f32[1,40,8]{2,1,0} parameter(0)
+  %e2 = u32[]{:S(2)} parameter(2)
+  ROOT %e1 = f32[8,40,8]{2,1,0} parameter(1)
+}
+
+ENTRY %main (w: bf16[64,64], x: f32[8,64], g: f32[1,40,8]) -> (f32[8,64], f32[8,40,8]) {
+  %w = bf16[64,64]{1,0} parameter(0)
+  %x = f32[8,64]{1,0} parameter(1)
+  %g = f32[1,40,8]{2,1,0} parameter(2)
+  %async-collective-start = (f32[1,40,8]{2,1,0}, f32[8,40,8]{2,1,0}, u32[]{:S(2)}) fusion(%g), kind=kCustom, calls=%fused_start, metadata={op_name="jit(decode_loop)/while/body/role_drafter/all_gather"}
+  %s0 = f32[1,40,8]{2,1,0} get-tuple-element(%async-collective-start), index=0
+  %s1 = f32[8,40,8]{2,1,0} get-tuple-element(%async-collective-start), index=1
+  %s2 = u32[]{:S(2)} get-tuple-element(%async-collective-start), index=2
+  %proj = (f32[8,64]{1,0}, f32[1,40,8]{2,1,0}, f32[8,40,8]{2,1,0}, u32[]{:S(2)}) fusion(%w, %x, %s0, %s1, %s2), kind=kOutput, calls=%fused_proj, metadata={op_name="jit(decode_loop)/while/body/role_target_layers/dot_general"}
+  %y = f32[8,64]{1,0} get-tuple-element(%proj), index=0
+  %r0 = f32[1,40,8]{2,1,0} get-tuple-element(%proj), index=1
+  %r1 = f32[8,40,8]{2,1,0} get-tuple-element(%proj), index=2
+  %r2 = u32[]{:S(2)} get-tuple-element(%proj), index=3
+  %use = f32[8,64]{1,0} fusion(%y), kind=kLoop, calls=%fused_neg, metadata={op_name="jit(decode_loop)/while/body/role_target_layers/neg"}
+  %async-collective-done = f32[8,40,8]{2,1,0} fusion(%r0, %r1, %r2), kind=kCustom, calls=%fused_done, metadata={op_name="jit(decode_loop)/while/body/role_drafter/all_gather"}
+  ROOT %out = (f32[8,64]{1,0}, f32[8,40,8]{2,1,0}) tuple(%use, %async-collective-done)
+}
+"""
+
+
+def test_an_async_collectives_buffers_count_once_not_in_each_fusion_that_carries_them():
+  """The projection fusion that carries the collective's buffers is charged its own work only (its weight, input
+  and result), and the fusion that reads its result is charged that result; the buffers count at the start and
+  done. Fails when a carrying fusion is charged the buffers (XLA:TPU's batch-64 EAGLE-3 step: 5.5 GB of target
+  layers that were the draft head's all-gather), or when its own result is taken for a carried buffer."""
+  roles = bd.breakdown(ASYNC_HLO, V5E, optimal_seconds=None)["roles"]
+  small, big = 1 * 40 * 8 * 4, 8 * 40 * 8 * 4
+  assert roles["target layers"]["bytes"] == (64 * 64 * 2 + 8 * 64 * 4 + 8 * 64 * 4) + 2 * 8 * 64 * 4
+  # the start reads its input and writes both buffers; the done (whose computation returns its parameter, reading
+  # nothing of it) writes the gathered buffer
+  assert roles["drafter layers"]["bytes"] + roles["drafter head"]["bytes"] == (small + small + big) + big
