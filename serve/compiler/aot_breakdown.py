@@ -97,23 +97,19 @@ def traffic(comps: dict, ins: Instr, shapes: dict, flight: tuple = (frozenset(),
   that carries an async collective's buffers (`flight`, see in_flight) is charged without them, in and out: the
   collective's start and done count them once."""
   held, kinds = flight
-  if ins.opcode == "fusion" and any(o in held for o in ins.operands) and not ins.name.startswith(
-      "async-collective-done"):
-    own = [full for bare, full in arrays(ins.shape) if bare not in kinds]
-    operand = [0.0 if o in held else shape_bytes(shapes.get(o, "")) for o in ins.operands]
-    if ins.calls:
-      operand = [b and min(b, _param_read(comps, ins.calls[0], i, b)) for i, b in enumerate(operand)]
-    return sum(shape_bytes(x) for x in own) + sum(operand)
+  carrying = (ins.opcode == "fusion" and not ins.name.startswith("async-collective-done")
+              and any(o in held for o in ins.operands))
   if ins.opcode in _SLICING:
     return 2 * shape_bytes(ins.shape)
   if ins.opcode == "dynamic-update-slice":
     return 2 * shape_bytes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0.0
-  operand = [shape_bytes(shapes.get(o, "")) for o in ins.operands]
+  operand = [0.0 if carrying and o in held else shape_bytes(shapes.get(o, "")) for o in ins.operands]
   if _gemm(ins):  # operands and the product; not the workspace
     return sum(operand) + shape_bytes(ARRAY_LAYOUT.search(ins.shape).group(0))
   if ins.opcode == "copy-start":  # (destination, source alias, context): the source is read once
     return sum(operand)
-  out = shape_bytes(ins.shape)
+  out = shape_bytes(ins.shape) if not carrying else sum(
+      shape_bytes(full) for bare, full in arrays(ins.shape) if bare not in kinds)
   if ins.opcode == "fusion" and ins.calls:
     for idx in range(len(operand)):
       operand[idx] = min(operand[idx], _param_read(comps, ins.calls[0], idx, operand[idx]))

@@ -91,7 +91,7 @@ def in_flight(comps: dict) -> tuple[set, set]:
         carriers.add(ins.name)
         kinds.update(bare for bare, _ in arrays(ins.shape))
       elif ins.opcode == "get-tuple-element" and ins.operands and ins.operands[0] in carriers:
-        if arrays(ins.shape) and arrays(ins.shape)[0][0] in kinds:
+        if any(bare in kinds for bare, _ in arrays(ins.shape)):
           held.add(ins.name)
       elif (ins.opcode == "fusion" and not ins.name.startswith("async-collective-done")
             and any(o in held for o in ins.operands)):
