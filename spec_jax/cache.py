@@ -21,7 +21,8 @@ and KV head beside the pool, pages last ([L, Hkv, block_size, N]: on TPU the las
 padded 8x and XLA copied the whole scale pool into the kernel's layout at every call). A token's scale depends on that token alone, so a page
 filled over several calls is the same as one written at once, and the new tokens of a forward attend to each other
 quantized exactly as they will be read back from the pool (`fake_quant`): plain decoding, a verified chain and a
-tree all compute the same quantized target, so speculation stays exact.
+tree all compute the same quantized target, so speculation stays exact. An int8 cache of a qk-norm model holds K
+over its fixed channel gain (`key_channel_gain`), the query carrying the gain instead.
 """
 
 from __future__ import annotations
@@ -79,6 +80,27 @@ def fake_quant(x, kv_dtype: str):
   forward attend to, so that they see each other as later forwards will see them in the pool."""
   store = kv_storage_dtype(kv_dtype)
   return x if store is None else dequantize(*quantize(x, store), x.dtype)
+
+
+def smooths_keys(kv_dtype: str) -> bool:
+  """Whether K goes into this cache over its channel gain (`key_channel_gain`): int8 only. int8's grid is uniform,
+  so one token's largest channel sets the step for all of them; a float8 grid is relative and gains nothing
+  (Gemma 3 270M, benchmarks/probes/kv_key_smoothing.py: e4m3's KL 0.0024 -> 0.0029)."""
+  store = kv_storage_dtype(kv_dtype)
+  return store is not None and jnp.issubdtype(jnp.dtype(store), jnp.integer)
+
+
+def key_channel_gain(k_norm):
+  """The fixed per-channel gain [D] of a qk-norm model's K (its k-norm weight, whose channels span 0 to ~24 in
+  Gemma 3): an int8 cache stores K / gain, and the query is multiplied by it, so q.k is unchanged while the stored
+  channels are of one size and a token's scale no longer follows its few largest channels (SmoothQuant's trick,
+  from the weights alone: no calibration, the same for every request, so pages stay shareable). RoPE rotates
+  channel i with i + D/2, so both get the RMS of their two gains; a pair of zero gains gets 1."""
+  g = jnp.abs(k_norm.astype(jnp.float32))
+  half = g.shape[-1] // 2
+  pair = jnp.sqrt((g[..., :half] ** 2 + g[..., half:] ** 2) / 2)
+  pair = jnp.where(pair > 0, pair, 1.0)
+  return jnp.concatenate([pair, pair], axis=-1)
 
 
 def scale_shape(pool_shape) -> tuple:

@@ -141,6 +141,31 @@ def test_a_model_with_kv_of_magnitude_300_reads_its_8_bit_cache_right(kv):
   assert float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(full, -1))) >= 0.9
 
 
+def test_an_int8_cache_stores_the_keys_of_a_qk_norm_model_over_their_channel_gain():
+  """Gemma layout (qk-norm) with one RoPE pair of K channels at a gain of 20 (Gemma 3 270M's k-norm spans 0-24): a
+  per-token int8 scale follows that pair and rounds the other channels to a few steps (logits 0.088 of their range
+  off, KL 1.0e-3); K stored over its channel gain, the query carrying it, stays at 0.020 / 1.3e-4. fp8's relative
+  grid is left as it is."""
+  from spec_jax.cache import key_channel_gain
+  config, D = GEMMA, GEMMA.head_dim
+  p = init_params(config, jax.random.PRNGKey(5))
+  kn = jnp.ones_like(p["layers"]["k_norm"]).at[..., 0].set(20.0).at[..., D // 2].set(20.0)
+  params = dict(p, layers=dict(p["layers"], k_norm=kn))
+  # RoPE pairs channel i with i + D/2 (the RMS of their gains' magnitudes); a zero pair gets 1
+  gain = np.asarray(key_channel_gain(kn[0].at[D // 2].set(-20.0).at[1].set(0.0).at[D // 2 + 1].set(0.0)))
+  np.testing.assert_allclose(gain[[0, D // 2, 1, D // 2 + 1, 2]], [20, 20, 1, 1, 1], rtol=1e-6)
+  tokens = jnp.asarray(np.random.default_rng(6).integers(3, config.vocab_size, (2, 12)), jnp.int32)
+  init = lambda kv: KVCache.init(config, 2, 16, jnp.float32, block_size=4, kv_dtype=kv)
+  full, _ = _chunked(params, config, tokens, init("auto"), [6, 1, 5])
+  got, cache = _chunked(params, config, tokens, init("int8"), [6, 1, 5])
+  err = float(jnp.max(jnp.abs(got - full))) / float(jnp.max(jnp.abs(full)))
+  a, q = jax.nn.log_softmax(full, -1), jax.nn.log_softmax(got, -1)
+  kl = float(jnp.mean(jnp.sum(jnp.exp(a) * (a - q), -1)))
+  assert err < 0.04 and kl < 4e-4, (err, kl)
+  k, _ = cache.layer_view(jnp.int32(0))  # the pool holds K over the gain: the big pair no larger than the rest
+  assert float(jnp.max(jnp.abs(k[..., 0]))) < 3 * float(jnp.max(jnp.abs(k[..., 2:D // 2])))
+
+
 MAX_NEW = 12
 # One case per proposer kind, the two dtypes shared out (each case compiles a whole loop).
 LOOP_CASES = [("ngram", "int8"), ("draft", "fp8"), ("eagle", "int8"), ("eagle_tree", "fp8"), ("draft_tree", "int8")]

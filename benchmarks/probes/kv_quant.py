@@ -1,6 +1,6 @@
 """The 8-bit KV cache's scale scheme: reconstruction error of real Gemma 3 270M K/V, and its logits against auto.
 
-  python benchmarks/probes/kv_quant.py [--prompts=4] [--dtype=float32] [--json_out=PATH]
+  python benchmarks/probes/kv_quant.py [--prompts=4] [--dtype=float32] [--dtypes=fp8_e4m3,int8] [--json_out=PATH]
 
 K/V: each prompt (the training pipeline's held-out prompts, then Spec-Bench's first) runs through the model with a
 full-precision cache; every layer's K and V are then stored and read back under each scheme, in the order a
@@ -203,14 +203,17 @@ def margins(params, config, ids_all, ref, runs) -> dict:
 
 
 def main():
+  global DTYPES  # --dtypes narrows the module's list, which the helpers read
   ap = argparse.ArgumentParser()
   ap.add_argument("--prompts", type=int, default=4)
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--greedy_tokens", type=int, default=64)
   ap.add_argument("--json_out", default="")
+  ap.add_argument("--dtypes", default=",".join(DTYPES), help="the 8-bit dtypes to run (comma-separated)")
   ap.add_argument("--margins", action="store_true", help="only greedy (--greedy_tokens) and, where it parts from "
                   "auto, auto's top-1/top-2 logit margin there against the cache's logit error (margins())")
   args = ap.parse_args()
+  DTYPES = tuple(args.dtypes.split(","))
   config, params, tok = load_model(None, args.dtype)
   ids_all = prompts(tok, args.prompts)
   if args.margins:

@@ -26,7 +26,7 @@ import numpy as np
 from spec_jax import kernels, scopes
 from spec_jax.kernels.common import gemm_rows
 from spec_jax.quant import QTensor, qdot, take_rows
-from spec_jax.cache import KVCache, fake_quant
+from spec_jax.cache import KVCache, fake_quant, key_channel_gain, smooths_keys
 from spec_jax.config import ModelConfig
 from spec_jax.models import schema
 
@@ -155,6 +155,9 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
   c = config
   B, T = positions.shape
   q, k, v = layer_qkv(c, x, p, positions, base, attn_input)
+  if c.qk_norm and smooths_keys(kv_dtype):  # int8 stores K over its channel gain; q.k is unchanged
+    gain = key_channel_gain(p["k_norm"])
+    q, k = (q.astype(jnp.float32) * gain).astype(q.dtype), (k.astype(jnp.float32) / gain).astype(k.dtype)
   if k_cache is None:
     # An empty cache beside the new tokens; always the XLA form, the one training differentiates (the Pallas
     # kernels have no backward pass).
