@@ -15,8 +15,9 @@ from spec_jax.models.transformer import forward
 CHUNK = 16
 # Measured on 4 prompts (benchmarks/probes/kv_quant.py, 2026-12-06): KL mean fp8_e4m3 0.0025, fp8_e5m2 0.012, int8
 # 0.0042; top-1 0.973 / 0.957 / 0.968. The bounds leave room for other prompts; a reader that drops the scales
-# (int8 at scale 1) gives KL > 1.
-BOUNDS = {"fp8": (0.01, 0.93), "fp8_e5m2": (0.04, 0.9), "int8": (0.015, 0.93)}
+# (int8 at scale 1) gives KL > 1. int8 stores K over its channel gain (cache.key_channel_gain): here KL 0.0016 and
+# top-1 1.0 (2026-12-07), where per-token int8 alone gave 0.0053, which its bound refuses.
+BOUNDS = {"fp8": (0.01, 0.93), "fp8_e5m2": (0.04, 0.9), "int8": (0.003, 0.97)}
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
