@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kv_quant  # noqa: E402  (its prompts and chunked scoring)
 
 import spec_jax.models.transformer as tfm  # noqa: E402
-from spec_jax.cache import key_channel_gain  # noqa: E402
+from spec_jax.cache import dequantize, key_channel_gain, quantize  # noqa: E402
 from spec_jax.checkpoints.load import load_model  # noqa: E402
 
 _SCHEME = {"now": None}
@@ -41,19 +41,13 @@ _layer_qkv = tfm.layer_qkv
 
 
 def _fake(x, dtype, group):
-  """x [..., D] read back from `dtype` with one absmax scale per `group` channels (None: x as it is)."""
+  """x [..., D] read back from `dtype` with one absmax scale per `group` channels (None: x as it is): the cache's
+  own quantizer over groups."""
   if group is None:
     return x
   *lead, d = x.shape
-  g = x.astype(jnp.float32).reshape(*lead, d // group, group)
-  dt = jnp.dtype(dtype)
-  is_int = jnp.issubdtype(dt, jnp.integer)
-  qmax = float(jnp.iinfo(dt).max if is_int else jnp.finfo(dt).max)
-  amax = jnp.max(jnp.abs(g), -1, keepdims=True)
-  s = jnp.where(amax > 0, amax / qmax, 1.0)
-  y = jnp.clip(g / s, -qmax, qmax)
-  y = jnp.round(y) if is_int else y.astype(dt).astype(jnp.float32)
-  return (y * s).reshape(x.shape).astype(x.dtype)
+  g = x.reshape(*lead, d // group, group)
+  return dequantize(*quantize(g, dtype), x.dtype).reshape(x.shape)
 
 
 def _schemed_qkv(c, x, p, positions, base, attn_input=None):
