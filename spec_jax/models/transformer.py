@@ -154,10 +154,12 @@ def decoder_layer(config: ModelConfig, x, p, k_cache, v_cache, layer, window, ba
   """
   c = config
   B, T = positions.shape
-  q, k, v = layer_qkv(c, x, p, positions, base, attn_input)
-  if c.qk_norm and smooths_keys(kv_dtype):  # int8 stores K over its channel gain; q.k is unchanged
+  if c.qk_norm and smooths_keys(kv_dtype):
+    # int8 stores K over its channel gain and q carries it (q.k unchanged). The gain is equal within each RoPE
+    # pair, so it commutes with RoPE and folds into the norms' [D] weights: no pass over q and k.
     gain = key_channel_gain(p["k_norm"])
-    q, k = (q.astype(jnp.float32) * gain).astype(q.dtype), (k.astype(jnp.float32) / gain).astype(k.dtype)
+    p = dict(p, q_norm=p["q_norm"].astype(jnp.float32) * gain, k_norm=p["k_norm"].astype(jnp.float32) / gain)
+  q, k, v = layer_qkv(c, x, p, positions, base, attn_input)
   if k_cache is None:
     # An empty cache beside the new tokens; always the XLA form, the one training differentiates (the Pallas
     # kernels have no backward pass).
