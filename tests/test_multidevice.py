@@ -38,7 +38,13 @@ def _tails(out, err, n=4000):
 
 
 def test_mesh_decode():
-  run_multidevice("tests/multidevice/test_mesh_dispatch.py", "tests/multidevice/test_mesh_decode.py")
+  run_multidevice("-m", "not full", "tests/multidevice/test_mesh_dispatch.py", "tests/multidevice/test_mesh_decode.py")
+
+
+@pytest.mark.full
+def test_mesh_decode_full():
+  """The cases make test leaves out (marked full in the file): more proposers and meshes on the same paths."""
+  run_multidevice("-m", "full", "tests/multidevice/test_mesh_decode.py")
 
 
 def test_mesh_paged():

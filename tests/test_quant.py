@@ -410,6 +410,7 @@ def test_qdraft_through_the_registry(tmp_path):
     build_proposer(SpecConfig("qdraft", 3, quantization="int2"), Target(config, params, model_path=path, dtype="float32"))
 
 
+@pytest.mark.full  # the draft-vocabulary case below samples the same int4 self-draft, accept and residual paths
 def test_qdraft_sampling_matches_plain_sampling_distribution():
   """As test_decode's test for a draft model, with the target's own int4 weights drafting (acceptance high but
   not 1: both the accept and the residual-resample paths run)."""

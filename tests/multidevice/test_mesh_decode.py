@@ -54,10 +54,14 @@ def _alone(name, batch):
 # other two meshes on a subset: each case is a compile of the whole loop (two with its one-device reference), the
 # cost of this file. Batch 1 pads the prompts (spec_jax/batch.py), before any proposer state exists, so one
 # stateless and one stateful proposer cover it (EAGLE at batch 1 on data:8 was dropped: no path of its own; EAGLE
-# runs on data:2,model:4 here and on data:4,model:2 with an 8-bit cache below).
-CASES = ([("data:2,model:4", name, 8) for name in ("none", "ngram", "suffix", "draft", "medusa", "eagle",
-                                                                  "eagle_tree")]
-         + [("data:8", "none", 1), ("data:4,model:2", "draft", 1)])
+# runs on data:2,model:4 here and on data:4,model:2 with an 8-bit cache below). make test runs a stateful chain
+# (the draft model's cache), a tree (EAGLE's layer and its tree mask) and batch 1; the rest, whose sharded state
+# those share, run in make test-full (marked full; tests/test_multidevice.py passes the mark on).
+FULL = pytest.mark.full
+CASES = ([("data:2,model:4", "draft", 8), ("data:2,model:4", "eagle_tree", 8), ("data:8", "none", 1)]
+         + [pytest.param("data:2,model:4", name, 8, marks=FULL) for name in ("none", "ngram", "suffix", "medusa",
+                                                                              "eagle")]
+         + [pytest.param("data:4,model:2", "draft", 1, marks=FULL)])
 
 
 @pytest.mark.parametrize("mesh_text,name,batch", CASES)
@@ -185,7 +189,7 @@ def test_sampled_distribution_matches_one_device():
   assert_same_distribution(plain, specd)
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu:interpret", "pallas_gpu:interpret"])
+@pytest.mark.parametrize("impl", ["pallas_tpu:interpret", pytest.param("pallas_gpu:interpret", marks=FULL)])
 def test_pallas_kernels_run_per_shard(impl):
   """Under a mesh a Pallas kernel runs inside a shard_map (XLA cannot partition a Mosaic or Triton call): query
   heads split over `model` with the one KV head whole on every shard, rows over `data`, for the target and for

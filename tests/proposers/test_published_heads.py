@@ -239,6 +239,7 @@ def test_bad_speculators_eagle_heads_fail_clearly(tmp_path):
     _load(os.path.join(HERE, "speculators_eagle"), "eagle3")
 
 
+@pytest.mark.full  # sampled exactness over a draft vocabulary: test_quant.py's qdraft case, in make test
 def test_sampled_distribution_with_a_published_eagle3_head():
   """Exactness under sampling with a loaded EAGLE-3 head (its 160-id draft vocabulary mapped through d2t): the
   first 3 tokens of plain and speculative runs agree by chi-square (tests/distribution.py)."""
