@@ -50,13 +50,12 @@ def _alone(name, batch):
                   adaptive_k=False)
 
 
-# Every proposer at batch 8 on the mesh that splits both axes; batch 1 (rows padded to the data axis) and the
-# other two meshes on a subset: each case is a compile of the whole loop (two with its one-device reference), the
-# cost of this file. Batch 1 pads the prompts (spec_jax/batch.py), before any proposer state exists, so one
-# stateless and one stateful proposer cover it (EAGLE at batch 1 on data:8 was dropped: no path of its own; EAGLE
-# runs on data:2,model:4 here and on data:4,model:2 with an 8-bit cache below). make test runs a stateful chain
-# (the draft model's cache), a tree (EAGLE's layer and its tree mask) and batch 1; the rest, whose sharded state
-# those share, run in make test-full (marked full; tests/test_multidevice.py passes the mark on).
+# Each case is a compile of the whole loop (two with its one-device reference), the cost of this file. make test
+# runs a stateful chain (the draft model's cache) and a tree (EAGLE's layer, its tree mask) on the mesh that splits
+# both axes, and batch 1 (prompts padded to the data axis, spec_jax/batch.py, before any proposer state exists) on
+# data:8; the EAGLE chain runs below, on data:4,model:2 with an 8-bit cache and through the TPU kernel. The other
+# proposers and batch 1 on data:4,model:2 share those paths: make test-full (marked full; tests/test_multidevice.py
+# passes the mark on).
 FULL = pytest.mark.full
 CASES = ([("data:2,model:4", "draft", 8), ("data:2,model:4", "eagle_tree", 8), ("data:8", "none", 1)]
          + [pytest.param("data:2,model:4", name, 8, marks=FULL) for name in ("none", "ngram", "suffix", "medusa",
