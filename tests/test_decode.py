@@ -168,6 +168,7 @@ def test_adaptive_generation_stays_lossless_and_uses_several_k():
   assert sum(u > 0 for u in spec.option_uses) >= 2
 
 
+@pytest.mark.full  # tests/test_sampled_law.py's draft case checks the same loop over 8 tokens, with controls
 def test_speculative_sampling_matches_plain_sampling_distribution():
   """The first 3 sampled tokens have the same distribution with and without a (sampling) draft model."""
   config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))  # a tiny vocab: enough samples per cell

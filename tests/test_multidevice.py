@@ -57,4 +57,10 @@ def test_mesh_train():
 
 @pytest.mark.slow
 def test_mesh_gemma3():
-  run_multidevice("tests/multidevice/test_mesh_gemma.py", tiny_models=False)
+  run_multidevice("-m", "not full", "tests/multidevice/test_mesh_gemma.py", tiny_models=False)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_mesh_gemma3_full():
+  run_multidevice("-m", "full", "tests/multidevice/test_mesh_gemma.py", tiny_models=False)

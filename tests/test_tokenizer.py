@@ -398,6 +398,7 @@ def test_metadata_reader_returns_what_was_written(tmp_path):
   assert "tokenizer.ggml.add_bos_token" not in md  # absent keys are left out, not defaulted
 
 
+@pytest.mark.full  # ~1 min building the real vocabulary again; the tiny file's cache test above runs the same path
 def test_copy_of_real_gguf_gets_its_own_cache(real_gguf, tmp_path):
   # Cheap variant of the invalidation test on the real file: a hard link or copy in another directory.
   dst = tmp_path / GGUF_NAME

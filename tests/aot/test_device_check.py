@@ -60,7 +60,9 @@ def test_dry_run_lowers_every_program_with_the_triton_kernel(tmp_path):
   assert f"| 16 | EAGLE tree 16 | n/a | n/a | {table['16']['eagle_tree16'] * 1e3:.3f} |" in md
 
 
+# make test-full (~4-9 min cold): the GPU script runs only where a device is lent; run this before a device run
 @pytest.mark.slow
+@pytest.mark.full
 def test_smoke_run_measures_everything_it_reports(tmp_path):
   res, md = _run(tmp_path, "--smoke", "--runs=2")
   assert not res["dry_run"]

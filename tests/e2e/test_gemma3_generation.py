@@ -42,6 +42,10 @@ def test_batch_invariance(gemma3_f32, greedy_fixture, batched_run):
     assert alone.token_ids[0] == batched_run.token_ids[i]
 
 
+# make test-full: the n-gram chain on Gemma runs in make test on an int8 cache (tests/test_kv_cache_8bit_gemma.py),
+# the draft-model chain with the shipped draft (tests/proposers/test_medusa_eagle.py), the early-exit self-draft
+# as a tree (tests/test_tree_decode.py); this case adds only the pairing on these six prompts.
+@pytest.mark.full
 def test_ngram_and_draft_are_lossless(gemma3_f32, greedy_fixture, batched_run):
   config, params = gemma3_f32
   config = config.replace(eos_ids=())

@@ -255,23 +255,37 @@ def gemma3_chat_prompts(tok) -> list:
   return [tok.encode(tok.apply_chat_template([t])) for t in texts]
 
 
-@pytest.mark.slow
-def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemma3_tokenizer, tmp_path):
-  config, params = gemma3_f32
-  prompts = gemma3_chat_prompts(gemma3_tokenizer)
+def _gemma3_lossless(config, params, prompts, runs):
   base = generate(params, config, prompts, max_new_tokens=32)
-  # (The early-exit self-draft's real-model check is tests/e2e/test_gemma3_generation.py's.)
-  runs = {"toy_draft": _distill_gemma3_draft(config, params, prompts, str(tmp_path))}
-  for method in ("medusa", "eagle", "eagle3", "draft"):  # every shipped checkpoint
-    kind, stem = method.rstrip("3"), default_heads_path(method)
-    if not os.path.exists(stem + ".safetensors"):
-      pytest.fail(f"the shipped {method} checkpoint is missing: {stem}")
-    runs[method] = build_proposer(SpecConfig(kind, 4, model=stem), Target(config, params))
   for method, (proposer, pparams) in runs.items():
     res = generate(params, config, prompts, max_new_tokens=32, proposer=proposer, proposer_params=pparams,
                    adaptive_k=False)
     assert res.token_ids == base.token_ids, method
     assert res.stats["accepted_tokens"] > 0, method
+
+
+@pytest.mark.slow
+def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemma3_tokenizer):
+  config, params = gemma3_f32
+  # (The early-exit self-draft's real-model check is tests/test_tree_decode.py's, as a tree.)
+  runs = {}
+  for method in ("medusa", "eagle", "eagle3", "draft"):  # every shipped checkpoint
+    kind, stem = method.rstrip("3"), default_heads_path(method)
+    if not os.path.exists(stem + ".safetensors"):
+      pytest.fail(f"the shipped {method} checkpoint is missing: {stem}")
+    runs[method] = build_proposer(SpecConfig(kind, 4, model=stem), Target(config, params))
+  _gemma3_lossless(config, params, gemma3_chat_prompts(gemma3_tokenizer), runs)
+
+
+# make test-full: the draft the pipeline trains and exports decodes as the shipped one (the case above) does;
+# training the draft kind is tests/train/test_trainer.py's, its int8 export and load this file's tiny case above.
+@pytest.mark.slow
+@pytest.mark.full
+def test_gemma3_greedy_with_a_freshly_distilled_draft_is_lossless(gemma3_f32, gemma3_tokenizer, tmp_path):
+  config, params = gemma3_f32
+  prompts = gemma3_chat_prompts(gemma3_tokenizer)
+  _gemma3_lossless(config, params, prompts, {"toy_draft": _distill_gemma3_draft(config, params, prompts,
+                                                                                str(tmp_path))})
 
 
 def test_eagle_cache_matches_a_cache_free_recompute():

@@ -154,8 +154,10 @@ def test_tenant_table_reuses_the_least_recently_used_idle_id():
   assert t.acquire("e") == (2, 2)  # c was used before a
 
 
+# The chain (width 1) in make test-full: the tree below takes the same slots, history and verify path on Gemma,
+# and this file's tiny cases run the suffix chain through slots in make test.
 @pytest.mark.slow
-@pytest.mark.parametrize("width", [1, 2])
+@pytest.mark.parametrize("width", [pytest.param(1, marks=pytest.mark.full), 2])
 def test_gemma3_through_slots_is_lossless_and_a_repeat_drafts_from_the_history(gemma3_f32, gemma3_tokenizer, width):
   """Gemma 3 270M (float32) through a long-lived slot state: four requests, the last repeating the first one's
   prompt, each token-identical to plain greedy decoding; the repeat accepts drafts from the first one's answer.
