@@ -17,18 +17,23 @@ MAX_NEW = 24
 CASES = [(None, "data:4,model:2"), ("ngram", "data:2,model:4"),
          pytest.param(None, "data:8", marks=pytest.mark.full),
          pytest.param(None, "data:2,model:4", marks=pytest.mark.full)]
-_ONE_DEVICE = {}
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  """method -> the one-device run, filled by the first case that needs it (the cases share one subprocess)."""
+  return {}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,mesh_text", CASES)
-def test_gemma3_greedy_on_meshes_equals_one_device(gemma3_f32, gemma3_tokenizer, method, mesh_text):
+def test_gemma3_greedy_on_meshes_equals_one_device(gemma3_f32, gemma3_tokenizer, one_device, method, mesh_text):
   config, params = gemma3_f32
   prompts = gemma3_chat_prompts(gemma3_tokenizer)[:2]
   kw = {} if method is None else dict(proposer=NgramProposer(k=3), adaptive_k=False)
-  if method not in _ONE_DEVICE:  # the reference, once per method in this process
-    _ONE_DEVICE[method] = generate(params, config, prompts, max_new_tokens=MAX_NEW, **kw)
-  ref = _ONE_DEVICE[method]
+  if method not in one_device:
+    one_device[method] = generate(params, config, prompts, max_new_tokens=MAX_NEW, **kw)
+  ref = one_device[method]
   out = generate(params, config, prompts, max_new_tokens=MAX_NEW, mesh=sharding.make_mesh(mesh_text), **kw)
   assert out.token_ids == ref.token_ids, mesh_text
   if method is not None:
