@@ -375,14 +375,14 @@ def test_bos_id_comes_from_metadata(tmp_path):
   assert not (tmp_path / "tiny.gguf.tokenizer.model").exists()
 
 
-def test_real_gguf_cached_load_is_fast(real_gguf, tmp_path, monkeypatch):
+def test_real_gguf_second_load_reads_the_cache(real_gguf, monkeypatch):
+  # What makes the second load cheap is that it skips building the vocabulary: asserted here, not timed (load
+  # times belong in benchmarks, not in unit tests).
   load_tokenizer(real_gguf)  # make sure the cache exists
   monkeypatch.setattr(gguf_tokenizer, "build_proto", lambda p: pytest.fail("cache was not used"))
-  t0 = time.perf_counter()
   t = load_tokenizer(real_gguf)
-  elapsed = time.perf_counter() - t0
   assert t.vocab_size == 262144
-  assert elapsed < 2.0, f"cached load took {elapsed:.2f} s"
+  assert t.encode("<start_of_turn>user\n") == [2, 105, t.id_of("user"), t.id_of("\n")]
 
 
 def test_metadata_reader_returns_what_was_written(tmp_path):
