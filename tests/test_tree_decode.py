@@ -348,15 +348,12 @@ def test_eagle_tree_children_are_the_drafters_top_candidates_after_their_path():
 def test_gemma3_greedy_with_medusa_eagle_and_draft_trees_is_lossless(gemma3_f32, gemma3_tokenizer):
   from spec_jax.proposers.registry import Target, build_proposer
   from spec_jax.spec_config import SpecConfig
-  from tests.proposers.test_medusa_eagle import gemma3_chat_prompts
+  from tests.proposers.test_medusa_eagle import assert_gemma3_greedy_lossless, gemma3_chat_prompts
   config, params = gemma3_f32
-  prompts = gemma3_chat_prompts(gemma3_tokenizer)
-  base = generate(params, config, prompts, max_new_tokens=32)
-  runs = {("medusa", 4, 3, 16), ("eagle", 4, 3, 16), ("draft", 3, 2, 8)}
-  for method, depth, topk, nodes in sorted(runs):
-    proposer, pparams = build_proposer(SpecConfig(method, depth, eagle_topk=topk, num_draft_tokens=nodes, draft_layers=6 if method == "draft" else 0), Target(config, params))
-    assert proposer.tree is not None and proposer.tree.nodes == nodes
-    res = generate(params, config, prompts, max_new_tokens=32, proposer=proposer, proposer_params=pparams,
-                   adaptive_k=False)
-    assert res.token_ids == base.token_ids, method
-    assert res.stats["accepted_tokens"] > 0, method
+  runs = {}
+  for method, depth, topk, nodes in (("draft", 3, 2, 8), ("eagle", 4, 3, 16), ("medusa", 4, 3, 16)):
+    spec = SpecConfig(method, depth, eagle_topk=topk, num_draft_tokens=nodes,
+                      draft_layers=6 if method == "draft" else 0)
+    runs[method] = build_proposer(spec, Target(config, params))
+    assert runs[method][0].tree is not None and runs[method][0].tree.nodes == nodes
+  assert_gemma3_greedy_lossless(config, params, gemma3_chat_prompts(gemma3_tokenizer), runs)

@@ -255,7 +255,9 @@ def gemma3_chat_prompts(tok) -> list:
   return [tok.encode(tok.apply_chat_template([t])) for t in texts]
 
 
-def _gemma3_lossless(config, params, prompts, runs):
+def assert_gemma3_greedy_lossless(config, params, prompts, runs):
+  """Every proposer in `runs` ({name: (proposer, params)}) decodes `prompts` greedily to plain decoding's tokens,
+  accepting some drafts (chains here, trees in tests/test_tree_decode.py)."""
   base = generate(params, config, prompts, max_new_tokens=32)
   for method, (proposer, pparams) in runs.items():
     res = generate(params, config, prompts, max_new_tokens=32, proposer=proposer, proposer_params=pparams,
@@ -274,7 +276,7 @@ def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemm
     if not os.path.exists(stem + ".safetensors"):
       pytest.fail(f"the shipped {method} checkpoint is missing: {stem}")
     runs[method] = build_proposer(SpecConfig(kind, 4, model=stem), Target(config, params))
-  _gemma3_lossless(config, params, gemma3_chat_prompts(gemma3_tokenizer), runs)
+  assert_gemma3_greedy_lossless(config, params, gemma3_chat_prompts(gemma3_tokenizer), runs)
 
 
 # make test-full: the draft the pipeline trains and exports decodes as the shipped one (the case above) does;
@@ -284,7 +286,7 @@ def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemm
 def test_gemma3_greedy_with_a_freshly_distilled_draft_is_lossless(gemma3_f32, gemma3_tokenizer, tmp_path):
   config, params = gemma3_f32
   prompts = gemma3_chat_prompts(gemma3_tokenizer)
-  _gemma3_lossless(config, params, prompts, {"toy_draft": _distill_gemma3_draft(config, params, prompts,
+  assert_gemma3_greedy_lossless(config, params, prompts, {"toy_draft": _distill_gemma3_draft(config, params, prompts,
                                                                                 str(tmp_path))})
 
 
