@@ -15,10 +15,12 @@ import os
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from serve.jobs.step_costs import load_costs, method_key
 from spec_jax import adaptive as adaptive_lib, decode, pair_check, sharding
+from spec_jax.cache import kv_storage_dtype
 from spec_jax.checkpoints.load import load_model
 from spec_jax.config import validate_sampling
 from spec_jax.kernels import resolve_impl
@@ -87,6 +89,16 @@ def use_compilation_cache(path: Optional[str]) -> str:
           "turns it off)")
 
 
+def kv_cache_dtype_warning(kv_cache_dtype: str, backend: str) -> Optional[str]:
+  """What to tell a user whose 8-bit cache is slow on this backend, or None: XLA:CPU has no float8_e4m3 arithmetic
+  and converts it element by element (a decode step ~5x `auto`'s here); TPUs and GPUs convert it in hardware."""
+  if backend == "cpu" and kv_storage_dtype(kv_cache_dtype) == jnp.float8_e4m3fn:
+    return (f"--kv_cache_dtype={kv_cache_dtype} (float8_e4m3) is converted in software on CPU: a decode step costs "
+            "~5x auto's here (BENCHMARKS.md, 'Cost per decode step on this CPU'); int8 takes the same bytes at ~5 % "
+            "above auto's step cost on CPU. fp8 is for chips that convert it in hardware (TPU, H100/H200).")
+  return None
+
+
 def load_target(cfg: dict):
   """-> (Target, tokenizer, mesh): cfg's model, dtype, quantize, attention_impl, kv_cache_dtype and mesh, without a
   proposer."""
@@ -97,6 +109,8 @@ def load_target(cfg: dict):
   impl = resolve_impl(cfg["attention_impl"])
   kv_cache_dtype = cfg.get("kv_cache_dtype") or "auto"
   decode.check_kv_cache_dtype(kv_cache_dtype, impl)  # before the model loads
+  if warning := kv_cache_dtype_warning(kv_cache_dtype, jax.default_backend()):
+    log.warning(warning)
   config, params, tokenizer = load_model(cfg["model"] or None, cfg["dtype"], cfg.get("quantize") or "none")
   return Target(config, params, impl=impl, model_path=cfg["model"] or None, dtype=cfg["dtype"],
                 kv_cache_dtype=kv_cache_dtype), tokenizer, mesh

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serve.engine.guardrails import BASELINE, OFF, ON, PROBE, GuardrailConfig, Guardrails
-from serve.jobs.setup import FORBIDDEN_COST, cost_table
+from serve.jobs.setup import FORBIDDEN_COST, cost_table, kv_cache_dtype_warning, load_target
 from spec_jax.spec_config import parse
 
 
@@ -95,3 +95,21 @@ def test_itl_guardrail_measures_a_baseline_window_first():
   g.observe(2.0, 0, 0, [0.020] * 30)  # 2x: trip
   assert g.decide(2.1) == (False, "itl_p95") and g.mode == OFF
   assert g.decide(5.0) is None and g.decide(12.2) == (True, "probe") and g.mode == PROBE
+
+
+@pytest.mark.parametrize("dtype,backend,warned", [
+    ("fp8", "cpu", True), ("fp8_e4m3", "cpu", True), ("fp8_e5m2", "cpu", False), ("int8", "cpu", False),
+    ("auto", "cpu", False), ("fp8", "tpu", False), ("fp8", "gpu", False)])
+def test_an_fp8_e4m3_cache_on_cpu_is_warned_about(dtype, backend, warned):
+  text = kv_cache_dtype_warning(dtype, backend)
+  assert (text is not None) == warned
+  if warned:
+    assert "int8" in text and dtype in text
+
+
+def test_the_run_setup_logs_the_fp8_warning_before_loading_the_model(tmp_path, caplog):
+  cfg = dict(temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=8, mesh="", attention_impl="xla",
+             kv_cache_dtype="fp8", model=str(tmp_path / "missing.gguf"), dtype="float32", quantize="none")
+  with caplog.at_level("WARNING", logger="spec_jax.setup"), pytest.raises(FileNotFoundError):
+    load_target(cfg)  # the model is missing: the warning comes first
+  assert any("converted in software on CPU" in r.getMessage() for r in caplog.records)
