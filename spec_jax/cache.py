@@ -226,8 +226,14 @@ class KVCache(CacheLeaf):
     return self.with_pools(row.pools()).replace(lengths=self.lengths.at[slot].set(row.lengths[0]))
 
   def fill_pages(self, pages, value) -> "KVCache":
-    """Pages int32[n] (ids into this pool) of every layer set to `value`, data and scales."""
-    k, v = (a.at[:, pages].set(value) for a in (self.k, self.v))
+    """Pages int32[n] (ids into this pool) of every layer set to `value`, data and scales; an integer pool, which
+    cannot hold a NaN `value`, gets its most negative value (its scales carry the NaN)."""
+    def data_value(dtype):
+      value_ = jnp.asarray(value, jnp.float32)
+      if jnp.issubdtype(dtype, jnp.integer):
+        value_ = jnp.where(jnp.isnan(value_), jnp.iinfo(dtype).min, value_)
+      return value_.astype(dtype)
+    k, v = (a.at[:, pages].set(data_value(a.dtype)) for a in (self.k, self.v))
     scales = tuple(a.at[..., pages].set(value) for a in self.pools()[2:])
     return self.with_pools((k, v) + scales)
 
