@@ -267,3 +267,16 @@ def test_sampled_speculation_on_an_8_bit_cache_keeps_its_distribution():
                                                      kv_cache_dtype="int8")
   assert 0.1 < np.mean(rates) < 0.95  # both accept and reject paths are exercised
   assert_same_distribution(plain, specd)
+
+
+def test_a_sampled_tree_on_an_8_bit_cache_commits_plain_samplings_tokens():
+  """A draft model's token tree (EAGLE-2-style dynamic, its children top-k candidates: deterministic drafts) on an
+  int8 cache commits the very tokens plain sampling draws on the same int8 cache with the same seed, row for row
+  (tests/distribution.py: stronger than a chi-square; both the target's and the drafter's caches are int8)."""
+  from tests.distribution import assert_commits_plain_tokens
+  from tests.test_slots import _proposer
+  config = tiny_gemma_config(vocab_size=8, eos_ids=(99,))
+  params = init_params(config, jax.random.PRNGKey(3))
+  tree, pparams = _proposer("draft_tree", params, config=config)
+  rate, _ = assert_commits_plain_tokens(params, config, tree, pparams, n=250, kv_cache_dtype="int8")
+  assert 0 < rate < 1, rate  # accepted and rejected nodes both ran
