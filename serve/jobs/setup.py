@@ -94,7 +94,7 @@ def kv_cache_dtype_warning(kv_cache_dtype: str, backend: str) -> Optional[str]:
   and converts it element by element (a decode step ~5x `auto`'s here); TPUs and GPUs convert it in hardware."""
   if backend == "cpu" and kv_storage_dtype(kv_cache_dtype) == jnp.float8_e4m3fn:
     return (f"--kv_cache_dtype={kv_cache_dtype} (float8_e4m3) is converted in software on CPU: a decode step costs "
-            "~5x auto's here (BENCHMARKS.md, 'Cost per decode step on this CPU'); int8 takes the same bytes at ~5 % "
+            "~5x auto's here (BENCHMARKS.md, 'Cost per decode step on this CPU'); int8 takes the same bytes at 0-5 % "
             "above auto's step cost on CPU. fp8 is for chips that convert it in hardware (TPU, H100/H200).")
   return None
 

@@ -286,8 +286,8 @@ def test_gemma3_greedy_with_medusa_eagle_and_drafts_is_lossless(gemma3_f32, gemm
 def test_gemma3_greedy_with_a_freshly_distilled_draft_is_lossless(gemma3_f32, gemma3_tokenizer, tmp_path):
   config, params = gemma3_f32
   prompts = gemma3_chat_prompts(gemma3_tokenizer)
-  assert_gemma3_greedy_lossless(config, params, prompts, {"toy_draft": _distill_gemma3_draft(config, params, prompts,
-                                                                                str(tmp_path))})
+  toy_draft = _distill_gemma3_draft(config, params, prompts, str(tmp_path))
+  assert_gemma3_greedy_lossless(config, params, prompts, {"toy_draft": toy_draft})
 
 
 def test_eagle_cache_matches_a_cache_free_recompute():
